@@ -1,0 +1,5 @@
+import sys
+
+from bloomtrain.cli import main
+
+sys.exit(main())

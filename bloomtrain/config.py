@@ -1,0 +1,442 @@
+"""Typed run configuration: one dataclass per concern, loaded from YAML plus dotted
+`section.key=value` overrides, and validated once before any process group starts.
+
+Every error names the key and says what to change, e.g. `model.num_heads (12) must be divisible
+by parallel.tp (8)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bloomtrain.utils import UserError
+
+
+@dataclass
+class ModelConfig:
+    # A preset fills every shape field left at None (see bloomtrain.model.PRESETS).
+    preset: str | None = "tiny"
+    # Unpadded vocabulary size. None: take it from the tokenizer.
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    # None = 4 * hidden_size, as Megatron's default.
+    ffn_hidden_size: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    # None = the preset's value; BLOOM used 0.0048 (~sqrt(1/(3h)) for h=14336).
+    init_method_std: float | None = None
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    num_virtual_stages: int = 1
+    pp_partition: str = "type:transformer|embedding"
+    # auto: nccl when CUDA is available, else gloo.
+    backend: str = "auto"
+    # Every collective and p2p call fails with a named error after this long instead of hanging.
+    timeout_minutes: float = 10.0
+    bucket_size_mb: float = 25.0
+    comm_stats: bool = False
+
+
+@dataclass
+class DataConfig:
+    # Dataset prefixes (as written by `bloomtrain preprocess`, without .bin/.idx), each either a
+    # plain string or "WEIGHT PREFIX". With one path the weight is 1.
+    paths: list[str] = field(default_factory=list)
+    # A tokenizer.json, or a directory holding one (any local HF tokenizer directory).
+    tokenizer: str | None = None
+    # Train/valid/test split of each dataset's documents, Megatron style.
+    split: str = "969,30,1"
+    seq_length: int = 32
+    seed: int = 1234
+    # Where sample-index caches go. None: next to each dataset.
+    cache_dir: str | None = None
+    # Zero the loss on end-of-document targets (Megatron's --eod-mask-loss); BLOOM did not.
+    eod_mask_loss: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_samples: int = 0
+    # None: decay over the whole run (train_samples).
+    decay_samples: int | None = None
+    decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    # fp16 dynamic loss scaling, as BLOOM's smaller models ran on V100.
+    initial_loss_scale: float = 2.0 ** 12
+    loss_scale_window: int = 500
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    # Exactly one of train_iters / train_samples (train_samples is required with ramp-up).
+    train_iters: int | None = None
+    train_samples: int | None = None
+    # [start, increment, ramp_samples], Megatron's --rampup-batch-size.
+    rampup_batch_size: list[int] | None = None
+    precision: str = "bf16"
+    seed: int = 1234
+    activation_checkpointing: str = "none"
+    log_interval: int = 10
+    eval_interval: int | None = None
+    eval_iters: int = 10
+    # auto: cuda when available, else cpu.
+    device: str = "auto"
+    # Save and exit before a job's time limit.
+    exit_duration_minutes: float | None = None
+    # BLOOM's kill switch: when this file exists, save and exit at the next step.
+    kill_switch_path: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    save_interval: int | None = None
+    save_interval_minutes: float | None = None
+    keep_last: int | None = 3
+    # auto: the newest valid checkpoint in `dir`; none: start fresh; or a checkpoint path.
+    resume: str = "auto"
+    async_save: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_dir: str = "runs/default"
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        d = dict(d or {})
+        cfg = cls()
+        for f in fields(cls):
+            if f.name not in d:
+                continue
+            val = d.pop(f.name)
+            current = getattr(cfg, f.name)
+            if dataclasses.is_dataclass(current):
+                if val is None:
+                    continue
+                if not isinstance(val, dict):
+                    raise UserError(f"config section '{f.name}' must be a mapping, got {val!r}")
+                setattr(cfg, f.name, _section_from_dict(type(current), val, f.name))
+            else:
+                setattr(cfg, f.name, _coerce(val, _field_type(cls, f.name), f.name))
+        if d:
+            raise UserError(f"unknown config section(s) {sorted(d)}; valid sections are "
+                            f"{[f.name for f in fields(cls)]}")
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: list[str] | None = None) -> "Config":
+        data: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise UserError(f"config file {path} does not exist")
+            try:
+                data = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise UserError(f"config file {path} is not valid YAML: {e}") from None
+            if not isinstance(data, dict):
+                raise UserError(f"config file {path} must hold a mapping of sections")
+        for ov in overrides or []:
+            apply_override(data, ov)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # ---- derived values ------------------------------------------------------------------
+    def derive_dp(self, world_size: int) -> int:
+        per_replica = self.parallel.tp * self.parallel.pp
+        if world_size % per_replica:
+            raise UserError(
+                f"world size {world_size} is not divisible by parallel.tp * parallel.pp "
+                f"({self.parallel.tp} * {self.parallel.pp} = {per_replica}); change the number "
+                f"of processes or the tp/pp sizes")
+        return world_size // per_replica
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self, world_size: int = 1) -> None:
+        """Check every key and every combination before anything starts. Raises UserError."""
+        m, p, t, o, d = self.model, self.parallel, self.train, self.optim, self.data
+        _pos = _require_positive
+        for name in ("tp", "pp", "num_virtual_stages"):
+            _pos(f"parallel.{name}", getattr(p, name))
+        dp = self.derive_dp(world_size)
+        if p.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise UserError(f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, "
+                            f"got {p.pp_schedule!r}")
+        if p.pp_schedule != "interleaved" and p.num_virtual_stages != 1:
+            raise UserError("parallel.num_virtual_stages > 1 needs parallel.pp_schedule=interleaved")
+        if p.backend not in ("auto", "gloo", "nccl"):
+            raise UserError(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+        if p.sequence_parallel and p.tp == 1:
+            raise UserError("parallel.sequence_parallel needs parallel.tp > 1")
+        _pos("parallel.timeout_minutes", p.timeout_minutes)
+        _pos("parallel.bucket_size_mb", p.bucket_size_mb)
+
+        from bloomtrain.model import resolve_model_config  # late: model imports torch
+        shape = resolve_model_config(m, vocab_size=m.vocab_size or 1)
+        if shape.num_heads % p.tp:
+            raise UserError(f"model.num_heads ({shape.num_heads}) must be divisible by "
+                            f"parallel.tp ({p.tp})")
+        if shape.ffn_hidden_size % p.tp:
+            raise UserError(f"model.ffn_hidden_size ({shape.ffn_hidden_size}) must be divisible "
+                            f"by parallel.tp ({p.tp})")
+        if m.make_vocab_size_divisible_by % p.tp:
+            raise UserError(f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by})"
+                            f" must be divisible by parallel.tp ({p.tp}) so the padded vocab "
+                            f"splits evenly")
+        units = shape.num_layers
+        if p.pp * p.num_virtual_stages > units:
+            raise UserError(f"parallel.pp * parallel.num_virtual_stages "
+                            f"({p.pp} * {p.num_virtual_stages}) exceeds model.num_layers "
+                            f"({shape.num_layers}); use fewer stages")
+        if p.sequence_parallel and d.seq_length % p.tp:
+            raise UserError(f"data.seq_length ({d.seq_length}) must be divisible by parallel.tp "
+                            f"({p.tp}) with sequence parallelism")
+        for name in ("hidden_dropout", "attention_dropout"):
+            v = getattr(m, name)
+            if not 0.0 <= v < 1.0:
+                raise UserError(f"model.{name} must be in [0, 1), got {v}")
+
+        _pos("data.seq_length", d.seq_length)
+        from bloomtrain.data.gpt_dataset import parse_split  # validates the split string
+        try:
+            parse_split(d.split)
+        except ValueError as e:
+            raise UserError(f"data.split: {e}") from None
+        parse_data_paths(d.paths)
+
+        _pos("train.micro_batch_size", t.micro_batch_size)
+        _pos("train.global_batch_size", t.global_batch_size)
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise UserError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size * dp ({t.micro_batch_size} * {dp} = {per_step})")
+        if t.rampup_batch_size is not None:
+            if len(t.rampup_batch_size) != 3:
+                raise UserError("train.rampup_batch_size must be [start, increment, ramp_samples]")
+            start, inc, ramp = t.rampup_batch_size
+            _pos("train.rampup_batch_size start", start)
+            _pos("train.rampup_batch_size increment", inc)
+            _pos("train.rampup_batch_size ramp_samples", ramp)
+            if (t.global_batch_size - start) % inc:
+                raise UserError(f"train.global_batch_size ({t.global_batch_size}) - rampup start "
+                                f"({start}) must be divisible by the increment ({inc})")
+            for b in (start, inc):
+                if b % per_step:
+                    raise UserError(f"rampup batch size {b} must be divisible by "
+                                    f"micro_batch_size * dp ({per_step})")
+            if t.train_samples is None:
+                raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
+        if (t.train_iters is None) == (t.train_samples is None):
+            raise UserError("set exactly one of train.train_iters and train.train_samples")
+        if t.train_iters is not None:
+            _pos("train.train_iters", t.train_iters)
+        if t.train_samples is not None:
+            _pos("train.train_samples", t.train_samples)
+        if t.precision not in ("bf16", "fp16", "fp32"):
+            raise UserError(f"train.precision must be bf16, fp16 or fp32, got {t.precision!r}")
+        if t.activation_checkpointing not in ("none", "full"):
+            raise UserError(f"train.activation_checkpointing must be none or full, "
+                            f"got {t.activation_checkpointing!r}")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
+        _pos("train.log_interval", t.log_interval)
+        if t.eval_interval is not None:
+            _pos("train.eval_interval", t.eval_interval)
+            _pos("train.eval_iters", t.eval_iters)
+
+        if o.decay_style not in ("cosine", "linear", "constant"):
+            raise UserError(f"optim.decay_style must be cosine, linear or constant, "
+                            f"got {o.decay_style!r}")
+        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+            raise UserError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
+        if o.warmup_samples < 0:
+            raise UserError("optim.warmup_samples must be >= 0")
+        if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
+            raise UserError(f"optim.decay_samples ({o.decay_samples}) must exceed "
+                            f"optim.warmup_samples ({o.warmup_samples})")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(o, name) < 1.0:
+                raise UserError(f"optim.{name} must be in [0, 1)")
+        if o.clip_grad < 0:
+            raise UserError("optim.clip_grad must be >= 0 (0 disables clipping)")
+
+        c = self.checkpoint
+        for name in ("save_interval", "keep_last"):
+            v = getattr(c, name)
+            if v is not None:
+                _pos(f"checkpoint.{name}", v)
+        if c.save_interval_minutes is not None:
+            _pos("checkpoint.save_interval_minutes", c.save_interval_minutes)
+        if (c.save_interval or c.save_interval_minutes) and not c.dir:
+            raise UserError("checkpoint.save_interval needs checkpoint.dir")
+
+
+def parse_data_paths(paths: list[str] | str) -> list[tuple[float, str]]:
+    """`["0.3 a_text_document", "0.7 b_text_document"]` or `["a_text_document"]` ->
+    [(weight, prefix)]. Weights are returned as given (normalized by the blender)."""
+    if isinstance(paths, str):
+        paths = [paths]
+    out = []
+    for entry in paths:
+        parts = str(entry).split()
+        if len(parts) == 1:
+            out.append((1.0, parts[0]))
+        elif len(parts) == 2:
+            try:
+                w = float(parts[0])
+            except ValueError:
+                raise UserError(f"data.paths entry {entry!r}: expected 'WEIGHT PREFIX'") from None
+            if not (w > 0 and math.isfinite(w)):
+                raise UserError(f"data.paths entry {entry!r}: weight must be positive")
+            out.append((w, parts[1]))
+        else:
+            raise UserError(f"data.paths entry {entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
+    if len(out) > 1 and any(len(str(e).split()) == 1 for e in paths):
+        raise UserError("with several data.paths, give each a weight: 'WEIGHT PREFIX'")
+    return out
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `section.key=value` to a nested dict. The value is parsed as YAML, so
+    `parallel.tp=2`, `train.rampup_batch_size=[16,16,1000]` and `checkpoint.dir=null` work."""
+    if "=" not in override:
+        raise UserError(f"override {override!r} must look like section.key=value")
+    key, _, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise UserError(f"override {override!r}: empty key component")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else None
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise UserError(f"override {override!r}: {part} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _section_from_dict(cls, d: dict[str, Any], section: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise UserError(f"unknown key(s) {sorted(f'{section}.{k}' for k in unknown)}; valid keys "
+                        f"in '{section}' are {sorted(known)}")
+    kwargs = {k: _coerce(v, _field_type(cls, k), f"{section}.{k}") for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        last_err = None
+        for a in non_none:
+            try:
+                return _coerce(value, a, key)
+            except UserError as e:
+                last_err = e
+        raise last_err  # type: ignore[misc]
+    if origin is list:
+        (item,) = args or (Any,)
+        if isinstance(value, (str, int, float)) and item is str:
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        return [_coerce(v, item, key) for v in value]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise UserError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise UserError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise UserError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise UserError(f"{key} must be a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def _require_positive(key: str, value) -> None:
+    if value is None or value <= 0:
+        raise UserError(f"{key} must be positive, got {value}")

@@ -1,0 +1,49 @@
+"""Small helpers shared across bloomtrain: user-facing errors and atomic file output."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+class UserError(Exception):
+    """An error caused by the user's input or environment. The CLI prints it without a
+    traceback, so the message must say what to change."""
+
+
+def tmp_name(path: str | os.PathLike) -> Path:
+    """A temporary sibling of `path` that is unique to this process. Siblings so that the final
+    os.replace is a same-filesystem atomic rename."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
+    """Open a temporary sibling of `path` for writing and rename it into place only if the block
+    finishes without an exception. A crash, a kill or a full disk leaves `path` as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside `path` durable."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
