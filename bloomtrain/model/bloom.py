@@ -1,0 +1,237 @@
+"""BLOOM (arXiv 2211.05100) as a single-device PyTorch module, with the parameter names of HF
+transformers' `BloomForCausalLM` so that checkpoints map one to one.
+
+What makes it BLOOM rather than GPT-2:
+- ALiBi (arXiv 2108.12409) instead of position embeddings, with HF's / Megatron's slope formula
+  (including head counts that are not a power of 2);
+- a LayerNorm right after the word embedding (`word_embeddings_layernorm`);
+- a fused `query_key_value` whose output is laid out per head: [b, s, heads, (q, k, v), head_dim];
+- pre-LN blocks, tanh-approximation GeLU, LayerNorm eps 1e-5 and an LM head tied to the embedding.
+
+The module has no distributed code. Tensor, sequence and pipeline parallelism are applied to it
+from outside (bloomtrain.parallel), which is why a few things are derived at run time instead of
+being fixed at construction: the number of local heads comes from the width of `query_key_value`,
+and the ALiBi slopes live in a buffer that a tensor-parallel plan slices to its own heads.
+
+Attention runs through `torch.nn.functional.scaled_dot_product_attention` with the ALiBi+causal
+bias as a float mask, so the fused CPU kernel or CUDA's memory-efficient kernel can run (flash
+kernels take no arbitrary bias). Softmax precision: in fp32 it is fp32; in bf16/fp16 the fused
+kernels accumulate the softmax (max, exp-sum) in fp32 and round the probabilities to the input
+dtype, which is what HF's `softmax(..., dtype=float32).to(dtype)` does too. The bias itself is built
+in fp32 from *relative* key positions (k - q <= 0), so the entries nearest the diagonal, which carry
+most of the weight, are exact even after rounding to bf16; HF uses absolute key positions, which
+is mathematically the same (softmax is shift-invariant) but rounds the larger values more coarsely.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bloomtrain.model.presets import BloomShape
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Per-head ALiBi slopes, as HF's `build_alibi_tensor` and Megatron's `get_slopes`: a geometric
+    sequence for the largest power of two c <= n, then every other slope of the 2c sequence."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** i for i in range(1, closest + 1)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        num_extra = num_heads - closest
+        slopes += [extra_base ** i for i in range(1, 2 * num_extra, 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_causal_bias(slopes: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype,
+                      device=None) -> torch.Tensor:
+    """Additive attention bias [1, heads, q_len, k_len]: slope * (k - q) on and below the
+    diagonal, -inf above it. Queries are the last q_len positions of the k_len keys (KV cache)."""
+    device = device if device is not None else slopes.device
+    q_pos = torch.arange(k_len - q_len, k_len, device=device, dtype=torch.float32)
+    k_pos = torch.arange(k_len, device=device, dtype=torch.float32)
+    rel = k_pos[None, :] - q_pos[:, None]  # [q, k]
+    bias = slopes.to(device=device, dtype=torch.float32)[:, None, None] * rel  # [heads, q, k]
+    bias = bias.masked_fill(rel > 0, float("-inf"))
+    return bias.unsqueeze(0).to(dtype)
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, shape: BloomShape):
+        super().__init__()
+        h = shape.hidden_size
+        self.head_dim = shape.head_dim
+        self.query_key_value = nn.Linear(h, 3 * h, bias=True)
+        self.dense = nn.Linear(h, h, bias=True)
+        self.attention_dropout = shape.attention_dropout
+
+    def forward(self, x, bias, past_kv=None):
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x)
+        # The fused projection is laid out per head, so a tensor-parallel shard of its rows is a
+        # set of whole heads; the local head count follows from the width.
+        num_heads = qkv.shape[-1] // (3 * self.head_dim)
+        qkv = qkv.view(b, s, num_heads, 3, self.head_dim)  # [b, s, nh, 3, hd]
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, nh, s, hd]
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        p = self.attention_dropout if self.training else 0.0
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)  # [b, s, h_local]
+        return self.dense(ctx), (k, v)
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, shape: BloomShape):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(shape.hidden_size, shape.ffn_hidden_size)
+        self.dense_4h_to_h = nn.Linear(shape.ffn_hidden_size, shape.hidden_size)
+
+    def forward(self, x):
+        # BLOOM's tanh-approximation GeLU (HF's bloom_gelu_forward; Megatron's fused bias_gelu).
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, shape: BloomShape):
+        super().__init__()
+        eps = shape.layer_norm_epsilon
+        self.input_layernorm = nn.LayerNorm(shape.hidden_size, eps=eps)
+        self.self_attention = BloomAttention(shape)
+        self.post_attention_layernorm = nn.LayerNorm(shape.hidden_size, eps=eps)
+        self.mlp = BloomMLP(shape)
+        self.hidden_dropout = shape.hidden_dropout
+
+    def forward(self, x, bias, past_kv=None):
+        # Pre-LN; the residual is the un-normalized input (apply_residual_connection_post_layernorm
+        # = False in every BLOOM config).
+        attn, present = self.self_attention(self.input_layernorm(x), bias, past_kv)
+        x = x + F.dropout(attn, self.hidden_dropout, self.training)
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        x = x + F.dropout(mlp, self.hidden_dropout, self.training)
+        return x, present
+
+
+class BloomModel(nn.Module):
+    """HF's `transformer` submodule: embedding + embedding LN, blocks `h`, final `ln_f`."""
+
+    def __init__(self, shape: BloomShape):
+        super().__init__()
+        self.shape = shape
+        self.word_embeddings = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.word_embeddings_layernorm = nn.LayerNorm(shape.hidden_size,
+                                                      eps=shape.layer_norm_epsilon)
+        self.h = nn.ModuleList(BloomBlock(shape) for _ in range(shape.num_layers))
+        self.ln_f = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_epsilon)
+        # Not persistent: derived from the head count, and a tensor-parallel plan slices it.
+        self.register_buffer("alibi_slopes", alibi_slopes(shape.num_heads), persistent=False)
+        self.activation_checkpointing = False
+
+    def embed(self, input_ids):
+        return self.word_embeddings_layernorm(self.word_embeddings(input_ids))
+
+    def attention_bias(self, q_len: int, k_len: int, dtype: torch.dtype):
+        return alibi_causal_bias(self.alibi_slopes, q_len, k_len, dtype)
+
+    def run_blocks(self, x, blocks, past_kvs=None):
+        """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents)."""
+        past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
+        bias = self.attention_bias(x.shape[1], past_len + x.shape[1], x.dtype)
+        presents = []
+        for i, block in enumerate(blocks):
+            past = past_kvs[i] if past_kvs else None
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # Recompute every block in backward, as BLOOM did (--checkpoint-activations).
+                x, present = checkpoint(block, x, bias, past, use_reentrant=False)
+            else:
+                x, present = block(x, bias, past)
+            presents.append(present)
+        return x, presents
+
+    def forward(self, input_ids, past_kvs=None):
+        x, presents = self.run_blocks(self.embed(input_ids), self.h, past_kvs)
+        return self.ln_f(x), presents
+
+
+class BloomForCausalLM(nn.Module):
+    def __init__(self, shape: BloomShape):
+        super().__init__()
+        self.shape = shape
+        self.transformer = BloomModel(shape)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.word_embeddings.weight  # tied, as in BLOOM
+
+    def forward(self, input_ids, labels=None, loss_mask=None, past_kvs=None, return_presents=False):
+        """input_ids [b, s] -> logits [b, s, vocab] (padded vocab), or the mean masked
+        cross-entropy when labels are given."""
+        hidden, presents = self.transformer(input_ids, past_kvs)
+        logits = self.lm_head(hidden)
+        if labels is not None:
+            return lm_loss(logits, labels, loss_mask)
+        if return_presents:
+            return logits, presents
+        return logits
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.transformer.activation_checkpointing = enabled
+
+
+def lm_loss(logits, labels, loss_mask=None):
+    """Megatron's LM loss: per-token cross-entropy in fp32, averaged over the loss mask."""
+    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.flatten().float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ---- initialization ----------------------------------------------------------------------------
+
+def _param_generator(seed: int, name: str) -> torch.Generator:
+    # One generator per parameter, keyed by its HF name: the same seed gives the same full weights
+    # however the model is later split (tensor, pipeline or ZeRO shards), because each piece is cut
+    # from the same full tensor.
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    return g
+
+
+def init_full_parameter(name: str, shape_: tuple, model_shape: BloomShape, seed: int,
+                        dtype=torch.float32) -> torch.Tensor:
+    """The initial value of the full (unsharded) parameter `name`, Megatron style: normal(0, std)
+    for weights, std / sqrt(2 * num_layers) for the two output projections of each block, zero
+    biases, unit LayerNorm weights."""
+    if name == "lm_head.weight":  # tied: identical to the embedding on any pipeline stage
+        name = "transformer.word_embeddings.weight"
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "layernorm" in name or ".ln_f." in name or name.startswith("transformer.ln_f")
+    if is_norm:
+        return (torch.ones if leaf == "weight" else torch.zeros)(shape_, dtype=dtype)
+    if leaf == "bias":
+        return torch.zeros(shape_, dtype=dtype)
+    std = model_shape.init_method_std
+    if name.endswith("self_attention.dense.weight") or name.endswith("mlp.dense_4h_to_h.weight"):
+        std = std / math.sqrt(2.0 * model_shape.num_layers)
+    out = torch.empty(shape_, dtype=torch.float32)
+    out.normal_(0.0, std, generator=_param_generator(seed, name))
+    return out.to(dtype)
+
+
+@torch.no_grad()
+def init_weights(model: BloomForCausalLM, seed: int) -> BloomForCausalLM:
+    for name, p in model.named_parameters():
+        p.copy_(init_full_parameter(name, tuple(p.shape), model.shape, seed))
+    return model
+
+
+def build_model(shape: BloomShape, seed: int = 1234, device=None,
+                dtype=torch.float32) -> BloomForCausalLM:
+    model = BloomForCausalLM(shape)
+    init_weights(model, seed)
+    return model.to(device=device, dtype=dtype)
