@@ -13,6 +13,8 @@ COMMAND_MODULES = [
     "bloomtrain.data.tokenizer",
     "bloomtrain.data.preprocess",
     "bloomtrain.data.inspect",
+    "bloomtrain.hf",
+    "bloomtrain.generate",
 ]
 
 

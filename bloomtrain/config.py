@@ -39,19 +39,10 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    zero_stage: int = 0
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    num_virtual_stages: int = 1
-    pp_partition: str = "type:transformer|embedding"
     # auto: nccl when CUDA is available, else gloo.
     backend: str = "auto"
-    # Every collective and p2p call fails with a named error after this long instead of hanging.
+    # A collective that waits longer than this fails with an error instead of hanging.
     timeout_minutes: float = 10.0
-    bucket_size_mb: float = 25.0
-    comm_stats: bool = False
 
 
 @dataclass
@@ -122,7 +113,6 @@ class CheckpointConfig:
     keep_last: int | None = 3
     # auto: the newest valid checkpoint in `dir`; none: start fresh; or a checkpoint path.
     resume: str = "auto"
-    async_save: bool = True
 
 
 @dataclass
@@ -183,56 +173,21 @@ class Config:
 
     # ---- derived values ------------------------------------------------------------------
     def derive_dp(self, world_size: int) -> int:
-        per_replica = self.parallel.tp * self.parallel.pp
-        if world_size % per_replica:
-            raise UserError(
-                f"world size {world_size} is not divisible by parallel.tp * parallel.pp "
-                f"({self.parallel.tp} * {self.parallel.pp} = {per_replica}); change the number "
-                f"of processes or the tp/pp sizes")
-        return world_size // per_replica
+        # Every process is a data-parallel replica until tensor/pipeline parallelism lands.
+        return world_size
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self, world_size: int = 1) -> None:
         """Check every key and every combination before anything starts. Raises UserError."""
         m, p, t, o, d = self.model, self.parallel, self.train, self.optim, self.data
         _pos = _require_positive
-        for name in ("tp", "pp", "num_virtual_stages"):
-            _pos(f"parallel.{name}", getattr(p, name))
         dp = self.derive_dp(world_size)
-        if p.zero_stage not in (0, 1, 2, 3):
-            raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
-        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise UserError(f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, "
-                            f"got {p.pp_schedule!r}")
-        if p.pp_schedule != "interleaved" and p.num_virtual_stages != 1:
-            raise UserError("parallel.num_virtual_stages > 1 needs parallel.pp_schedule=interleaved")
         if p.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
-        if p.sequence_parallel and p.tp == 1:
-            raise UserError("parallel.sequence_parallel needs parallel.tp > 1")
         _pos("parallel.timeout_minutes", p.timeout_minutes)
-        _pos("parallel.bucket_size_mb", p.bucket_size_mb)
 
         from bloomtrain.model import resolve_model_config  # late: model imports torch
-        shape = resolve_model_config(m, vocab_size=m.vocab_size or 1)
-        if shape.num_heads % p.tp:
-            raise UserError(f"model.num_heads ({shape.num_heads}) must be divisible by "
-                            f"parallel.tp ({p.tp})")
-        if shape.ffn_hidden_size % p.tp:
-            raise UserError(f"model.ffn_hidden_size ({shape.ffn_hidden_size}) must be divisible "
-                            f"by parallel.tp ({p.tp})")
-        if m.make_vocab_size_divisible_by % p.tp:
-            raise UserError(f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by})"
-                            f" must be divisible by parallel.tp ({p.tp}) so the padded vocab "
-                            f"splits evenly")
-        units = shape.num_layers
-        if p.pp * p.num_virtual_stages > units:
-            raise UserError(f"parallel.pp * parallel.num_virtual_stages "
-                            f"({p.pp} * {p.num_virtual_stages}) exceeds model.num_layers "
-                            f"({shape.num_layers}); use fewer stages")
-        if p.sequence_parallel and d.seq_length % p.tp:
-            raise UserError(f"data.seq_length ({d.seq_length}) must be divisible by parallel.tp "
-                            f"({p.tp}) with sequence parallelism")
+        resolve_model_config(m, vocab_size=m.vocab_size or 1)
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(m, name)
             if not 0.0 <= v < 1.0:

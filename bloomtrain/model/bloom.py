@@ -234,4 +234,8 @@ def build_model(shape: BloomShape, seed: int = 1234, device=None,
                 dtype=torch.float32) -> BloomForCausalLM:
     model = BloomForCausalLM(shape)
     init_weights(model, seed)
-    return model.to(device=device, dtype=dtype)
+    model.to(device=device)
+    # Cast parameters only: the ALiBi slopes buffer stays fp32 (non-power-of-2 slopes would round).
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model

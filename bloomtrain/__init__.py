@@ -1,0 +1,63 @@
+"""bloomtrain: a 3D-parallel trainer for BLOOM-architecture language models.
+
+`import bloomtrain` stays cheap (no torch); `load_model` imports what it needs when called.
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("bloomtrain")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["__version__", "load_model"]
+
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def load_model(path, device="cpu", dtype=None):
+    """A single-device `BloomForCausalLM` in eval mode from a bloomtrain checkpoint (a step
+    directory or a root holding `latest`) or an HF Bloom directory (config.json + weights).
+
+    `dtype` (a torch dtype or a name such as "bf16") defaults to the dtype the weights are stored
+    in. `model(input_ids)` returns logits [b, s, vocab] over the padded vocabulary.
+    """
+    import torch
+
+    from bloomtrain import hf
+    from bloomtrain.model import BloomForCausalLM, alibi_slopes
+
+    if hf.is_hf_dir(path):
+        shape, state, _ = hf.collect_hf_state(path)
+    else:
+        from bloomtrain.checkpoint import load_tensors
+
+        ckpt, _, shape = hf.open_checkpoint(path)
+        state = load_tensors(ckpt / "model.safetensors")
+        state.pop(hf.LM_HEAD, None)
+        hf.check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, ckpt)
+    if isinstance(dtype, str):
+        name = _DTYPE_ALIASES.get(dtype, dtype)
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}")
+        dtype = getattr(torch, name)
+    dtype = dtype or state[hf.EMBEDDING].dtype
+
+    # Built on the meta device and filled by assignment: no random init and no second copy of
+    # the weights, which matters for the billion-parameter presets.
+    with torch.device("meta"):
+        model = BloomForCausalLM(shape)
+    state = dict(state)
+    state[hf.LM_HEAD] = state[hf.EMBEDDING]
+    model.load_state_dict(state, strict=True, assign=True)
+    # Assignment wraps each module's tensor in its own Parameter; re-tie so that the head *is*
+    # the embedding, as in a freshly built model.
+    model.lm_head.weight = model.transformer.word_embeddings.weight
+    # The non-persistent ALiBi slopes were left on meta. They stay fp32 whatever the weights'
+    # dtype, because the bias is built in fp32 (a slope like 2^-0.5625 rounded to bf16 would
+    # shift every score), so they are set after the cast.
+    model.transformer.alibi_slopes = None
+    model.to(device=device, dtype=dtype)
+    model.transformer.alibi_slopes = alibi_slopes(shape.num_heads).to(device)
+    return model.eval()

@@ -1,0 +1,213 @@
+"""Autoregressive generation with a KV cache, following HF transformers' `generate` semantics for
+greedy search and for temperature / top-k / top-p (nucleus, arXiv 1904.09751) sampling, applied in
+that order as HF's logits warpers are.
+
+ALiBi has no position embeddings, so the cache needs no position bookkeeping and prompts longer
+than the training sequence length work as they are. Prompts in a batch must have equal length:
+the model takes no padding mask.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from bloomtrain.utils import UserError
+
+
+def process_logits(logits: "torch.Tensor", temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0, vocab_limit: int | None = None,
+                   do_sample: bool = True) -> "torch.Tensor":
+    """Next-token scores [b, V] (fp32) with -inf wherever a token may not be chosen."""
+    import torch
+
+    scores = logits.float()
+    if vocab_limit is not None and vocab_limit < scores.shape[-1]:
+        scores = scores.clone()
+        scores[..., vocab_limit:] = float("-inf")  # padded embedding rows are not tokens
+    if not do_sample:
+        return scores
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k and top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay, as HF
+    if top_p < 1.0:
+        # HF's TopPLogitsWarper: drop the low tail whose total mass is <= 1 - top_p, so what is
+        # kept is the smallest set whose mass reaches top_p; the top token always stays.
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def generate(model, input_ids: "torch.Tensor", max_new_tokens: int, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             eos_token_id: int | list[int] | None = None,
+             generator: "torch.Generator | None" = None, vocab_limit: int | None = None,
+             use_cache: bool = True) -> "torch.Tensor":
+    """Continue `input_ids` [b, s] by up to `max_new_tokens` tokens; returns [b, s + new].
+
+    Greedy picks `argmax` (first index on ties, like torch.argmax and HF). A sequence that emits
+    an `eos_token_id` is filled with that id afterwards (HF's default when no pad id is set), and
+    generation stops once every sequence has finished. `vocab_limit` masks the padded embedding
+    rows beyond the tokenizer's vocabulary. `use_cache=False` recomputes the whole sequence each
+    step (a reference for the cache).
+    """
+    import torch
+
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, "
+                         f"got {list(input_ids.shape)}")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    eos_t = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        try:
+            return _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k,
+                                top_p, eos_t, generator, vocab_limit, use_cache)
+        finally:
+            model.train(was_training)
+
+
+def _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_t,
+                 generator, vocab_limit, use_cache):
+    import torch
+
+    out = input_ids
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    past = None
+    step_input = input_ids
+    for _ in range(max_new_tokens):
+        if use_cache:
+            logits, past = model(step_input, past_kvs=past, return_presents=True)
+        else:
+            logits = model(out)
+        scores = process_logits(logits[:, -1, :], temperature, top_k, top_p, vocab_limit,
+                                do_sample)
+        if do_sample:
+            next_tok = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+        else:
+            next_tok = scores.argmax(dim=-1)
+        if len(eos_t):
+            next_tok = torch.where(finished, eos_t[0], next_tok)
+            finished |= torch.isin(next_tok, eos_t)
+        out = torch.cat([out, next_tok[:, None]], dim=1)
+        if len(eos_t) and bool(finished.all()):
+            break
+        step_input = next_tok[:, None]
+    return out
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def _tokenizer_path(checkpoint: str, explicit: str | None) -> Path:
+    from bloomtrain import checkpoint as ckpt_mod
+    from bloomtrain import hf
+
+    if explicit:
+        return Path(explicit)
+    path = Path(checkpoint)
+    if hf.is_hf_dir(path):
+        if (path / "tokenizer.json").is_file():
+            return path
+    else:
+        step_dir = ckpt_mod.resolve(path)
+        ref = ckpt_mod.read_manifest(step_dir).get("tokenizer")
+        if ref and (step_dir / ref / "tokenizer.json").is_file():
+            return step_dir / ref
+    raise UserError(f"{checkpoint} has no tokenizer; pass --tokenizer PATH")
+
+
+def _main(args) -> int:
+    import torch
+
+    from bloomtrain import load_model
+    from bloomtrain.data.tokenizer import load_tokenizer
+
+    sampling_flags = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                     ("--top-p", args.top_p)) if v is not None]
+    if args.greedy and sampling_flags:
+        raise UserError(f"--greedy conflicts with {', '.join(sampling_flags)}")
+    do_sample = bool(sampling_flags)
+    temperature = 1.0 if args.temperature is None else args.temperature
+    top_p = 1.0 if args.top_p is None else args.top_p
+    if do_sample and temperature <= 0:
+        raise UserError(f"--temperature must be positive, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
+
+    tokenizer = load_tokenizer(_tokenizer_path(args.checkpoint, args.tokenizer))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(args.checkpoint, device=device)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise UserError("--prompt encodes to no tokens")
+    if tokenizer.vocab_size > model.shape.vocab_size:
+        raise UserError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model.shape.vocab_size}; pass the tokenizer the model was trained with")
+    try:
+        eos = tokenizer.eod_id
+    except UserError:
+        eos = None
+    generator = None
+    if do_sample:
+        generator = torch.Generator(device=device)
+        if args.seed is not None:
+            generator.manual_seed(args.seed)
+        else:
+            generator.seed()
+    ids = generate(model, torch.tensor([prompt_ids], device=device), args.max_new_tokens,
+                   do_sample=do_sample, temperature=temperature, top_k=args.top_k or 0,
+                   top_p=top_p, eos_token_id=eos, generator=generator,
+                   vocab_limit=tokenizer.vocab_size)[0].tolist()
+    new = ids[len(prompt_ids):]
+    if eos is not None and eos in new:
+        new = new[:new.index(eos)]
+    # Decoding the whole sequence, not prompt + decode(new), keeps a multi-byte character that
+    # straddles the boundary intact.
+    sys.stdout.write(tokenizer.decode(prompt_ids + new) + "\n")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="continue a prompt with a bloomtrain checkpoint or an HF Bloom model",
+        description="Print the prompt and its continuation. Decoding is greedy unless "
+        "--temperature, --top-k or --top-p is given, which switches to sampling (HF order: "
+        "temperature, then top-k, then top-p). Generation stops at the tokenizer's end-of-"
+        "document token. Tokens beyond the tokenizer's vocabulary (embedding padding) are "
+        "never produced.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR_OR_HF",
+                   help="a bloomtrain checkpoint (step dir or root) or an HF Bloom directory")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sample with this temperature")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample from the K most likely tokens (0: no limit)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the smallest set of tokens with total probability >= P")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding (the default when no sampling option is given)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json or a directory holding one (default: the checkpoint's)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.set_defaults(func=_main)

@@ -1,0 +1,501 @@
+"""Interop with HF transformers' `BloomForCausalLM` directories (config.json + safetensors or
+pytorch_model.bin, single file or sharded with a `*.index.json` weight map).
+
+bloomtrain's model uses HF's parameter names, so conversion is a renaming at most: old `BloomModel`
+checkpoints (bigscience/bloom-560m's pytorch_model.bin, for one) store bare names without the
+`transformer.` prefix, and the tied LM head is stored once, as `transformer.word_embeddings.weight`,
+the way `save_pretrained` writes it. Every tensor keeps its dtype and bits; nothing is cast.
+
+transformers itself is never imported here: config.json is plain JSON, weights are read with
+safetensors, and `.bin` files only through `torch.load(weights_only=True)`, which unpickles
+nothing but tensors and containers.
+
+Weights travel as (name, tensor) pairs so that a converter holds one tensor at a time where the
+formats allow: export writes its safetensors file tensor by tensor (`write_safetensors_streaming`),
+and reading follows the shard files one after the other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+from bloomtrain.utils import UserError, fsync_dir
+
+if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
+    import torch
+
+    from bloomtrain.model import BloomShape
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, BIN_FILE, BIN_INDEX)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EMBEDDING = "transformer.word_embeddings.weight"
+LM_HEAD = "lm_head.weight"
+
+# torch dtype name -> safetensors dtype tag (the subset a BLOOM checkpoint can hold).
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+def _first(cfg: dict, *keys, default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def shape_from_hf_config(cfg: dict) -> BloomShape:
+    """The BloomShape of an HF Bloom config.json, or a UserError naming the setting bloomtrain's
+    model does not implement."""
+    from bloomtrain.model import BloomShape
+
+    if cfg.get("model_type") != "bloom":
+        raise UserError(f"config.json has model_type {cfg.get('model_type')!r}; only 'bloom' "
+                        f"(BloomForCausalLM / BloomModel) checkpoints can be used")
+    if cfg.get("apply_residual_connection_post_layernorm"):
+        raise UserError("apply_residual_connection_post_layernorm=true is not supported: "
+                        "bloomtrain's blocks take the residual before the LayerNorm, as every "
+                        "released BLOOM model does")
+    if cfg.get("tie_word_embeddings") is False:
+        raise UserError("tie_word_embeddings=false is not supported: bloomtrain's LM head is "
+                        "always the word embedding")
+    # HF's BloomConfig lets the old `n_embed` key win over hidden_size; num_attention_heads and
+    # num_hidden_layers are its attribute aliases.
+    hidden = _first(cfg, "n_embed", "hidden_size")
+    num_heads = _first(cfg, "n_head", "num_attention_heads")
+    num_layers = _first(cfg, "n_layer", "num_hidden_layers")
+    vocab = cfg.get("vocab_size")
+    for key, value in (("hidden_size", hidden), ("n_head", num_heads), ("n_layer", num_layers),
+                       ("vocab_size", vocab)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if hidden % num_heads:
+        raise UserError(f"config.json: hidden_size ({hidden}) must be divisible by n_head "
+                        f"({num_heads})")
+    # pretraining_tp / slow_but_exact only change the summation order of two matmuls (HF splits
+    # them into pretraining_tp slices); the math is the same, so such checkpoints load as they are.
+    return BloomShape(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        ffn_hidden_size=4 * hidden,  # HF's BloomMLP is always 4h wide; n_inner is ignored there
+        layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+def hf_config_from_shape(shape: BloomShape, extra: dict | None = None) -> dict:
+    """config.json for `shape`. `extra` adds or overrides keys: special token ids, `dtype`."""
+    if shape.ffn_hidden_size != 4 * shape.hidden_size:
+        raise UserError(f"ffn_hidden_size {shape.ffn_hidden_size} is not 4 * hidden_size "
+                        f"({4 * shape.hidden_size}); HF's BloomForCausalLM cannot express it")
+    cfg = {
+        "model_type": "bloom",
+        "architectures": ["BloomForCausalLM"],
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "n_layer": shape.num_layers,
+        "n_head": shape.num_heads,
+        "layer_norm_epsilon": shape.layer_norm_epsilon,
+        "initializer_range": shape.init_method_std,
+        "hidden_dropout": shape.hidden_dropout,
+        "attention_dropout": shape.attention_dropout,
+        "apply_residual_connection_post_layernorm": False,
+        "pretraining_tp": 1,
+        "slow_but_exact": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        # Explicit nulls: BloomConfig would otherwise default to bos 1 / eos 2, which may be
+        # ordinary tokens of a custom tokenizer.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    cfg.update(extra or {})
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg["dtype"]  # the key transformers 4.x reads; 5.x reads `dtype`
+    return dict(sorted(cfg.items()))
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"HF model directory {hf_dir} does not exist")
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"{hf_dir} has no config.json; expected an HF Bloom model directory "
+                        f"(config.json plus {' or '.join(WEIGHT_FILES)})")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return cfg
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """Whether `path` should be read as an HF model directory rather than a bloomtrain checkpoint.
+    Missing weights are reported later, by the reader, with a message that names them."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "manifest.json").is_file()
+
+
+# ---- reading HF weights --------------------------------------------------------------------------
+
+def _canonical_name(name: str) -> str:
+    if name == LM_HEAD or name.startswith("transformer."):
+        return name
+    return "transformer." + name  # a BloomModel checkpoint saved without the prefix
+
+
+def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
+    """('safetensors' | 'bin', shard files in order)."""
+    for single, index, kind in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, "safetensors"),
+                                (BIN_FILE, BIN_INDEX, "bin")):
+        if (hf_dir / single).is_file():
+            return kind, [hf_dir / single]
+        if (hf_dir / index).is_file():
+            try:
+                weight_map = json.loads((hf_dir / index).read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UserError(f"cannot read the weight map of {hf_dir / index}: {e}") from e
+            shards = [hf_dir / f for f in dict.fromkeys(sorted(weight_map.values()))]
+            missing = [s.name for s in shards if not s.is_file()]
+            if missing:
+                raise UserError(f"{hf_dir}: shard(s) {', '.join(missing)} listed in {index} "
+                                f"are missing")
+            return kind, shards
+    raise UserError(f"{hf_dir} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(canonical name, tensor) for every tensor of an HF Bloom directory, shard by shard. A
+    tied `lm_head.weight`, when a file has one, is yielded too; `collect_hf_state` checks it."""
+    import torch
+    from safetensors import safe_open
+
+    kind, files = _weight_files(Path(hf_dir))
+    for file in files:
+        if kind == "safetensors":
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield _canonical_name(name), f.get_tensor(name)
+            continue
+        state = _torch_load(file)
+        if not isinstance(state, dict):
+            raise UserError(f"{file} does not hold a state dict")
+        for name in list(state):
+            # clone: detach from the mmap'd file and from storage shared with other entries
+            # (a tied head saved by torch.save), which safetensors refuses to write.
+            yield _canonical_name(name), state.pop(name).clone()
+        del state
+
+
+def _torch_load(file: Path):
+    import torch
+
+    try:
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            # mmap needs the zip format of torch>=1.6; older files load whole.
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cannot load {file} with torch.load(weights_only=True): {e}") from e
+
+
+def expected_parameters(shape: BloomShape) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every stored parameter (the tied head excluded)."""
+    import torch
+
+    from bloomtrain.model import BloomForCausalLM
+
+    with torch.device("meta"):
+        model = BloomForCausalLM(shape)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_state(shape: BloomShape, names_shapes: dict[str, tuple[int, ...]], where) -> None:
+    expected = expected_parameters(shape)
+    missing = [n for n in expected if n not in names_shapes]
+    unexpected = [n for n in names_shapes if n not in expected]
+    if missing:
+        raise UserError(f"{where}: {len(missing)} parameter(s) missing for a "
+                        f"{shape.num_layers}-layer BLOOM, e.g. {', '.join(missing[:4])}")
+    if unexpected:
+        raise UserError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:4])}"
+                        f"{' ...' if len(unexpected) > 4 else ''}")
+    for name, want in expected.items():
+        got = tuple(names_shapes[name])
+        if got != want:
+            raise UserError(f"{where}: {name} has shape {list(got)}, the config implies "
+                            f"{list(want)}")
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, "BloomShape"]:
+    """(step directory, manifest, shape) of a bloomtrain checkpoint, with the model and tokenizer
+    files verified against their checksums. Optimizer state is not read: for a large model it is
+    most of the bytes, and nothing here uses it."""
+    from bloomtrain import checkpoint
+    from bloomtrain.model import BloomShape
+
+    ckpt = checkpoint.resolve(path)
+    manifest = checkpoint.read_manifest(ckpt)
+    needed = {k: v for k, v in manifest["files"].items() if not k.startswith("optim")}
+    checkpoint.verify(ckpt, {**manifest, "files": needed})
+    return ckpt, manifest, BloomShape(**manifest["model_shape"])
+
+
+def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]:
+    """(shape, state_dict without the tied head, config) of an HF Bloom directory, validated."""
+    import torch
+
+    hf_dir = Path(hf_dir)
+    cfg = read_hf_config(hf_dir)
+    shape = shape_from_hf_config(cfg)
+    state, head = {}, None
+    for name, tensor in iter_hf_tensors(hf_dir):
+        if name == LM_HEAD:
+            head = tensor
+        else:
+            state[name] = tensor
+    if head is not None:
+        emb = state.get(EMBEDDING)
+        if emb is None or head.dtype != emb.dtype or not torch.equal(head, emb):
+            raise UserError(f"{hf_dir}: lm_head.weight differs from the word embedding; "
+                            f"untied LM heads are not supported")
+    check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, hf_dir)
+    return shape, state, cfg
+
+
+def _load_tokenizer_or_note(path: Path, log: Callable[[str], None]):
+    from bloomtrain.data.tokenizer import load_tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        log(f"note: {path} has no tokenizer.json; the checkpoint gets no tokenizer")
+        return None
+    try:
+        return load_tokenizer(path)
+    except UserError as e:
+        log(f"note: tokenizer not copied: {e}")
+        return None
+
+
+def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
+              log: Callable[[str], None] = print) -> Path:
+    """Convert an HF Bloom directory into a bloomtrain checkpoint (step 0) under `output_dir`.
+    Returns the step directory."""
+    from bloomtrain import checkpoint
+
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    shape, state, cfg = collect_hf_state(input_dir)
+    later = [s for s, _ in checkpoint.list_checkpoints(output_dir) if s != 0]
+    if later:
+        raise UserError(f"{output_dir} already holds a training run (step {max(later)}); "
+                        f"import into a new directory")
+    tokenizer = _load_tokenizer_or_note(input_dir, log)
+    meta = {"source": "hf", "hf_dir": str(input_dir.resolve()), "hf_config": cfg}
+    try:
+        path = checkpoint.save_checkpoint(output_dir, 0, state, shape, meta=meta,
+                                          tokenizer=tokenizer)
+    except OSError as e:
+        raise UserError(f"cannot write checkpoint under {output_dir}: {e}") from e
+    log(f"imported {input_dir} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"vocab {shape.vocab_size}, {state[EMBEDDING].dtype}) -> {path}")
+    return path
+
+
+# ---- writing HF directories ----------------------------------------------------------------------
+
+def write_safetensors_streaming(path: str | os.PathLike,
+                                entries: Iterable[tuple[str, str, tuple[int, ...],
+                                                        Callable[[], "torch.Tensor"]]],
+                                metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file one tensor at a time. `entries` are (name, dtype, shape, load),
+    with `dtype` a torch dtype name; `load()` is called once per tensor, in order, right before
+    its bytes are written, so at most one tensor is in memory.
+
+    The format (https://github.com/huggingface/safetensors): u64 little-endian header length, a
+    JSON header {name: {dtype, shape, data_offsets}} padded with spaces to 8 bytes, then the
+    tensors' little-endian bytes back to back.
+    """
+    import torch
+
+    entries = list(entries)
+    header: dict = {}
+    offset = 0
+    for name, dtype, shape, _ in entries:
+        if dtype not in _ST_DTYPES:
+            raise UserError(f"cannot write {name}: dtype {dtype} has no safetensors tag")
+        num_bytes = getattr(torch, dtype).itemsize
+        for d in shape:
+            num_bytes *= d
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + num_bytes]}
+        offset += num_bytes
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape, load in entries:
+            t = load()
+            if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
+                raise RuntimeError(f"{name} changed between header and data")
+            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            f.write(memoryview(data.numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
+    """bos/eos/pad ids as HF resolves them: tokenizer_config.json's tokens, else BLOOM's
+    `<s>`, `</s>`, `<pad>`."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    config = {}
+    if (tokenizer_dir / "tokenizer_config.json").is_file():
+        config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    out = {}
+    for key, default in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")):
+        token = config.get(f"{key}_token", default)
+        if isinstance(token, dict):  # an AddedToken
+            token = token.get("content")
+        out[f"{key}_token_id"] = tok.token_to_id(token) if isinstance(token, str) else None
+    return out
+
+
+def _prepare_output(output_dir: Path) -> None:
+    """Refuse to replace a directory that is not a previous export."""
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        raise UserError(f"--output {output_dir} exists and is not a directory")
+    if not any(output_dir.iterdir()):
+        return
+    try:
+        previous = json.loads((output_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        previous = None
+    if previous != "bloom":
+        raise UserError(f"--output {output_dir} exists and is not an HF Bloom export; choose a "
+                        f"new or empty directory")
+
+
+def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
+              log: Callable[[str], None] = print) -> Path:
+    """Write an HF `BloomForCausalLM` directory from a bloomtrain checkpoint (a step directory or
+    a root with `latest`). The directory is assembled under a temporary name and renamed into
+    place, so a failure leaves any previous export untouched."""
+    from safetensors import safe_open
+
+    ckpt, manifest, shape = open_checkpoint(checkpoint_path)
+    output_dir = Path(output_dir)
+    _prepare_output(output_dir)
+    weights = ckpt / "model.safetensors"
+
+    with safe_open(str(weights), framework="pt") as f:
+        names = sorted(n for n in f.keys() if n != LM_HEAD)
+        info = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in names}
+    check_state(shape, {n: s for n, (_, s) in info.items()}, ckpt)
+    tag_to_dtype = {tag: name for name, tag in _ST_DTYPES.items()}
+    dtype = tag_to_dtype[info[EMBEDDING][0]]
+
+    tokenizer_dir = ckpt / manifest["tokenizer"] if manifest.get("tokenizer") else None
+    extra: dict = {"dtype": dtype}
+    source_cfg = manifest.get("hf_config") or {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in source_cfg:
+            extra[key] = source_cfg[key]
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        extra.update({k: v for k, v in special_token_ids(tokenizer_dir).items() if v is not None})
+    config = hf_config_from_shape(shape, extra)
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            entries = [(n, tag_to_dtype[info[n][0]], info[n][1],
+                        (lambda n=n: f.get_tensor(n))) for n in names]
+            write_safetensors_streaming(tmp / SAFETENSORS_FILE, entries, {"format": "pt"})
+        _write_json(tmp / "config.json", config)
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if config[k] is not None}
+        if ids:
+            _write_json(tmp / "generation_config.json", {"_from_model_config": True, **ids})
+        copied = []
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (tokenizer_dir / name).is_file():
+                    shutil.copyfile(tokenizer_dir / name, tmp / name)
+                    copied.append(name)
+        fsync_dir(tmp)
+        if output_dir.exists():
+            old = output_dir.with_name(f".{output_dir.name}.old.{os.getpid()}")
+            os.replace(output_dir, old)
+            os.replace(tmp, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output_dir)
+        fsync_dir(output_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"exported {ckpt} -> {output_dir} ({len(names)} tensors, {dtype}"
+        f"{', tokenizer' if copied else ', no tokenizer'})")
+    return output_dir
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "import-hf", help="convert an HF Bloom model directory into a bloomtrain checkpoint",
+        description="Read an HF BloomForCausalLM/BloomModel directory (config.json plus "
+        "model.safetensors, pytorch_model.bin, or their sharded *.index.json) and write a "
+        "bloomtrain checkpoint (step 0) with the same tensors, bit for bit, and its tokenizer.")
+    p.add_argument("--input", required=True, metavar="HF_DIR")
+    p.add_argument("--output", required=True, metavar="DIR", help="checkpoint root to create")
+    p.set_defaults(func=lambda args: _run(import_hf, args.input, args.output))
+
+    p = subparsers.add_parser(
+        "export-hf", help="write a bloomtrain checkpoint as an HF BloomForCausalLM directory",
+        description="Write config.json, model.safetensors (tied head stored once), "
+        "generation_config.json and the tokenizer files of a bloomtrain checkpoint, loadable "
+        "with transformers' BloomForCausalLM.from_pretrained.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a checkpoint step directory or a root holding `latest`")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.set_defaults(func=lambda args: _run(export_hf, args.checkpoint, args.output))
+
+
+def _run(convert, source, output) -> int:
+    convert(source, output)
+    return 0

@@ -1,0 +1,315 @@
+"""HF interop: logits parity with transformers' BloomForCausalLM, bit-exact import/export, CLI.
+
+Tolerance: 1e-4 max abs on fp32 logits. HF computes attention with baddbmm and an explicit fp32
+softmax, bloomtrain with SDPA and a relative-position ALiBi bias; on these tiny models the two
+orders of summation differ by ~1e-6, so 1e-4 leaves margin without hiding a real mismatch (a wrong
+slope or a transposed QKV layout moves logits by >1e-2).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import bloomtrain
+from bloomtrain import checkpoint, hf
+from bloomtrain.cli import main
+from bloomtrain.utils import UserError
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # These matmuls are tiny; with two intra-op threads on a shared 2-core machine, OpenMP's
+    # spin-waiting made one generate() call 300x slower (6 s instead of 20 ms).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+# name -> (BloomConfig kwargs, perturb biases and LayerNorms away from their init)
+CONFIGS = {
+    "h64_4heads": (dict(hidden_size=64, n_head=4, n_layer=3, vocab_size=256), False),
+    "h96_12heads": (dict(hidden_size=96, n_head=12, n_layer=2, vocab_size=256), False),
+    "h48_6heads": (dict(hidden_size=48, n_head=6, n_layer=2, vocab_size=256), False),
+    "perturbed": (dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), True),
+}
+
+
+def make_hf_model(config_kwargs, seed=0, perturb=False, dtype=torch.float32):
+    cfg = transformers.BloomConfig(**config_kwargs)
+    torch.manual_seed(seed)
+    model = transformers.BloomForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # HF's init is normal(0, 0.02) for matrices but zero biases and unit LayerNorms; a
+            # mistake in any of those would be invisible without this.
+            if perturb and ("bias" in name or "layernorm" in name or "ln_f" in name):
+                p.add_(0.2 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def save_bin(model, path, strip_prefix=False, num_shards=1):
+    """pytorch_model.bin as transformers 4.x's save_pretrained(safe_serialization=False) wrote it
+    (transformers 5 writes safetensors only). strip_prefix mimics old BloomModel checkpoints."""
+    path.mkdir(parents=True)
+    model.config.to_json_file(path / "config.json")
+    state = model.state_dict()  # includes the tied lm_head.weight
+    if strip_prefix:
+        state = {k.removeprefix("transformer."): v for k, v in state.items()
+                 if k != "lm_head.weight"}
+    if num_shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return path
+    names = list(state)
+    weight_map = {}
+    for i in range(num_shards):
+        shard = f"pytorch_model-{i + 1:05d}-of-{num_shards:05d}.bin"
+        part = {n: state[n] for n in names[i::num_shards]}
+        torch.save(part, path / shard)
+        weight_map.update({n: shard for n in part})
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def read_safetensors(path):
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def assert_bitwise_equal(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        a_bytes, b_bytes = (t.reshape(-1).view(torch.uint8) for t in (a[k], b[k]))
+        assert torch.equal(a_bytes, b_bytes), k
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logit_parity_safetensors_and_bin(name, ids, tmp_path):
+    kwargs, perturb = CONFIGS[name]
+    ref = make_hf_model(kwargs, perturb=perturb)
+    want = hf_logits(ref, ids)
+    ref.save_pretrained(tmp_path / "st")
+    save_bin(ref, tmp_path / "bin")
+    for fmt in ("st", "bin"):
+        got = bloomtrain.load_model(tmp_path / fmt)(ids)
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < ATOL, fmt
+        ckpt = hf.import_hf(tmp_path / fmt, tmp_path / f"ckpt_{fmt}", log=lambda *_: None)
+        got = bloomtrain.load_model(ckpt.parent)(ids)  # a root with `latest`
+        assert (got - want).abs().max().item() < ATOL, fmt
+
+
+def test_load_model_contract(tmp_path, ids):
+    ref = make_hf_model(CONFIGS["h64_4heads"][0])
+    ref.save_pretrained(tmp_path / "st")
+    model = bloomtrain.load_model(tmp_path / "st")
+    assert not model.training
+    assert model.lm_head.weight is model.transformer.word_embeddings.weight
+    assert model.transformer.alibi_slopes.dtype == torch.float32
+    bf16 = bloomtrain.load_model(tmp_path / "st", dtype="bf16")
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert bf16.lm_head.weight is bf16.transformer.word_embeddings.weight
+    assert bf16(ids).shape == (2, 16, 256)
+
+
+def test_sharded_and_unprefixed_inputs(tmp_path, ids):
+    ref = make_hf_model(CONFIGS["h64_4heads"][0], seed=3)
+    original = read_safetensors(_save(ref, tmp_path / "orig"))
+    ref.save_pretrained(tmp_path / "st_sharded", max_shard_size="40KB")
+    assert (tmp_path / "st_sharded" / "model.safetensors.index.json").is_file()
+    save_bin(ref, tmp_path / "bin_sharded", num_shards=3)
+    save_bin(ref, tmp_path / "bin_bare", strip_prefix=True)
+    for src in ("st_sharded", "bin_sharded", "bin_bare"):
+        ckpt = hf.import_hf(tmp_path / src, tmp_path / f"ckpt_{src}", log=lambda *_: None)
+        assert_bitwise_equal(read_safetensors(ckpt / "model.safetensors"), original)
+
+
+def _save(model, path):
+    model.save_pretrained(path)
+    return path / "model.safetensors"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_import_export_roundtrip_bitwise(dtype, tmp_path, ids):
+    ref = make_hf_model(CONFIGS["perturbed"][0], seed=5, perturb=True, dtype=dtype)
+    original = read_safetensors(_save(ref, tmp_path / "hf"))
+    ckpt = hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    manifest = checkpoint.read_manifest(ckpt)
+    assert manifest["source"] == "hf" and manifest["step"] == 0
+    out = hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)
+    exported = read_safetensors(out / "model.safetensors")
+    assert_bitwise_equal(exported, original)
+    assert "lm_head.weight" not in exported
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == str(dtype).removeprefix("torch.")
+    assert cfg["vocab_size"] == 256 and cfg["tie_word_embeddings"] is True
+    reloaded, info = transformers.BloomForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert reloaded.lm_head.weight is reloaded.transformer.word_embeddings.weight
+    assert reloaded.dtype == dtype
+    # Same weights and the same HF code: identical logits in any dtype.
+    assert torch.equal(hf_logits(reloaded.eval(), ids), hf_logits(ref, ids))
+    if dtype == torch.float32:
+        ours = bloomtrain.load_model(out)(ids)
+        assert (ours - hf_logits(ref, ids)).abs().max().item() < ATOL
+
+
+def test_export_own_checkpoint_with_tokenizer(tmp_path, tiny_tokenizer_dir):
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.model import BloomShape, build_model
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    shape = BloomShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4,
+                       ffn_hidden_size=256)
+    model = build_model(shape, seed=7)
+    with torch.no_grad():  # move LayerNorms and biases off their init, as training would
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    checkpoint.save_checkpoint(tmp_path / "run", 100, model.state_dict(), shape, tokenizer=tok)
+    out = hf.export_hf(tmp_path / "run", tmp_path / "export", log=lambda *_: None)
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json", "config.json", "model.safetensors"):
+        assert (out / name).is_file(), name
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 3)
+    assert cfg["vocab_size"] == 512  # the padded size, not the tokenizer's
+
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog.")])
+    reloaded, info = transformers.BloomForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    with torch.no_grad():
+        want = model.eval()(ids)
+    assert (hf_logits(reloaded.eval(), ids) - want).abs().max().item() < ATOL
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok("héllo 数据").input_ids == tok.encode("héllo 数据")
+
+
+def test_export_replaces_previous_export_only(tmp_path):
+    ref = make_hf_model(CONFIGS["h48_6heads"][0])
+    ref.save_pretrained(tmp_path / "hf")
+    hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)  # overwrites
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export", "hf"]  # no temp left
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not an HF Bloom export"):
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "other", log=lambda *_: None)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_import_rejects_bad_inputs(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        hf.import_hf(tmp_path / "nope", tmp_path / "out")
+    ref = make_hf_model(CONFIGS["h48_6heads"][0])
+    ref.save_pretrained(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+
+    for patch, match in (({"model_type": "gpt2"}, "model_type 'gpt2'"),
+                         ({"apply_residual_connection_post_layernorm": True}, "post_layernorm"),
+                         ({"tie_word_embeddings": False}, "tie_word_embeddings"),
+                         ({"n_layer": 3}, "missing"),
+                         ({"hidden_size": 50}, "divisible")):
+        cfg_path.write_text(json.dumps({**cfg, **patch}))
+        with pytest.raises(UserError, match=match):
+            hf.import_hf(tmp_path / "hf", tmp_path / "out")
+    cfg_path.write_text(json.dumps(cfg))
+
+    untied = tmp_path / "untied"
+    save_bin(ref, untied)
+    state = torch.load(untied / "pytorch_model.bin", weights_only=True)
+    state["lm_head.weight"] = state["lm_head.weight"].clone() + 1
+    torch.save(state, untied / "pytorch_model.bin")
+    with pytest.raises(UserError, match="untied"):
+        hf.import_hf(untied, tmp_path / "out")
+
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(UserError, match="has no weights"):
+        hf.import_hf(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_shape_config_roundtrip():
+    from bloomtrain.model import BloomShape
+
+    shape = BloomShape(vocab_size=250880, hidden_size=1024, num_layers=24, num_heads=16,
+                       ffn_hidden_size=4096, init_method_std=0.0048)
+    cfg = hf.hf_config_from_shape(shape, {"dtype": "bfloat16", "eos_token_id": 2})
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["architectures"] == ["BloomForCausalLM"]
+    assert hf.shape_from_hf_config(cfg) == shape
+    # bigscience/bloom's own config spells the width n_embed and heads num_attention_heads.
+    old = {"model_type": "bloom", "n_embed": 14336, "num_attention_heads": 112, "n_layer": 70,
+           "vocab_size": 250880, "pretraining_tp": 4, "slow_but_exact": False}
+    big = hf.shape_from_hf_config(old)
+    assert (big.hidden_size, big.num_heads, big.ffn_hidden_size) == (14336, 112, 57344)
+    assert transformers.BloomConfig(**cfg).hidden_size == 1024
+
+
+def test_cli_import_export(tmp_path, capsys, ids):
+    ref = make_hf_model(CONFIGS["h64_4heads"][0])
+    ref.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", "--input", str(tmp_path / "hf"), "--output",
+                 str(tmp_path / "ckpt")]) == 0
+    assert "no tokenizer.json" in capsys.readouterr().out
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--output",
+                 str(tmp_path / "export")]) == 0
+    assert_bitwise_equal(read_safetensors(tmp_path / "export" / "model.safetensors"),
+                         read_safetensors(tmp_path / "hf" / "model.safetensors"))
+
+    assert main(["import-hf", "--input", str(tmp_path / "missing"), "--output",
+                 str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    shutil.copytree(tmp_path / "hf", tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    assert main(["import-hf", "--input", str(tmp_path / "gpt2"), "--output",
+                 str(tmp_path / "x")]) == 2
+    assert "model_type 'gpt2'" in capsys.readouterr().err
+    assert main(["export-hf", "--checkpoint", str(tmp_path / "nothing"), "--output",
+                 str(tmp_path / "y")]) == 2
+    assert "no bloomtrain checkpoint" in capsys.readouterr().err
+
+
+def test_export_ignores_optimizer_state_but_checks_weights(tmp_path):
+    from bloomtrain.model import BloomShape, build_model
+
+    shape = BloomShape(vocab_size=256, hidden_size=32, num_layers=1, num_heads=2,
+                       ffn_hidden_size=128)
+    state = build_model(shape, seed=1).state_dict()
+    optim = {f"exp_avg.{n}": torch.zeros_like(t) for n, t in state.items() if n != "lm_head.weight"}
+    step = checkpoint.save_checkpoint(tmp_path / "run", 5, state, shape, optim_state=optim)
+    (step / "optim.safetensors").write_bytes(b"truncated")  # never read by export or load_model
+    hf.export_hf(tmp_path / "run", tmp_path / "export", log=lambda *_: None)
+    assert bloomtrain.load_model(tmp_path / "run")(torch.tensor([[1, 2, 3]])).shape == (1, 3, 256)
+
+    weights = step / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="checksum"):
+        hf.export_hf(tmp_path / "run", tmp_path / "export2", log=lambda *_: None)
+    assert not (tmp_path / "export2").exists()

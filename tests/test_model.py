@@ -1,0 +1,108 @@
+import math
+
+import pytest
+import torch
+
+from bloomtrain.config import ModelConfig
+from bloomtrain.model import (PRESETS, BloomForCausalLM, BloomShape, alibi_slopes, build_model,
+                              resolve_model_config)
+from bloomtrain.utils import UserError
+
+# Published parameter counts (bloom_facts.md §1, §3).
+PUBLISHED = {
+    "bloom-560m": 559_214_592,
+    "bloom-1b1": 1_065_314_304,
+    "bloom-1b7": 1_722_408_960,
+    "bloom-3b": 3_002_557_440,
+    "bloom-7b1": 7_069_016_064,
+    "bloom-176b": 176_247_271_424,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_preset_parameter_counts(preset):
+    shape = resolve_model_config(ModelConfig(preset=preset))
+    assert shape.num_parameters() == PUBLISHED[preset]
+    if preset != "bloom-176b":  # count the real module too (on the meta device: no memory)
+        with torch.device("meta"):
+            model = BloomForCausalLM(shape)
+        assert sum(p.numel() for p in model.parameters()) == PUBLISHED[preset]
+
+
+def test_preset_with_bloom_tokenizer_keeps_published_vocab():
+    shape = resolve_model_config(ModelConfig(preset="bloom-560m"), vocab_size=250680)
+    assert shape.vocab_size == 250880
+
+
+def test_vocab_padding_and_shape_errors():
+    shape = resolve_model_config(ModelConfig(preset="tiny"), vocab_size=1000)
+    assert shape.vocab_size == 1024
+    with pytest.raises(UserError, match="divisible by model.num_heads"):
+        resolve_model_config(ModelConfig(preset=None, hidden_size=100, num_layers=2, num_heads=3,
+                                         vocab_size=10))
+    with pytest.raises(UserError, match="unknown"):
+        resolve_model_config(ModelConfig(preset="bloom-9000"))
+
+
+@pytest.mark.parametrize("heads", [1, 4, 6, 12, 16, 112])
+def test_alibi_slopes_match_hf(heads):
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    seq = 5
+    mask = torch.ones(1, seq)
+    hf = build_alibi_tensor(mask, heads, torch.float32).view(heads, 1, seq)
+    # HF's bias is slope * key_position; position 1 isolates the slope. HF raises the base to
+    # each power in fp32, we in fp64 then round, hence a last-bit tolerance.
+    assert torch.allclose(alibi_slopes(heads), hf[:, 0, 1], rtol=1e-6, atol=0)
+
+
+def test_alibi_112_heads_values():
+    s = alibi_slopes(112).double().tolist()
+    assert math.isclose(s[0], 2 ** (-1 / 8), rel_tol=1e-6) and math.isclose(s[63], 2 ** (-8), rel_tol=1e-6)
+    assert math.isclose(s[64], 2 ** (-1 / 16), rel_tol=1e-6)
+    assert math.isclose(s[111], 2 ** (-95 / 16), rel_tol=1e-6)
+
+
+def test_init_is_megatron_style():
+    shape = BloomShape(vocab_size=512, hidden_size=256, num_layers=8, num_heads=4,
+                       ffn_hidden_size=1024, init_method_std=0.02)
+    model = build_model(shape, seed=3)
+    sd = dict(model.named_parameters())
+    qkv = sd["transformer.h.0.self_attention.query_key_value.weight"]
+    out = sd["transformer.h.0.mlp.dense_4h_to_h.weight"]
+    assert abs(qkv.std().item() - 0.02) < 0.001
+    assert abs(out.std().item() - 0.02 / math.sqrt(16)) < 0.0003
+    assert torch.all(sd["transformer.h.0.input_layernorm.weight"] == 1)
+    assert torch.all(sd["transformer.h.0.self_attention.dense.bias"] == 0)
+    assert model.lm_head.weight is model.transformer.word_embeddings.weight
+    # Same seed, same weights; different seed, different weights.
+    again = build_model(shape, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    other = build_model(shape, seed=4)
+    assert not torch.equal(other.transformer.word_embeddings.weight,
+                           model.transformer.word_embeddings.weight)
+
+
+def test_activation_checkpointing_same_gradients():
+    shape = resolve_model_config(ModelConfig(preset="tiny"))
+    ids = torch.randint(0, 256, (2, 16))
+    grads = []
+    for ckpt in (False, True):
+        model = build_model(shape, seed=1)
+        model.set_activation_checkpointing(ckpt)
+        model.train()
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_kv_cache_matches_full_forward():
+    shape = resolve_model_config(ModelConfig(preset="tiny"))
+    model = build_model(shape, seed=2).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        full = model(ids)
+        logits, past = model(ids[:, :8], return_presents=True)
+        step, _ = model(ids[:, 8:], past_kvs=past, return_presents=True)
+    assert torch.allclose(full[:, :8], logits, atol=1e-5)
+    assert torch.allclose(full[:, 8:], step, atol=1e-5)

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+
+from bloomtrain.optim import DynamicLossScaler, LRSchedule, megatron_tflops, no_weight_decay
+
+
+def megatron_lr(s, max_lr, min_lr, warmup, decay, style):
+    """Megatron-DeepSpeed's AnnealingLR.get_lr written out independently, in samples."""
+    if warmup > 0 and s <= warmup:
+        return max_lr * s / warmup
+    if style == "constant":
+        return max_lr
+    if s > decay:
+        return min_lr
+    r = (s - warmup) / (decay - warmup)
+    coeff = 1.0 - r if style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
+def test_lr_schedule_against_megatron(style):
+    # BLOOM-176B's schedule: 6e-5 -> 6e-6, warmup 183,105 samples, decay over 200M samples.
+    sched = LRSchedule(6e-5, 6e-6, 183_105, 200_000_000, style)
+    for s in (0, 1, 2048, 183_104, 183_105, 183_106, 50_000_000, 100_091_552, 199_999_999,
+              200_000_000, 200_000_001, 220_000_000):
+        assert sched(s) == pytest.approx(megatron_lr(s, 6e-5, 6e-6, 183_105, 200_000_000, style),
+                                         rel=1e-12, abs=1e-18)
+    if style == "cosine":
+        assert sched(0) == 0.0
+        assert sched(183_105) == pytest.approx(6e-5)
+        mid = 183_105 + (200_000_000 - 183_105) // 2
+        assert sched(mid) == pytest.approx(3.3e-5, rel=1e-5)
+        assert sched(250_000_000) == 6e-6
+
+
+def test_loss_scaler_hysteresis_window_min():
+    sc = DynamicLossScaler(2.0 ** 12, window=3, hysteresis=2, min_scale=1.0)
+    sc.update(True)            # first overflow: hysteresis absorbs it
+    assert sc.scale == 4096
+    sc.update(True)            # second: halve
+    assert sc.scale == 2048
+    sc.update(True)            # tracker stays exhausted: halve again
+    assert sc.scale == 1024
+    for _ in range(3):
+        sc.update(False)
+    assert sc.scale == 2048    # window of clean steps doubles and resets hysteresis
+    sc.update(True)
+    assert sc.scale == 2048
+    tiny = DynamicLossScaler(2.0, window=500, hysteresis=1, min_scale=1.0)
+    for _ in range(5):
+        tiny.update(True)
+    assert tiny.scale == 1.0
+    state = sc.state_dict()
+    other = DynamicLossScaler()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+
+
+def test_no_weight_decay_groups():
+    assert no_weight_decay("transformer.h.0.self_attention.dense.bias", 1)
+    assert no_weight_decay("transformer.h.0.input_layernorm.weight", 1)
+    assert no_weight_decay("transformer.ln_f.weight", 1)
+    assert not no_weight_decay("transformer.h.0.mlp.dense_h_to_4h.weight", 2)
+    assert not no_weight_decay("transformer.word_embeddings.weight", 2)
+
+
+def test_tflops_formula_reproduces_bloom_logs():
+    # bloom_facts.md §2: the 176B run logged 149.02 TFLOPs at 105.22 s/iteration on 384 GPUs.
+    tf = megatron_tflops(2048, 2048, 70, 14336, 250880, 105.22, 384, True)
+    assert tf == pytest.approx(149.02, abs=0.01)
+    assert megatron_tflops(16, 2048, 70, 14336, 250880, 15.23, 384, True) == pytest.approx(8.04, abs=0.01)
