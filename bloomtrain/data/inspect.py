@@ -1,0 +1,121 @@
+"""`bloomtrain data inspect|merge`: look into and concatenate Megatron `MMIDIDX` datasets
+(merge does what Megatron's `tools/merge_datasets.py` does)."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset, strip_suffix
+from bloomtrain.utils import UserError
+
+_BAR_WIDTH = 40
+_SAMPLE_CHARS = 200
+
+
+def document_lengths(ds: MMapIndexedDataset) -> np.ndarray:
+    """Tokens per document (a document may hold several sequences)."""
+    ends = np.concatenate([[0], np.cumsum(ds.sizes, dtype=np.int64)])
+    return ends[ds.doc_idx[1:]] - ends[ds.doc_idx[:-1]]
+
+
+def length_histogram(lengths: np.ndarray) -> list[str]:
+    """Power-of-two buckets, because document lengths span several orders of magnitude."""
+    if lengths.size == 0:
+        return []
+    top = max(int(lengths.max()), 1)
+    edges = [0, 1] + [2 ** k for k in range(1, int(math.log2(top)) + 2)]
+    counts, _ = np.histogram(lengths, bins=edges)
+    peak = max(int(counts.max()), 1)
+    nonzero = np.flatnonzero(counts)
+    lines = []
+    for b in range(nonzero[0], nonzero[-1] + 1):
+        lo, hi, count = edges[b], edges[b + 1], counts[b]
+        label = f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
+        bar = "#" * math.ceil(_BAR_WIDTH * int(count) / peak)
+        lines.append(f"  {label:>15} | {int(count):>10,} {bar}")
+    return lines
+
+
+def inspect_dataset(prefix: str, tokenizer: str | None = None, samples: int = 3,
+                    log: Callable[[str], None] = print) -> MMapIndexedDataset:
+    ds = MMapIndexedDataset(strip_suffix(prefix))
+    lengths = document_lengths(ds)
+    log(f"dataset    {ds.prefix}")
+    log(f"documents  {ds.num_docs:,}")
+    log(f"sequences  {len(ds):,}")
+    log(f"tokens     {ds.num_tokens:,}")
+    log(f"dtype      {ds.dtype.name}")
+    if lengths.size:
+        log(f"doc length min {int(lengths.min()):,}  mean {float(lengths.mean()):,.1f}  "
+            f"max {int(lengths.max()):,} tokens")
+        log("doc length histogram (tokens | documents):")
+        for line in length_histogram(lengths):
+            log(line)
+    if tokenizer and samples > 0 and ds.num_docs:
+        from bloomtrain.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        # Evenly spaced documents show more of the corpus than the first few.
+        picks = np.unique(np.linspace(0, ds.num_docs - 1, num=min(samples, ds.num_docs)).astype(int))
+        for doc in picks:
+            first, last = int(ds.doc_idx[doc]), int(ds.doc_idx[doc + 1])
+            # Enough tokens for 200 characters without decoding a whole long document.
+            ids = np.concatenate([ds[i] for i in range(first, last)] or [np.zeros(0, ds.dtype)])[:800]
+            text = tok.decode(ids.tolist())[:_SAMPLE_CHARS]
+            log(f"--- document {doc} ({int(lengths[doc]):,} tokens)")
+            log(repr(text))
+    return ds
+
+
+def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:
+    prefixes = [strip_suffix(p) for p in inputs]
+    output_prefix = strip_suffix(output_prefix)
+    if not prefixes:
+        raise UserError("merge needs at least one --inputs prefix")
+    if os.path.abspath(output_prefix) in {os.path.abspath(p) for p in prefixes}:
+        raise UserError(f"--output-prefix {output_prefix} is also an input; choose a new prefix")
+    datasets = [MMapIndexedDataset(p) for p in prefixes]
+    dtypes = {ds.dtype for ds in datasets}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{ds.prefix} ({ds.dtype.name})" for ds in datasets)
+        raise UserError(f"inputs have different dtypes: {listing}; re-run preprocess with one "
+                        f"tokenizer so they share one")
+    with IndexedDatasetBuilder(output_prefix, datasets[0].dtype) as builder:
+        for ds in datasets:
+            builder.add_index(ds.prefix)
+    return MMapIndexedDataset(output_prefix)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="inspect or merge .bin/.idx datasets")
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION")
+    sub.required = True
+    i = sub.add_parser("inspect", help="print counts, a length histogram and decoded samples",
+                       description="Print a dataset's documents, sequences, tokens, dtype, document "
+                       "length statistics and histogram, and decoded samples with --tokenizer.")
+    i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (without .bin/.idx)")
+    i.add_argument("--tokenizer", metavar="PATH", help="tokenizer to decode samples with")
+    i.add_argument("--samples", type=int, default=3, metavar="K",
+                   help="decoded documents to show, evenly spaced (default: 3)")
+    i.set_defaults(func=_inspect_main)
+    m = sub.add_parser("merge", help="concatenate datasets that share a dtype",
+                       description="Concatenate datasets in the given order into one, like "
+                       "Megatron's tools/merge_datasets.py.")
+    m.add_argument("--inputs", nargs="+", required=True, metavar="PREFIX")
+    m.add_argument("--output-prefix", required=True, metavar="OUT")
+    m.set_defaults(func=_merge_main)
+
+
+def _inspect_main(args) -> int:
+    inspect_dataset(args.prefix, args.tokenizer, args.samples)
+    return 0
+
+
+def _merge_main(args) -> int:
+    ds = merge_datasets(args.inputs, args.output_prefix)
+    print(f"wrote {ds.prefix}.bin/.idx: {ds.num_docs:,} documents, {len(ds):,} sequences, "
+          f"{ds.num_tokens:,} tokens ({ds.dtype.name})")
+    return 0

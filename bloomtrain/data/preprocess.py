@@ -1,0 +1,452 @@
+"""Tokenize text corpora into Megatron `MMIDIDX` datasets, like Megatron-DeepSpeed's
+`tools/preprocess_data.py` without sentence splitting: each input document becomes one sequence
+and one document of `{output_prefix}_{json_key}_document.bin/.idx`.
+
+Inputs are read as streams by extension: JSON lines (`.jsonl`/`.json`, optionally `.gz`/`.zst`,
+one object per line, text under `json_key`), Parquet (column `json_key`, read by record batch),
+and anything else as plain text where each file is one document.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import glob
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from bloomtrain.data.indexed import IndexedDatasetBuilder, best_fitting_dtype
+from bloomtrain.utils import UserError
+
+# Record kinds handed to the tokenizing step; parsing happens there so that workers share it.
+_JSON, _TEXT, _BYTES = "json", "text", "bytes"
+_BATCH_RECORDS = 256
+_BATCH_BYTES = 4 << 20
+_MAX_REPORTS = 20
+
+SKIP_REASONS = ("invalid_json", "missing_key", "not_utf8", "empty")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _walk(directory: Path) -> list[Path]:
+    # Hidden entries are skipped: they hold editor swap files and bloomtrain's own temporaries.
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
+    return sorted(found)
+
+
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
+    """Files, globs (`**` recurses) and directories (recursed), each expanded in sorted order so
+    that the output never depends on the filesystem's listing order. Duplicates are dropped."""
+    if not inputs:
+        raise UserError("no input given; pass --input FILE [FILE ...] (files, globs or directories)")
+    paths: list[Path] = []
+    for item in inputs:
+        item = os.fspath(item)
+        if glob.has_magic(item):
+            matches = sorted(glob.glob(item, recursive=True))
+            if not matches:
+                raise UserError(f"no files matched {item!r}")
+            for match in matches:
+                paths.extend(_walk(Path(match)) if os.path.isdir(match) else [Path(match)])
+        elif os.path.isdir(item):
+            files = _walk(Path(item))
+            if not files:
+                raise UserError(f"directory {item} contains no input files")
+            paths.extend(files)
+        elif os.path.isfile(item):
+            paths.append(Path(item))
+        else:
+            raise UserError(f"input {item} does not exist")
+    seen, unique = set(), []
+    for path in paths:
+        key = os.path.abspath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def input_format(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(`jsonl` | `parquet` | `text`, compression `gz` | `zst` | None), from the file name."""
+    name = Path(path).name.lower()
+    compression = None
+    for ext in ("gz", "zst"):
+        if name.endswith("." + ext):
+            compression, name = ext, name[: -len(ext) - 1]
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl", compression
+    if name.endswith(".parquet") and compression is None:
+        return "parquet", None
+    return "text", compression
+
+
+@contextlib.contextmanager
+def _open_binary(path: Path, compression: str | None) -> Iterator[io.BufferedIOBase]:
+    if compression == "gz":
+        with gzip.open(path, "rb") as f:
+            yield f
+    elif compression == "zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"reading {path} needs zstandard: pip install 'bloomtrain[formats]'")
+        with open(path, "rb") as raw:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            with io.BufferedReader(reader, 1 << 20) as f:
+                yield f
+    else:
+        with open(path, "rb") as f:
+            yield f
+
+
+def iter_records(path: str | os.PathLike, json_key: str = "text") -> Iterator[tuple[int, str, object]]:
+    """(line or row number from 1, kind, payload) for every document of one input file, streamed.
+    Blank lines of JSON-lines files are not documents and are passed over silently."""
+    path = Path(path)
+    fmt, compression = input_format(path)
+    try:
+        if fmt == "jsonl":
+            with _open_binary(path, compression) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield lineno, _JSON, line
+        elif fmt == "parquet":
+            yield from _iter_parquet(path, json_key)
+        else:
+            with _open_binary(path, compression) as f:
+                yield 1, _BYTES, f.read()
+    except UserError:
+        raise
+    except Exception as e:
+        # gzip, zstandard and the OS each raise their own types for a truncated or mislabeled file.
+        raise UserError(f"cannot read {path} as {compression or fmt}: {e}") from e
+
+
+def _iter_parquet(path: Path, json_key: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install 'bloomtrain[formats]'")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:
+        raise UserError(f"cannot read {path} as Parquet: {e}") from e
+    names = parquet.schema_arrow.names
+    if json_key not in names:
+        raise UserError(f"{path} has no column {json_key!r} (columns: {', '.join(names)}); "
+                        f"pass --json-key")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=[json_key]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            yield row, _TEXT, value
+
+
+def iter_texts(inputs: list[str | os.PathLike], json_key: str = "text") -> Iterator[str]:
+    """The valid, non-empty documents of all inputs in order; unusable ones are skipped, as
+    preprocess (non-strict) skips them. Used for tokenizer training."""
+    for path in expand_inputs(inputs):
+        for _, kind, payload in iter_records(path, json_key):
+            text, _ = parse_record(kind, payload, json_key)
+            if text:
+                yield text
+
+
+def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason) with reason in SKIP_REASONS."""
+    if kind == _TEXT:
+        text = payload
+    else:
+        try:
+            decoded = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "not_utf8"
+        if kind == _BYTES:
+            text = decoded
+        else:
+            try:
+                obj = json.loads(decoded)
+            except ValueError:
+                return None, "invalid_json"
+            if not isinstance(obj, dict) or json_key not in obj:
+                return None, "missing_key"
+            text = obj[json_key]
+    if not isinstance(text, str):
+        return None, "missing_key"
+    if not text:
+        return None, "empty"
+    return text, None
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    # A forked child must not use the parent's Rayon pool; parallelism comes from processes here.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from bloomtrain.data.tokenizer import load_tokenizer
+
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _encode_batch(tokenizer, batch, json_key: str, append_eod: bool, dtype):
+    """Per record: (lineno, tokens) or (lineno, reason)."""
+    parsed = [(lineno, *parse_record(kind, payload, json_key)) for lineno, kind, payload in batch]
+    texts = [text for _, text, _ in parsed if text is not None]
+    encoded = iter(tokenizer.encode_batch(texts)) if texts else iter(())
+    eod = [tokenizer.eod_id] if append_eod else []
+    results = []
+    for lineno, text, reason in parsed:
+        if text is None:
+            results.append((lineno, reason))
+            continue
+        ids = next(encoded)
+        if not ids:
+            # Text that the tokenizer maps to nothing would be an empty sequence.
+            results.append((lineno, "empty"))
+            continue
+        results.append((lineno, np.asarray(ids + eod, dtype=dtype)))
+    return results
+
+
+def _work(args):
+    batch, json_key, append_eod, dtype = args
+    return _encode_batch(_worker_tokenizer, batch, json_key, append_eod, dtype)
+
+
+def _batches(paths: list[Path], json_key: str):
+    """(path index, records) in input order; a batch never spans two files."""
+    for index, path in enumerate(paths):
+        batch, nbytes = [], 0
+        for record in iter_records(path, json_key):
+            batch.append(record)
+            payload = record[2]
+            nbytes += len(payload) if isinstance(payload, (bytes, str)) else 0
+            if len(batch) >= _BATCH_RECORDS or nbytes >= _BATCH_BYTES:
+                yield index, batch
+                batch, nbytes = [], 0
+        if batch:
+            yield index, batch
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """One self-overwriting stderr line with rates, redrawn at most every `interval` seconds."""
+
+    def __init__(self, enabled: bool = True, interval: float = 0.25, stream=None):
+        self.enabled = enabled
+        self.interval = interval
+        self.stream = stream or sys.stderr
+        self.start = self._last = time.monotonic()
+        self._width = 0
+
+    def update(self, docs: int, tokens: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        elapsed = max(now - self.start, 1e-9)
+        line = (f"{docs:,} docs  {tokens:,} tokens  {docs / elapsed:,.0f} docs/s  "
+                f"{tokens / elapsed:,.0f} tokens/s  {elapsed:.0f}s")
+        # Pad over the previous, possibly longer, line.
+        self.stream.write("\r" + line.ljust(self._width))
+        self._width = len(line)
+        self.stream.flush()
+
+    def close(self, docs: int, tokens: int) -> None:
+        if self.enabled:
+            self.update(docs, tokens, force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class PreprocessStats:
+    output_prefix: str
+    files: int = 0
+    docs: int = 0
+    tokens: int = 0
+    skipped: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    reports: list[str] = dataclasses.field(default_factory=list)
+    elapsed: float = 0.0
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+
+def dataset_prefix(output_prefix: str | os.PathLike, json_key: str = "text") -> str:
+    return f"{os.fspath(output_prefix)}_{json_key}_document"
+
+
+_REASON_TEXT = {
+    "invalid_json": "invalid JSON",
+    "missing_key": "missing key {key!r} or its value is not a string",
+    "not_utf8": "not valid UTF-8",
+    "empty": "empty document",
+}
+
+
+def _check_output_dir(prefix: str) -> None:
+    parent = Path(prefix).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output directory {parent}: {e}") from e
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"output directory {parent} is not writable; choose another --output-prefix")
+
+
+def preprocess(
+    inputs: list[str | os.PathLike],
+    tokenizer,
+    output_prefix: str | os.PathLike,
+    json_key: str = "text",
+    append_eod: bool = False,
+    workers: int = 1,
+    strict: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> PreprocessStats:
+    """Tokenize `inputs` into `{output_prefix}_{json_key}_document.bin/.idx`.
+
+    `tokenizer` is a path (tokenizer.json or an HF tokenizer directory) or a loaded Tokenizer.
+    Unusable documents (SKIP_REASONS) are skipped and reported by file and line, or with
+    `strict` the first one raises and nothing is written. The output is the same for any
+    number of workers."""
+    from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
+
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if append_eod:
+        tok.eod_id  # fail before reading anything if the tokenizer has no end-of-document token
+    paths = expand_inputs(inputs)
+    prefix = dataset_prefix(output_prefix, json_key)
+    _check_output_dir(prefix)
+    dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
+    stats = PreprocessStats(output_prefix=prefix, files=len(paths))
+    bar = Progress(enabled=progress)
+    start = time.monotonic()
+
+    def consume(path_index: int, results) -> None:
+        for lineno, result in results:
+            if isinstance(result, str):
+                where = f"{paths[path_index]}:{lineno}"
+                message = f"{where}: {_REASON_TEXT[result].format(key=json_key)}"
+                if strict:
+                    raise UserError(f"{message} (run without --strict to skip such documents)")
+                stats.skipped[result] += 1
+                if len(stats.reports) < _MAX_REPORTS:
+                    stats.reports.append(message)
+                continue
+            builder.add_item(result)
+            builder.end_document()
+            stats.docs += 1
+            stats.tokens += int(result.size)
+        bar.update(stats.docs, stats.tokens)
+
+    builder = IndexedDatasetBuilder(prefix, dtype)
+    pool = None
+    try:
+        batches = _batches(paths, json_key)
+        if workers == 1:
+            for path_index, batch in batches:
+                consume(path_index, _encode_batch(tok, batch, json_key, append_eod, dtype))
+        else:
+            # An executor, not multiprocessing.Pool: a Pool silently respawns workers whose start
+            # fails and waits forever, an executor raises BrokenProcessPool.
+            pool = concurrent.futures.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context(), initializer=_init_worker,
+                initargs=(str(tok.path),))
+            # A bounded window of submissions keeps memory flat however large the input is.
+            window = collections.deque()
+            for path_index, batch in batches:
+                window.append((path_index, pool.submit(_work, (batch, json_key, append_eod, dtype))))
+                if len(window) >= 2 * workers + 2:
+                    index, pending = window.popleft()
+                    consume(index, pending.result())
+            while window:
+                index, pending = window.popleft()
+                consume(index, pending.result())
+        if stats.docs == 0:
+            raise UserError(f"no usable documents in {len(paths)} input file(s); nothing written"
+                            + (f" (first problem: {stats.reports[0]})" if stats.reports else ""))
+        builder.finalize()
+    except BaseException:
+        builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        bar.close(stats.docs, stats.tokens)
+    stats.elapsed = time.monotonic() - start
+
+    for message in stats.reports:
+        log(f"skipped {message}")
+    if stats.num_skipped > len(stats.reports):
+        log(f"... {stats.num_skipped - len(stats.reports)} more skipped documents not listed")
+    skipped = ", ".join(f"{n} {r}" for r, n in stats.skipped.items() if n) or "none"
+    log(f"wrote {prefix}.bin/.idx: {stats.docs:,} documents, {stats.tokens:,} tokens "
+        f"({dtype.name}) from {stats.files} file(s) in {stats.elapsed:.1f}s; skipped: {skipped}")
+    return stats
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "preprocess",
+        help="tokenize text into a Megatron .bin/.idx dataset",
+        description="Tokenize documents into PREFIX_<json-key>_document.bin/.idx (Megatron MMIDIDX). "
+        "Inputs are files, globs or directories (recursed, sorted). By extension: .jsonl/.json "
+        "(optionally .gz or .zst) hold one JSON object per line with the text under --json-key; "
+        ".parquet holds it in column --json-key; any other file is plain text and is ONE "
+        "document (held in memory whole, so use jsonl for big corpora). Each document becomes "
+        "one sequence. Invalid JSON, a missing key, non-UTF-8 bytes and empty documents are "
+        "skipped and reported with file:line.",
+    )
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="input files, globs or directories")
+    p.add_argument("--tokenizer", required=True, metavar="PATH",
+                   help="tokenizer.json or a directory holding one (any local HF tokenizer)")
+    p.add_argument("--output-prefix", required=True, metavar="P",
+                   help="writes P_<json-key>_document.bin and .idx")
+    p.add_argument("--json-key", default="text", help="JSON key / Parquet column of the text (default: text)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token (</s>) to every document")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail on the first unusable document instead of skipping it")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
+               append_eod=args.append_eod, workers=args.workers, strict=args.strict,
+               progress=not args.no_progress)
+    return 0

@@ -1,0 +1,203 @@
+"""Byte-level BPE tokenizers in the HF `tokenizers` JSON format (`tokenizer.json`), as BLOOM uses.
+
+Training starts from the 256-symbol byte alphabet, so every UTF-8 string encodes without an
+unknown token and decodes back exactly. Special tokens `<unk>`, `<s>`, `</s>`, `<pad>` take ids 0-3
+as in BLOOM's tokenizer. Any local HF tokenizer directory with a `tokenizer.json` loads too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from bloomtrain.utils import UserError, atomic_output
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
+                    min_frequency: int = 2) -> Path:
+    """Train on the documents of `files` (any input preprocess accepts, streamed) and write
+    `output_dir/tokenizer.json` plus the HF side files. Returns the tokenizer.json path."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from bloomtrain.data.preprocess import expand_inputs, iter_texts
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    minimum = len(SPECIAL_TOKENS) + len(alphabet)
+    if vocab_size < minimum:
+        raise UserError(f"--vocab-size {vocab_size} is too small: the byte alphabet and special "
+                        f"tokens alone take {minimum}")
+    paths = expand_inputs(list(files))
+    output_dir = Path(output_dir)
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    counted = {"docs": 0}
+
+    def texts():
+        for text in iter_texts(paths):
+            counted["docs"] += 1
+            yield text
+
+    tok.train_from_iterator(texts(), trainer=trainer)
+    if counted["docs"] == 0:
+        raise UserError(f"no usable text in {len(paths)} input file(s) to train a tokenizer on")
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
+        raise RuntimeError(f"special tokens landed at {[tok.token_to_id(t) for t in SPECIAL_TOKENS]}")
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create output directory {output_dir}: {e}") from e
+    unk, bos, eos, pad = SPECIAL_TOKENS
+    specials = {"unk_token": unk, "bos_token": bos, "eos_token": eos, "pad_token": pad}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "add_prefix_space": False,
+        # transformers would otherwise strip spaces before punctuation when decoding.
+        "clean_up_tokenization_spaces": False,
+    }
+    _write_json(output_dir / "special_tokens_map.json", specials)
+    _write_json(output_dir / "tokenizer_config.json", config)
+    # tokenizer.json last: its presence marks a finished directory.
+    with atomic_output(output_dir / "tokenizer.json") as f:
+        f.write(tok.to_str(pretty=True).encode("utf-8"))
+    return output_dir / "tokenizer.json"
+
+
+def _write_json(path: Path, obj) -> None:
+    with atomic_output(path) as f:
+        f.write((json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def _token_content(value) -> str | None:
+    # HF configs store a special token either as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A loaded tokenizer.json with the ids the data pipeline needs. Encoding never adds special
+    tokens (any BOS/EOS template is ignored); the pipeline appends the end-of-document id itself."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"tokenizer {path} not found; pass a tokenizer.json or a directory "
+                            f"holding one (train one with `bloomtrain tokenizer train`)")
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise UserError(f"{path} has no tokenizer.json; only fast (tokenizers-format) HF "
+                            f"tokenizers are supported")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as e:
+            raise UserError(f"cannot load tokenizer {file}: {e}") from e
+        self.path = file
+        self.config: dict = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                self.config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot read {config_file}: {e}") from e
+
+    def _special_id(self, default: str, config_key: str) -> int | None:
+        token_id = self._tok.token_to_id(default)
+        if token_id is not None:
+            return token_id
+        token = _token_content(self.config.get(config_key))
+        return self._tok.token_to_id(token) if token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod_id(self) -> int:
+        token_id = self._special_id("</s>", "eos_token")
+        if token_id is None:
+            raise UserError(f"tokenizer {self.path} has no end-of-document token: neither '</s>' "
+                            f"nor an eos_token in tokenizer_config.json")
+        return token_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special_id("<pad>", "pad_token")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        # Special tokens are kept so that decode(encode(s)) == s even when s contains "</s>".
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Copy tokenizer.json and its HF side files into `directory` (for exported checkpoints)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in _SIDE_FILES:
+            source = self.path.parent / name
+            if source.is_file():
+                with atomic_output(directory / name) as f, open(source, "rb") as src:
+                    shutil.copyfileobj(src, f)
+        with atomic_output(directory / "tokenizer.json") as f, open(self.path, "rb") as src:
+            shutil.copyfileobj(src, f)
+        return directory / "tokenizer.json"
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    return Tokenizer(path)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
+    sub.required = True
+    t = sub.add_parser(
+        "train",
+        help="train a byte-level BPE tokenizer",
+        description="Train a BLOOM-style byte-level BPE (specials <unk> <s> </s> <pad> = ids 0-3) "
+        "and write DIR/tokenizer.json plus tokenizer_config.json and special_tokens_map.json. "
+        "Inputs are read like `bloomtrain preprocess` reads them (jsonl/gz/zst with key 'text', "
+        "parquet, or plain text files as one document each).",
+    )
+    t.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="input files, globs or directories")
+    t.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    t.add_argument("--output", required=True, metavar="DIR")
+    t.add_argument("--min-frequency", type=int, default=2,
+                   help="pairs seen fewer times are not merged (default: 2)")
+    t.set_defaults(func=_train_main)
+
+
+def _train_main(args) -> int:
+    path = train_tokenizer(args.input, args.vocab_size, args.output, args.min_frequency)
+    tok = load_tokenizer(path)
+    print(f"wrote {path} (vocab size {tok.vocab_size})")
+    return 0

@@ -1,0 +1,207 @@
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset
+from bloomtrain.data.preprocess import expand_inputs, preprocess
+from bloomtrain.data.tokenizer import load_tokenizer
+from bloomtrain.utils import UserError
+
+TEXTS = ["hello world", "数据并行", "Привет 👩‍👩‍👧", "def f():\n\treturn 1  \n", "مرحبا"]
+
+
+def _jsonl(texts):
+    return "".join(json.dumps({"text": t, "id": i}, ensure_ascii=False) + "\n"
+                   for i, t in enumerate(texts)).encode("utf-8")
+
+
+def _read(prefix):
+    ds = MMapIndexedDataset(prefix)
+    return [ds[i].tolist() for i in range(len(ds))], ds
+
+
+def _files(directory):
+    return sorted(p for p in os.listdir(directory))
+
+
+def _quiet(**kw):
+    return dict(progress=False, log=lambda _: None, **kw)
+
+
+def test_all_formats_and_input_kinds(tiny_tokenizer_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.jsonl").write_bytes(_jsonl(TEXTS[:2]))
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl(TEXTS[2:3])))
+    (src / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(TEXTS[3:4])))
+    pq.write_table(pa.table({"text": TEXTS[4:], "n": [1]}), src / "sub" / "d.parquet")
+    (src / "sub" / "e.txt").write_text("a whole\n\nplain text file\n", encoding="utf-8")
+    (src / ".hidden.jsonl").write_bytes(_jsonl(["never read"]))
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    expected = [tok.encode(t) for t in TEXTS] + [tok.encode("a whole\n\nplain text file\n")]
+
+    stats = preprocess([src], tiny_tokenizer_dir, tmp_path / "dir", **_quiet())
+    seqs, ds = _read(tmp_path / "dir_text_document")
+    assert seqs == expected and ds.doc_idx.tolist() == list(range(len(expected) + 1))
+    assert ds.dtype == np.uint16 and stats.docs == len(expected) and stats.num_skipped == 0
+    assert stats.tokens == sum(map(len, expected)) and stats.files == 5
+
+    preprocess([str(src / "*.jsonl*"), str(src / "sub" / "*.txt")], tok, tmp_path / "glob",
+               append_eod=True, **_quiet())
+    seqs, _ = _read(tmp_path / "glob_text_document")
+    assert seqs == [e + [tok.eod_id] for e in expected[:4] + expected[5:]]
+
+
+def test_workers_are_byte_identical(tiny_tokenizer_dir, tmp_path):
+    lines = [json.dumps({"body": f"{TEXTS[i % 5]} {i}"}, ensure_ascii=False) for i in range(600)]
+    lines[7] = "{broken"
+    (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = {}
+    for n in (1, 2):
+        stats = preprocess([tmp_path / "x.jsonl"], tiny_tokenizer_dir, tmp_path / f"w{n}",
+                           json_key="body", workers=n, **_quiet())
+        assert stats.docs == 599 and stats.skipped["invalid_json"] == 1
+        out[n] = [(tmp_path / f"w{n}_body_document{s}").read_bytes() for s in (".bin", ".idx")]
+    assert out[1] == out[2]
+
+
+def test_bad_inputs_are_counted_reported_and_skipped(tiny_tokenizer_dir, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_bytes(b"\n".join([
+        b'{"text": "good one"}',
+        b'{"text": "unterminated',
+        b'{"other": "no text key"}',
+        b'{"text": 5}',
+        b'{"text": "caf\xe9"}',
+        b'',
+        b'{"text": ""}',
+        b'{"text": "good two"}',
+    ]) + b"\n")
+    logged = []
+    stats = preprocess([data], tiny_tokenizer_dir, tmp_path / "o", progress=False, log=logged.append)
+    assert stats.docs == 2
+    assert stats.skipped == {"invalid_json": 1, "missing_key": 2, "not_utf8": 1, "empty": 1}
+    assert stats.reports == [
+        f"{data}:2: invalid JSON",
+        f"{data}:3: missing key 'text' or its value is not a string",
+        f"{data}:4: missing key 'text' or its value is not a string",
+        f"{data}:5: not valid UTF-8",
+        f"{data}:7: empty document",
+    ]
+    assert any(f"{data}:5" in line for line in logged)
+    assert any("1 invalid_json" in line and "2 missing_key" in line for line in logged)
+    seqs, _ = _read(tmp_path / "o_text_document")
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    assert seqs == [tok.encode("good one"), tok.encode("good two")]
+
+
+def test_strict_fails_and_keeps_existing_dataset(tiny_tokenizer_dir, tmp_path):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_bytes(_jsonl(TEXTS))
+    bad.write_bytes(_jsonl(TEXTS[:3]) + b'{"text": "x"\n')
+    preprocess([good], tiny_tokenizer_dir, tmp_path / "out" / "p", **_quiet())
+    before = {p: (tmp_path / "out" / p).read_bytes() for p in _files(tmp_path / "out")}
+    with pytest.raises(UserError, match=f"{bad}:4"):
+        preprocess([bad], tiny_tokenizer_dir, tmp_path / "out" / "p", strict=True, **_quiet())
+    assert {p: (tmp_path / "out" / p).read_bytes() for p in _files(tmp_path / "out")} == before
+    with pytest.raises(UserError, match=f"{bad}:4"):
+        preprocess([bad], tiny_tokenizer_dir, tmp_path / "fresh" / "p", strict=True, workers=2, **_quiet())
+    assert _files(tmp_path / "fresh") == []
+
+
+def test_failure_mid_run_leaves_no_dataset(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS * 3))
+    calls = []
+    real_add_item = IndexedDatasetBuilder.add_item
+
+    def dying_add_item(self, tokens):
+        calls.append(1)
+        if len(calls) == 6:
+            raise OSError("disk full")
+        real_add_item(self, tokens)
+
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_item", dying_add_item)
+    with pytest.raises(OSError, match="disk full"):
+        preprocess([tmp_path / "d.jsonl"], tiny_tokenizer_dir, tmp_path / "out" / "p", **_quiet())
+    assert _files(tmp_path / "out") == []
+
+
+def test_user_errors(tiny_tokenizer_dir, tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS))
+    with pytest.raises(UserError, match="does not exist"):
+        preprocess([tmp_path / "missing.jsonl"], tiny_tokenizer_dir, tmp_path / "o", **_quiet())
+    with pytest.raises(UserError, match="no files matched"):
+        expand_inputs([str(tmp_path / "*.parquet")])
+    with pytest.raises(UserError, match="tokenizer"):
+        preprocess([tmp_path / "d.jsonl"], tmp_path / "no_tok", tmp_path / "o", **_quiet())
+    (tmp_path / "empty.jsonl").write_bytes(b'{"text": ""}\n')
+    with pytest.raises(UserError, match="no usable documents"):
+        preprocess([tmp_path / "empty.jsonl"], tiny_tokenizer_dir, tmp_path / "o", **_quiet())
+    (tmp_path / "blocker").write_text("a file where a directory is needed")
+    with pytest.raises(UserError, match="output directory"):
+        preprocess([tmp_path / "d.jsonl"], tiny_tokenizer_dir, tmp_path / "blocker" / "o", **_quiet())
+    (tmp_path / "trunc.jsonl.gz").write_bytes(gzip.compress(_jsonl(TEXTS))[:-10])
+    with pytest.raises(UserError, match="trunc.jsonl.gz"):
+        preprocess([tmp_path / "trunc.jsonl.gz"], tiny_tokenizer_dir, tmp_path / "o", **_quiet())
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_cli_preprocess_inspect_merge(tiny_tokenizer_dir, tmp_path, capsys):
+    from bloomtrain.cli import main
+
+    (tmp_path / "a.jsonl").write_bytes(_jsonl(TEXTS))
+    (tmp_path / "b.jsonl").write_bytes(_jsonl(TEXTS[::-1]))
+    for name in ("a", "b"):
+        assert main(["preprocess", "--input", str(tmp_path / f"{name}.jsonl"), "--tokenizer",
+                     str(tiny_tokenizer_dir), "--output-prefix", str(tmp_path / name),
+                     "--append-eod", "--no-progress"]) == 0
+    assert main(["data", "merge", "--inputs", str(tmp_path / "a_text_document"),
+                 str(tmp_path / "b_text_document.bin"), "--output-prefix", str(tmp_path / "m")]) == 0
+    merged, ds = _read(tmp_path / "m")
+    assert merged == _read(tmp_path / "a_text_document")[0] + _read(tmp_path / "b_text_document")[0]
+    assert ds.num_docs == 10
+    capsys.readouterr()
+    assert main(["data", "inspect", str(tmp_path / "m"), "--tokenizer", str(tiny_tokenizer_dir),
+                 "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "documents  10" in out and "dtype      uint16" in out and "histogram" in out
+    assert repr(TEXTS[0] + "</s>") in out
+    assert main(["preprocess", "--input", str(tmp_path / "nope"), "--tokenizer",
+                 str(tiny_tokenizer_dir), "--output-prefix", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_merge_rejects_mixed_dtypes(tmp_path):
+    from bloomtrain.data.indexed import write_dataset
+    from bloomtrain.data.inspect import merge_datasets
+
+    write_dataset(tmp_path / "n", [[[1, 2]]], np.uint16)
+    write_dataset(tmp_path / "w", [[[1, 2]]], np.int32)
+    with pytest.raises(UserError, match="different dtypes"):
+        merge_datasets([str(tmp_path / "n"), str(tmp_path / "w")], str(tmp_path / "m"))
+    assert not list(tmp_path.glob("m*"))
+
+
+@pytest.mark.skipif(__import__("multiprocessing").get_start_method() != "fork",
+                    reason="the patch reaches workers only through fork")
+def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    from concurrent.futures.process import BrokenProcessPool
+
+    import bloomtrain.data.tokenizer as tokenizer_module
+
+    def broken(path):
+        raise SystemExit(3)
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", broken)
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS))
+    with pytest.raises(BrokenProcessPool):
+        preprocess([tmp_path / "d.jsonl"], tok, tmp_path / "out" / "p", workers=2, **_quiet())
+    assert _files(tmp_path / "out") == []
