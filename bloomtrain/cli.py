@@ -10,6 +10,8 @@ from bloomtrain.utils import UserError
 
 # Each module defines register(subparsers), which adds its parser(s) and sets `func`.
 COMMAND_MODULES = [
+    "bloomtrain.demo",
+    "bloomtrain.train",
     "bloomtrain.data.tokenizer",
     "bloomtrain.data.preprocess",
     "bloomtrain.data.inspect",
