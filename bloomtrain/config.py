@@ -58,7 +58,8 @@ class DataConfig:
     seed: int = 1234
     # Where sample-index caches go. None: next to each dataset.
     cache_dir: str | None = None
-    # Zero the loss on end-of-document targets (Megatron's --eod-mask-loss); BLOOM did not.
+    # Megatron's --eod-mask-loss: no loss where the input token is end-of-document (so the model is
+    # not trained to guess the first token of the next document). BLOOM did not set it.
     eod_mask_loss: bool = False
 
 

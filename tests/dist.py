@@ -10,6 +10,7 @@ RankError carrying every failing rank's traceback is raised, so a failure never 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +44,9 @@ def _worker(rank, world_size, port, fn, args, env, results):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle copies tensors into the message; the queue's default (shared-memory file
+        # descriptors) breaks when this process exits before the parent reads them.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -65,6 +68,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, env: dict | No
         while len(outs) + len(errors) < world_size:
             try:
                 rank, ok, val = results.get(timeout=1.0)
+                val = pickle.loads(val) if ok else val
                 (outs if ok else errors)[rank] = val
             except queue.Empty:
                 pending = set(range(world_size)) - outs.keys() - errors.keys()

@@ -1,0 +1,220 @@
+"""Training data in Megatron-DeepSpeed's order: train/valid/test datasets built as its
+`build_train_valid_test_datasets` (gpt_dataset.py), global batches taken as its
+`MegatronPretrainingSampler` (data_samplers.py) does, and the batch-size ramp-up of its
+`RampupBatchsizeNumMicroBatches` (microbatches.py).
+
+The order of samples depends only on `consumed_samples`: global batch k is the dataset samples
+`[consumed, consumed + global_batch_size)`; micro-step m takes the next `micro_batch_size * dp`
+of them and dp rank r gets slice `[r * mbs, (r + 1) * mbs)` of those. So a run resumed with
+another data-parallel size or micro-batch size neither repeats nor skips a sample.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import torch
+
+from bloomtrain.config import parse_data_paths
+from bloomtrain.data.blend import BlendableDataset, normalize_weights_and_num_samples
+from bloomtrain.data.gpt_dataset import GPTDataset, split_documents
+from bloomtrain.data.indexed import MMapIndexedDataset
+from bloomtrain.utils import UserError
+
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def build_train_valid_test_datasets(data_cfg, tokenizer, train_valid_test_num_samples,
+                                    seq_length: int):
+    """(train, valid, test) for `data_cfg.paths`; a split with no documents gives None.
+
+    One path: GPTDatasets over its document split. Several "WEIGHT PREFIX" paths: each dataset
+    is split and built with ceil(n * w * 1.005) samples per split, then the splits are blended by
+    weight. `tokenizer` (optional) is checked against each dataset's token dtype."""
+    entries = parse_data_paths(data_cfg.paths)
+    if not entries:
+        raise UserError("data.paths is empty; give the prefix of a dataset written by "
+                        "`bloomtrain preprocess`")
+    num_samples = [int(n) for n in train_valid_test_num_samples]
+    if len(num_samples) != 3:
+        raise ValueError("train_valid_test_num_samples must hold three counts")
+    if len(entries) == 1:
+        return _build_splits(entries[0][1], data_cfg, tokenizer, num_samples, seq_length)
+
+    weights, per_dataset = normalize_weights_and_num_samples([w for w, _ in entries], num_samples)
+    splits = [_build_splits(prefix, data_cfg, tokenizer, counts, seq_length)
+              for (_, prefix), counts in zip(entries, per_dataset)]
+    out = []
+    for s in range(3):
+        present = [(ds[s], w) for ds, w in zip(splits, weights) if ds[s] is not None]
+        if not present:
+            out.append(None)
+        else:
+            out.append(BlendableDataset([d for d, _ in present], [w for _, w in present]))
+    return tuple(out)
+
+
+def _build_splits(prefix: str, data_cfg, tokenizer, num_samples: list[int], seq_length: int):
+    indexed = MMapIndexedDataset(prefix)
+    _check_tokenizer(indexed, tokenizer)
+    bounds = split_documents(data_cfg.split, len(indexed.sizes))
+    out = []
+    for s, name in enumerate(_SPLIT_NAMES):
+        if bounds[s + 1] <= bounds[s]:
+            out.append(None)
+            continue
+        documents = np.arange(bounds[s], bounds[s + 1], dtype=np.int32)
+        out.append(GPTDataset(name, indexed, documents, num_samples[s], seq_length,
+                              data_cfg.seed, cache_dir=data_cfg.cache_dir))
+    return tuple(out)
+
+
+def _check_tokenizer(indexed, tokenizer) -> None:
+    if tokenizer is None:
+        return
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if vocab is None and hasattr(tokenizer, "get_vocab_size"):
+        vocab = tokenizer.get_vocab_size()
+    if vocab is None or not np.issubdtype(indexed.dtype, np.integer):
+        return
+    if int(vocab) - 1 > np.iinfo(indexed.dtype).max:
+        raise UserError(f"dataset {indexed.prefix} stores token ids as {indexed.dtype.name}, "
+                        f"too narrow for the tokenizer's {vocab} tokens; it was written with "
+                        f"another tokenizer, so preprocess it again with data.tokenizer")
+
+
+class BatchSizeSchedule:
+    """Global batch size and micro-batch count as a function of consumed samples.
+
+    With `rampup = [start, increment, ramp_samples]` (Megatron's --rampup-batch-size) the batch
+    grows from `start` by `increment` every `ramp_samples / num_increments` samples and is
+    `global_batch_size` once more than `ramp_samples` samples are consumed."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int,
+                 rampup: list[int] | tuple[int, int, int] | None = None):
+        self.global_batch_size = int(global_batch_size)
+        self.micro_batch_size = int(micro_batch_size)
+        self.dp_size = int(dp_size)
+        self.per_step = self.micro_batch_size * self.dp_size
+        if self.global_batch_size <= 0 or self.per_step <= 0:
+            raise ValueError("global_batch_size, micro_batch_size and dp_size must be positive")
+        self.rampup = None if rampup is None else tuple(int(v) for v in rampup)
+        if self.rampup is not None:
+            start, increment, ramp_samples = self.rampup
+            diff = self.global_batch_size - start
+            if start <= 0 or increment <= 0 or ramp_samples < 0 or diff < 0 or diff % increment:
+                raise ValueError(f"rampup {list(self.rampup)} does not fit global batch size "
+                                 f"{self.global_batch_size}: need 0 < start <= global batch size "
+                                 f"and (global - start) divisible by increment")
+            num_increments = diff // increment
+            # Nothing to ramp (start == global, or no ramp samples): Megatron would divide by zero.
+            self._samples_per_increment = (ramp_samples / num_increments
+                                           if num_increments and ramp_samples else None)
+
+    def global_batch_size_at(self, consumed_samples: int) -> int:
+        if self.rampup is None or self._samples_per_increment is None:
+            return self.global_batch_size
+        start, increment, ramp_samples = self.rampup
+        if consumed_samples > ramp_samples:
+            return self.global_batch_size
+        steps = int(consumed_samples / self._samples_per_increment)
+        return min(start + steps * increment, self.global_batch_size)
+
+    def num_micro_batches_at(self, consumed_samples: int) -> int:
+        gbs = self.global_batch_size_at(consumed_samples)
+        if gbs % self.per_step:
+            raise UserError(f"global batch size {gbs} (at {consumed_samples} consumed samples) is "
+                            f"not divisible by micro_batch_size * dp ({self.micro_batch_size} * "
+                            f"{self.dp_size})")
+        return gbs // self.per_step
+
+
+def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int,
+                      micro_batch_size: int, dp_rank: int, dp_size: int, eod_id: int | None = None,
+                      eod_mask_loss: bool = False) -> list[dict]:
+    """This dp rank's micro-batches of the global batch starting at `consumed_samples`.
+
+    Each is `tokens` and `labels` (int64 [mbs, seq], labels shifted by one) and `loss_mask`
+    (float32 [mbs, seq]). With `eod_mask_loss`, positions whose *input* token is `eod_id` get
+    mask 0, as Megatron's get_ltor_masks_and_position_ids (`loss_mask[tokens == eod] = 0`): the
+    token after an end of document starts an unrelated document and cannot be predicted."""
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise UserError(f"global batch size {global_batch_size} is not divisible by "
+                        f"micro_batch_size * dp ({micro_batch_size} * {dp_size})")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    if eod_mask_loss and eod_id is None:
+        raise UserError("data.eod_mask_loss needs the tokenizer's end-of-document id")
+    end = consumed_samples + global_batch_size
+    if end > len(dataset):
+        raise UserError(f"the training dataset has {len(dataset)} samples but the batch at "
+                        f"{consumed_samples} consumed samples needs {end}; build the datasets "
+                        f"with enough samples (train_samples or train_iters too large for them)")
+    batches = []
+    for m in range(global_batch_size // per_step):
+        first = consumed_samples + m * per_step + dp_rank * micro_batch_size
+        samples = np.stack([dataset[i] for i in range(first, first + micro_batch_size)])
+        data = torch.from_numpy(samples.astype(np.int64, copy=False))  # [mbs, seq + 1]
+        tokens = data[:, :-1].contiguous()
+        labels = data[:, 1:].contiguous()
+        loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+        if eod_mask_loss:
+            loss_mask[tokens == eod_id] = 0.0
+        batches.append({"tokens": tokens, "labels": labels, "loss_mask": loss_mask})
+    return batches
+
+
+class DataIterator:
+    """One dp rank's stream of global batches, resumable from `consumed_samples`.
+
+    With `prefetch=True` the next global batch is read in a background thread while the current
+    one trains; it is keyed by the consumed_samples it was started for, so a load_state_dict in
+    between simply discards it."""
+
+    def __init__(self, dataset, schedule: BatchSizeSchedule, dp_rank: int,
+                 consumed_samples: int = 0, eod_id: int | None = None,
+                 eod_mask_loss: bool = False, prefetch: bool = False):
+        self.dataset = dataset
+        self.schedule = schedule
+        self.dp_rank = dp_rank
+        self.consumed_samples = int(consumed_samples)
+        self.eod_id = eod_id
+        self.eod_mask_loss = eod_mask_loss
+        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+                      if prefetch else None)
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
+
+    def _read(self, consumed: int) -> list[dict]:
+        s = self.schedule
+        return get_micro_batches(self.dataset, consumed, s.global_batch_size_at(consumed),
+                                 s.micro_batch_size, self.dp_rank, s.dp_size, self.eod_id,
+                                 self.eod_mask_loss)
+
+    def next_global_batch(self) -> list[dict]:
+        """This rank's micro-batches of the next global batch; advances consumed_samples by the
+        global batch size in effect."""
+        consumed = self.consumed_samples
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == consumed:
+            batches = pending[1].result()
+        else:
+            batches = self._read(consumed)
+        self.consumed_samples = consumed + self.schedule.global_batch_size_at(consumed)
+        if self._pool is not None:
+            nxt = self.consumed_samples
+            if nxt + self.schedule.global_batch_size_at(nxt) <= len(self.dataset):
+                self._pending = (nxt, self._pool.submit(self._read, nxt))
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        self._pending = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
