@@ -24,6 +24,7 @@ is mathematically the same (softmax is shift-invariant) but rounds the larger va
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -69,6 +70,9 @@ class BloomAttention(nn.Module):
         self.query_key_value = nn.Linear(h, 3 * h, bias=True)
         self.dense = nn.Linear(h, h, bias=True)
         self.attention_dropout = shape.attention_dropout
+        # Tensor parallelism swaps this for a context that forks a per-tp-rank RNG, so that
+        # dropout on different heads differs across ranks (see parallel/tensor.py).
+        self.rng_context = contextlib.nullcontext
 
     def forward(self, x, bias, past_kv=None):
         b, s, _ = x.shape
@@ -82,7 +86,8 @@ class BloomAttention(nn.Module):
             k = torch.cat([past_kv[0], k], dim=2)
             v = torch.cat([past_kv[1], v], dim=2)
         p = self.attention_dropout if self.training else 0.0
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+        with self.rng_context():
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
         ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)  # [b, s, h_local]
         return self.dense(ctx), (k, v)
 
@@ -132,6 +137,9 @@ class BloomModel(nn.Module):
         # Not persistent: derived from the head count, and a tensor-parallel plan slices it.
         self.register_buffer("alibi_slopes", alibi_slopes(shape.num_heads), persistent=False)
         self.activation_checkpointing = False
+        # With sequence parallelism each rank holds 1/sequence_parallel_size of the sequence
+        # between blocks; the attention bias is for the full sequence.
+        self.sequence_parallel_size = 1
 
     def embed(self, input_ids):
         return self.word_embeddings_layernorm(self.word_embeddings(input_ids))
@@ -142,7 +150,8 @@ class BloomModel(nn.Module):
     def run_blocks(self, x, blocks, past_kvs=None):
         """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents)."""
         past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
-        bias = self.attention_bias(x.shape[1], past_len + x.shape[1], x.dtype)
+        q_len = x.shape[1] * self.sequence_parallel_size
+        bias = self.attention_bias(q_len, past_len + q_len, x.dtype)
         presents = []
         for i, block in enumerate(blocks):
             past = past_kvs[i] if past_kvs else None
@@ -166,6 +175,8 @@ class BloomForCausalLM(nn.Module):
         self.transformer = BloomModel(shape)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.word_embeddings.weight  # tied, as in BLOOM
+        # Tensor parallelism replaces this with the vocab-parallel cross-entropy.
+        self.loss_fn = lm_loss
 
     def forward(self, input_ids, labels=None, loss_mask=None, past_kvs=None, return_presents=False):
         """input_ids [b, s] -> logits [b, s, vocab] (padded vocab), or the mean masked
@@ -173,7 +184,7 @@ class BloomForCausalLM(nn.Module):
         hidden, presents = self.transformer(input_ids, past_kvs)
         logits = self.lm_head(hidden)
         if labels is not None:
-            return lm_loss(logits, labels, loss_mask)
+            return self.loss_fn(logits, labels, loss_mask)
         if return_presents:
             return logits, presents
         return logits
