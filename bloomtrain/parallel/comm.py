@@ -1,0 +1,138 @@
+"""Communication accounting: every collective and point-to-point call of the parallel modules goes
+through the wrappers below, which count calls and bytes per (kind, group name) and then call
+torch.distributed.
+
+    from bloomtrain.parallel import comm
+    comm.STATS.enable()            # or BLOOMTRAIN_COMM_STATS=1 in the environment
+    ...
+    comm.STATS.snapshot()          # {("all_reduce", "tp"): {"calls": 8, "bytes": 65536}, ...}
+
+Bytes are the size of the full buffer of the operation, the convention of nccl-tests: the tensor
+for all-reduce and broadcast, the gathered output for all-gather, the unreduced input for
+reduce-scatter, the message for send/recv. A test can then predict them from activation shapes.
+
+Groups follow Topology's convention: `group=None` is a group of one, so a collective on it is a
+no-op and is not counted (torch would read None as the whole world, which is never what a tp or dp
+group of size 1 means). Point-to-point calls name their peer by global rank and pass the group
+through unchanged.
+
+`STATS` is the one module-level mutable object in bloomtrain.parallel. It is accounting only: it
+never changes what is computed or communicated, so making it global cannot make two runs differ,
+and it spares threading a counter through every autograd function and layer (whose backward
+passes run where no argument can reach them). When disabled, the cost of a call is one bool test.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# torch >= 2.13 renamed the single-tensor collectives and deprecates the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommStats:
+    def __init__(self, enabled: bool | None = None):
+        if enabled is None:
+            enabled = os.environ.get("BLOOMTRAIN_COMM_STATS", "0") not in ("", "0")
+        self.enabled = enabled
+        self._counts: dict[tuple[str, str], dict[str, int]] = {}
+
+    def enable(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def reset(self) -> None:
+        self._counts = {}
+
+    def record(self, kind: str, name: str, tensor: torch.Tensor) -> None:
+        entry = self._counts.setdefault((kind, name), {"calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += tensor.numel() * tensor.element_size()
+
+    def snapshot(self) -> dict[tuple[str, str], dict[str, int]]:
+        return {key: dict(v) for key, v in self._counts.items()}
+
+
+STATS = CommStats()
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor, group, name: str, op=ReduceOp.SUM, async_op: bool = False):
+    if group is None:
+        return None
+    if STATS.enabled:
+        STATS.record("all_reduce", name, tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output, input_, group, name: str, async_op: bool = False):
+    """Concatenate every rank's `input_` along dim 0 into `output`."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    if STATS.enabled:
+        STATS.record("all_gather", name, output)
+    return _all_gather_single(output, input_, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output, input_, group, name: str, op=ReduceOp.SUM,
+                          async_op: bool = False):
+    """Sum `input_` over ranks and keep this rank's dim-0 chunk in `output`."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    if STATS.enabled:
+        STATS.record("reduce_scatter", name, input_)
+    return _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor, src: int, group, name: str, async_op: bool = False):
+    """`src` is a global rank, as in torch.distributed."""
+    if group is None:
+        return None
+    if STATS.enabled:
+        STATS.record("broadcast", name, tensor)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def send(tensor, dst: int, name: str, group=None) -> None:
+    if STATS.enabled:
+        STATS.record("send", name, tensor)
+    dist.send(tensor, dst=dst, group=group)
+
+
+def recv(tensor, src: int, name: str, group=None):
+    if STATS.enabled:
+        STATS.record("recv", name, tensor)
+    return dist.recv(tensor, src=src, group=group)
+
+
+def isend(tensor, dst: int, name: str, group=None):
+    if STATS.enabled:
+        STATS.record("send", name, tensor)
+    return dist.isend(tensor, dst=dst, group=group)
+
+
+def irecv(tensor, src: int, name: str, group=None):
+    if STATS.enabled:
+        STATS.record("recv", name, tensor)
+    return dist.irecv(tensor, src=src, group=group)
+
+
+def batch_isend_irecv(ops: list, name: str) -> list:
+    """`ops` are torch.distributed.P2POp; each is counted as a send or a recv."""
+    if STATS.enabled:
+        for op in ops:
+            STATS.record("send" if op.op in (dist.isend, dist.send) else "recv", name, op.tensor)
+    return dist.batch_isend_irecv(ops)
