@@ -39,6 +39,12 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
+    # Tensor-parallel size: Megatron column/row-split matmuls within a node.
+    tp: int = 1
+    # Shard LayerNorm/dropout activations along the sequence over the tp group (needs tp > 1).
+    sequence_parallel: bool = False
+    # Count bytes and calls per collective per group (also BLOOMTRAIN_COMM_STATS=1).
+    comm_stats: bool = False
     # auto: nccl when CUDA is available, else gloo.
     backend: str = "auto"
     # A collective that waits longer than this fails with an error instead of hanging.
@@ -174,21 +180,34 @@ class Config:
 
     # ---- derived values ------------------------------------------------------------------
     def derive_dp(self, world_size: int) -> int:
-        # Every process is a data-parallel replica until tensor/pipeline parallelism lands.
-        return world_size
+        per_replica = self.parallel.tp
+        if world_size % per_replica:
+            raise UserError(
+                f"the number of processes ({world_size}) is not divisible by parallel.tp "
+                f"({per_replica}); change --nproc or parallel.tp")
+        return world_size // per_replica
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self, world_size: int = 1) -> None:
         """Check every key and every combination before anything starts. Raises UserError."""
         m, p, t, o, d = self.model, self.parallel, self.train, self.optim, self.data
         _pos = _require_positive
+        _pos("parallel.tp", p.tp)
         dp = self.derive_dp(world_size)
+        if p.sequence_parallel and p.tp == 1:
+            raise UserError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if p.backend not in ("auto", "gloo", "nccl"):
             raise UserError(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
         _pos("parallel.timeout_minutes", p.timeout_minutes)
 
         from bloomtrain.model import resolve_model_config  # late: model imports torch
-        resolve_model_config(m, vocab_size=m.vocab_size or 1)
+        from bloomtrain.parallel.tensor import validate_tensor_parallel
+        shape = resolve_model_config(m, vocab_size=m.vocab_size or 1)
+        if m.make_vocab_size_divisible_by % p.tp:
+            raise UserError(f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by})"
+                            f" must be divisible by parallel.tp ({p.tp}) so the padded vocabulary "
+                            f"splits evenly")
+        validate_tensor_parallel(shape, p.tp, p.sequence_parallel, d.seq_length)
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(m, name)
             if not 0.0 <= v < 1.0:

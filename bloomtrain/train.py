@@ -26,6 +26,8 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.config import Config, parse_data_paths
 from bloomtrain.model import build_model, resolve_model_config
 from bloomtrain.optim import LRSchedule, megatron_tflops
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.tensor import apply_tensor_parallel, gather_full_tensors, shard_full_state
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer
 from bloomtrain.topology import Topology
 from bloomtrain.utils import UserError, atomic_output
@@ -127,7 +129,9 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg)
         init_distributed(cfg, self.device)
-        self.topo = Topology.build(1, 1, cfg.parallel.timeout_minutes)
+        self.topo = Topology.build(cfg.parallel.tp, 1, cfg.parallel.timeout_minutes)
+        if cfg.parallel.comm_stats:
+            comm.STATS.enable()
         self.is_logger = self.topo.rank == 0
         self._log = log
 
@@ -139,8 +143,12 @@ class Trainer:
         self.shape = resolve_model_config(
             cfg.model, self.tokenizer.vocab_size if self.tokenizer else None)
         torch.manual_seed(t.seed)
+        # Every rank builds the same full model from the same seed and keeps its own pieces, so
+        # the initial weights do not depend on the layout.
         model = build_model(self.shape, seed=t.seed, device=self.device)
         model.set_activation_checkpointing(t.activation_checkpointing == "full")
+        apply_tensor_parallel(model, self.topo, cfg.parallel.sequence_parallel, seed=t.seed,
+                              seq_length=cfg.data.seq_length)
         self.model = model
         self.optimizer = MixedPrecisionOptimizer(model, cfg.optim, t.precision, self.topo)
 
@@ -198,8 +206,14 @@ class Trainer:
             raise UserError(f"checkpoint {path} has model shape {shape}, but the config gives "
                             f"{self.shape}; resume with the same model settings")
         optim_file = Path(path) / "optim.safetensors"
-        optim = ckpt.load_tensors(optim_file) if optim_file.exists() else None
-        self.optimizer.load_state(master, optim, manifest.get("optimizer"))
+        optim = None
+        if optim_file.exists():
+            optim = {}
+            for kind in ("exp_avg", "exp_avg_sq"):
+                full = ckpt.load_tensors(optim_file, prefix=f"{kind}.")
+                optim.update({f"{kind}.{n}": t for n, t in shard_full_state(full, self.topo).items()})
+        self.optimizer.load_state(shard_full_state(master, self.topo), optim,
+                                  manifest.get("optimizer"))
         tr = manifest.get("train_state")
         if tr:  # a training checkpoint; an imported HF one starts training from step 0
             self.state = TrainState(**tr)
@@ -217,13 +231,21 @@ class Trainer:
             "optimizer": self.optimizer.scalar_state(),
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
-            "topology": {"tp": 1, "pp": 1, "dp": self.topo.dp_size},
+            "topology": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,
+                         "dp": self.topo.dp_size,
+                         "sequence_parallel": self.cfg.parallel.sequence_parallel},
         }
         path = Path(c.dir) / ckpt.step_dir_name(self.state.step)
+        # Full (unsharded) tensors by HF name: the checkpoint does not depend on the layout.
+        master = gather_full_tensors(self.optimizer.master_state(), self.topo)
+        local = self.optimizer.optim_state()
+        optim = {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            part = {n[len(kind) + 1:]: t for n, t in local.items() if n.startswith(kind + ".")}
+            optim.update({f"{kind}.{n}": t for n, t in gather_full_tensors(part, self.topo).items()})
         if self.is_logger:
-            ckpt.save_checkpoint(c.dir, self.state.step, self.optimizer.master_state(),
-                                        self.shape, self.optimizer.optim_state(), meta,
-                                        tokenizer=self.tokenizer, keep_last=c.keep_last)
+            ckpt.save_checkpoint(c.dir, self.state.step, master, self.shape, optim, meta,
+                                 tokenizer=self.tokenizer, keep_last=c.keep_last)
             self.print(f"[checkpoint] saved {path}")
         if dist.is_initialized():
             dist.barrier()
@@ -320,7 +342,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult(state=self.state, run_dir=str(self.run_dir))
         self._install_signal_handlers()
-        layout = f"dp={self.topo.dp_size} precision={t.precision}"
+        layout = (f"tp={self.topo.tp_size} dp={self.topo.dp_size}"
+                  f"{' sp' if cfg.parallel.sequence_parallel else ''} precision={t.precision}")
         self.print(f"[train] model {self.shape.num_parameters():,} parameters "
                    f"(L={self.shape.num_layers}, h={self.shape.hidden_size}, "
                    f"heads={self.shape.num_heads}, vocab={self.shape.vocab_size}); {layout}; "
