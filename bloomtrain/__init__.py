@@ -31,12 +31,10 @@ def load_model(path, device="cpu", dtype=None):
     if hf.is_hf_dir(path):
         shape, state, _ = hf.collect_hf_state(path)
     else:
-        from bloomtrain.checkpoint import load_tensors
-
-        ckpt, _, shape = hf.open_checkpoint(path)
-        state = load_tensors(ckpt / "model.safetensors")
-        state.pop(hf.LM_HEAD, None)
-        hf.check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, ckpt)
+        reader = hf.open_checkpoint(path)
+        shape = reader.shape
+        state = {n: reader.load(n) for n in reader.names() if n != hf.LM_HEAD}
+        hf.check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, reader.path)
     if isinstance(dtype, str):
         name = _DTYPE_ALIASES.get(dtype, dtype)
         if not isinstance(getattr(torch, name, None), torch.dtype):

@@ -43,6 +43,11 @@ class ParallelConfig:
     tp: int = 1
     # Shard LayerNorm/dropout activations along the sequence over the tp group (needs tp > 1).
     sequence_parallel: bool = False
+    # ZeRO (arXiv 1910.02054): 0 replicates everything; 1 shards fp32 master weights and Adam
+    # states over dp (BLOOM's BF16Optimizer); 2 also the fp32 gradients; 3 also the parameters.
+    zero_stage: int = 0
+    # Size of the flat buckets that gradient reductions and parameter gathers move at once.
+    bucket_size_mb: float = 25.0
     # Count bytes and calls per collective per group (also BLOOMTRAIN_COMM_STATS=1).
     comm_stats: bool = False
     # auto: nccl when CUDA is available, else gloo.
@@ -120,6 +125,8 @@ class CheckpointConfig:
     keep_last: int | None = 3
     # auto: the newest valid checkpoint in `dir`; none: start fresh; or a checkpoint path.
     resume: str = "auto"
+    # Write checkpoints in a background thread after a copy to CPU memory (see checkpoint.py).
+    async_save: bool = True
 
 
 @dataclass
@@ -194,6 +201,9 @@ class Config:
         _pos = _require_positive
         _pos("parallel.tp", p.tp)
         dp = self.derive_dp(world_size)
+        if p.zero_stage not in (0, 1, 2, 3):
+            raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+        _pos("parallel.bucket_size_mb", p.bucket_size_mb)
         if p.sequence_parallel and p.tp == 1:
             raise UserError("parallel.sequence_parallel=true needs parallel.tp > 1")
         if p.backend not in ("auto", "gloo", "nccl"):

@@ -248,18 +248,16 @@ def check_state(shape: BloomShape, names_shapes: dict[str, tuple[int, ...]], whe
                             f"{list(want)}")
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, "BloomShape"]:
-    """(step directory, manifest, shape) of a bloomtrain checkpoint, with the model and tokenizer
-    files verified against their checksums. Optimizer state is not read: for a large model it is
-    most of the bytes, and nothing here uses it."""
+def open_checkpoint(path: str | os.PathLike):
+    """A CheckpointReader for the model weights of a bloomtrain checkpoint (any layout), with the
+    model and tokenizer files verified against their checksums. Optimizer state is not read: for
+    a large model it is most of the bytes, and nothing here uses it."""
     from bloomtrain import checkpoint
-    from bloomtrain.model import BloomShape
 
-    ckpt = checkpoint.resolve(path)
-    manifest = checkpoint.read_manifest(ckpt)
-    needed = {k: v for k, v in manifest["files"].items() if not k.startswith("optim")}
-    checkpoint.verify(ckpt, {**manifest, "files": needed})
-    return ckpt, manifest, BloomShape(**manifest["model_shape"])
+    reader = checkpoint.CheckpointReader(path, kinds=checkpoint.MODEL_KINDS)
+    tok = [k for k in reader.manifest["files"] if k.startswith("tokenizer/")]
+    checkpoint.verify(reader.path, reader.manifest, files=tok)
+    return reader
 
 
 def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]:
@@ -406,19 +404,15 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     """Write an HF `BloomForCausalLM` directory from a bloomtrain checkpoint (a step directory or
     a root with `latest`). The directory is assembled under a temporary name and renamed into
     place, so a failure leaves any previous export untouched."""
-    from safetensors import safe_open
-
-    ckpt, manifest, shape = open_checkpoint(checkpoint_path)
+    reader = open_checkpoint(checkpoint_path)
+    ckpt, manifest, shape = reader.path, reader.manifest, reader.shape
     output_dir = Path(output_dir)
     _prepare_output(output_dir)
-    weights = ckpt / "model.safetensors"
 
-    with safe_open(str(weights), framework="pt") as f:
-        names = sorted(n for n in f.keys() if n != LM_HEAD)
-        info = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in names}
+    names = sorted(n for n in reader.names() if n != LM_HEAD)
+    info = {n: (str(reader.dtype(n)).removeprefix("torch."), reader.full_shape(n)) for n in names}
     check_state(shape, {n: s for n, (_, s) in info.items()}, ckpt)
-    tag_to_dtype = {tag: name for name, tag in _ST_DTYPES.items()}
-    dtype = tag_to_dtype[info[EMBEDDING][0]]
+    dtype = info[EMBEDDING][0]
 
     tokenizer_dir = ckpt / manifest["tokenizer"] if manifest.get("tokenizer") else None
     extra: dict = {"dtype": dtype}
@@ -435,10 +429,9 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        with safe_open(str(weights), framework="pt") as f:
-            entries = [(n, tag_to_dtype[info[n][0]], info[n][1],
-                        (lambda n=n: f.get_tensor(n))) for n in names]
-            write_safetensors_streaming(tmp / SAFETENSORS_FILE, entries, {"format": "pt"})
+        # One full parameter at a time, assembled from whatever layout wrote the checkpoint.
+        entries = [(n, info[n][0], info[n][1], (lambda n=n: reader.load(n))) for n in names]
+        write_safetensors_streaming(tmp / SAFETENSORS_FILE, entries, {"format": "pt"})
         _write_json(tmp / "config.json", config)
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                if config[k] is not None}

@@ -27,7 +27,7 @@ from bloomtrain.config import Config, parse_data_paths
 from bloomtrain.model import build_model, resolve_model_config
 from bloomtrain.optim import LRSchedule, megatron_tflops
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.tensor import apply_tensor_parallel, gather_full_tensors, shard_full_state
+from bloomtrain.parallel.tensor import apply_tensor_parallel, shard_tensor, tp_split_dim_of
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer
 from bloomtrain.topology import Topology
 from bloomtrain.utils import UserError, atomic_output
@@ -150,7 +150,9 @@ class Trainer:
         apply_tensor_parallel(model, self.topo, cfg.parallel.sequence_parallel, seed=t.seed,
                               seq_length=cfg.data.seq_length)
         self.model = model
-        self.optimizer = MixedPrecisionOptimizer(model, cfg.optim, t.precision, self.topo)
+        self.optimizer = MixedPrecisionOptimizer(model, cfg.optim, t.precision, self.topo,
+                                                 zero_stage=cfg.parallel.zero_stage,
+                                                 bucket_size_mb=cfg.parallel.bucket_size_mb)
 
         self.batches = BatchSizeSchedule(t.global_batch_size, t.micro_batch_size,
                                          self.topo.dp_size, t.rampup_batch_size)
@@ -174,6 +176,8 @@ class Trainer:
 
         self.state = TrainState()
         self.run_dir = Path(cfg.run_dir)
+        self.writer = (ckpt.CheckpointWriter(cfg.checkpoint.dir, cfg.checkpoint.async_save,
+                                             log=self.print) if cfg.checkpoint.dir else None)
         resume_step = self._maybe_resume()
         self.logger = Logger(self.run_dir, self.is_logger, resume_step)
         if self.is_logger:
@@ -201,26 +205,64 @@ class Trainer:
                 return None
         else:
             path = ckpt.resolve(c.resume)
-        shape, master, manifest = ckpt.load_model_state(path)
-        if shape != self.shape:
-            raise UserError(f"checkpoint {path} has model shape {shape}, but the config gives "
-                            f"{self.shape}; resume with the same model settings")
-        optim_file = Path(path) / "optim.safetensors"
+        reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+        manifest = reader.manifest
+        if reader.shape != self.shape:
+            raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
+                            f"gives {self.shape}; resume with the same model settings")
+        topo = self.topo
+
+        def local(kind):
+            # Full parameter from whatever layout wrote it -> this rank's tensor-parallel shard.
+            def load(name):
+                full = reader.load(name, kind).to(torch.float32)
+                return shard_tensor(name, full, topo.tp_rank, topo.tp_size)
+            return load
+        names = [n for n, _ in self.model.named_parameters()]
+        master = ckpt.LazyState(names, local("model"))
         optim = None
-        if optim_file.exists():
-            optim = {}
-            for kind in ("exp_avg", "exp_avg_sq"):
-                full = ckpt.load_tensors(optim_file, prefix=f"{kind}.")
-                optim.update({f"{kind}.{n}": t for n, t in shard_full_state(full, self.topo).items()})
-        self.optimizer.load_state(shard_full_state(master, self.topo), optim,
-                                  manifest.get("optimizer"))
+        if reader.has("exp_avg"):
+            loads = {k: local(k) for k in ckpt.OPTIM_KINDS}
+            optim = ckpt.LazyState([f"{k}.{n}" for k in ckpt.OPTIM_KINDS for n in names],
+                                   lambda key: loads[key.split(".", 1)[0]](key.split(".", 1)[1]))
+        self.optimizer.load_state(master, optim, manifest.get("optimizer"))
+        reader.close()
         tr = manifest.get("train_state")
         if tr:  # a training checkpoint; an imported HF one starts training from step 0
             self.state = TrainState(**tr)
-            set_rng_state(manifest["rng"])
+            ranks = manifest.get("ranks", {})
+            same = manifest.get("topology") == self._topology_meta()
+            own = ranks.get(str(topo.rank) if same else "0", {})
+            if "rng" in own:
+                set_rng_state(own["rng"])
         self.print(f"[checkpoint] resumed from {path} at step {self.state.step}, "
-                   f"{self.state.consumed_samples} samples consumed")
+                   f"{self.state.consumed_samples} samples consumed"
+                   f"{'' if manifest.get('topology') in (None, self._topology_meta()) else ' (resharded from ' + json.dumps(manifest.get('topology')) + ')'}")
         return self.state.step
+
+    def _topology_meta(self) -> dict:
+        p = self.cfg.parallel
+        return {"tp": self.topo.tp_size, "pp": self.topo.pp_size, "dp": self.topo.dp_size,
+                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
+
+    def _fragments(self) -> list[dict]:
+        """This rank's unique pieces of the fp32 master weights and Adam moments, in logical
+        (full-parameter) coordinates; nothing is gathered."""
+        topo, frags = self.topo, []
+        for name, fr in self.optimizer.sharded_state().items():
+            if fr["duplicate"]:
+                continue  # another rank writes it (tp-replicated, or the tied copy)
+            dim = tp_split_dim_of(name) if topo.tp_size > 1 else None
+            full_shape = list(fr["shape"])
+            if dim is not None:
+                full_shape[dim] *= topo.tp_size
+            frags.append({"name": name, "shape": full_shape, "tp_dim": dim,
+                          "tp_rank": topo.tp_rank if dim is not None else 0,
+                          "tp_size": topo.tp_size if dim is not None else 1,
+                          "offset": fr["offset"], "numel": fr["numel"],
+                          "tensors": {"model": fr["master"], "exp_avg": fr["exp_avg"],
+                                      "exp_avg_sq": fr["exp_avg_sq"]}})
+        return frags
 
     def save(self) -> Path | None:
         c = self.cfg.checkpoint
@@ -229,27 +271,12 @@ class Trainer:
         meta = {
             "train_state": asdict(self.state),
             "optimizer": self.optimizer.scalar_state(),
-            "rng": rng_state(),
             "config": self.cfg.to_dict(),
-            "topology": {"tp": self.topo.tp_size, "pp": self.topo.pp_size,
-                         "dp": self.topo.dp_size,
-                         "sequence_parallel": self.cfg.parallel.sequence_parallel},
+            "topology": self._topology_meta(),
         }
-        path = Path(c.dir) / ckpt.step_dir_name(self.state.step)
-        # Full (unsharded) tensors by HF name: the checkpoint does not depend on the layout.
-        master = gather_full_tensors(self.optimizer.master_state(), self.topo)
-        local = self.optimizer.optim_state()
-        optim = {}
-        for kind in ("exp_avg", "exp_avg_sq"):
-            part = {n[len(kind) + 1:]: t for n, t in local.items() if n.startswith(kind + ".")}
-            optim.update({f"{kind}.{n}": t for n, t in gather_full_tensors(part, self.topo).items()})
-        if self.is_logger:
-            ckpt.save_checkpoint(c.dir, self.state.step, master, self.shape, optim, meta,
-                                 tokenizer=self.tokenizer, keep_last=c.keep_last)
-            self.print(f"[checkpoint] saved {path}")
-        if dist.is_initialized():
-            dist.barrier()
-        return path
+        return self.writer.save(self.state.step, self._fragments(), self.shape, meta,
+                                rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
+                                keep_last=c.keep_last)
 
     # ---- steps ---------------------------------------------------------------------------
     def print(self, *args) -> None:
@@ -342,7 +369,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult(state=self.state, run_dir=str(self.run_dir))
         self._install_signal_handlers()
-        layout = (f"tp={self.topo.tp_size} dp={self.topo.dp_size}"
+        layout = (f"tp={self.topo.tp_size} dp={self.topo.dp_size} "
+                  f"zero={cfg.parallel.zero_stage}"
                   f"{' sp' if cfg.parallel.sequence_parallel else ''} precision={t.precision}")
         self.print(f"[train] model {self.shape.num_parameters():,} parameters "
                    f"(L={self.shape.num_layers}, h={self.shape.hidden_size}, "
@@ -438,6 +466,8 @@ def train(cfg: Config, log=print) -> TrainResult:
     try:
         return trainer.run()
     finally:
+        if trainer.writer is not None:
+            trainer.writer.wait()  # an async save must be committed before the process ends
         if dist.is_initialized():
             dist.barrier()
 

@@ -1,0 +1,131 @@
+"""Communication volume per training step, measured through bloomtrain.parallel.comm's counters.
+
+Data-parallel section: bytes and elements per step that each ZeRO stage (arXiv 1910.02054) moves
+over the dp group, with the dtype of every collective, against the paper's 2Ψ elements (stages
+0-2) and 3Ψ (stage 3). Elements follow the paper's accounting: an all-reduce counts twice its
+size (reduce-scatter + all-gather), an all-gather its output, a reduce-scatter its input. A
+step here has one micro-batch per rank: stages 2-3 reduce-scatter every micro-batch, so with m
+micro-batches their gradient traffic is m times larger.
+
+Each section is a function that returns its figures; main() prints them and ends with one JSON
+line. Measures; asserts nothing.
+
+    python bench/comm_volume.py
+    python bench/comm_volume.py --dp 4 --hidden 256 --layers 8 --vocab 32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bloomtrain.config import OptimConfig  # noqa: E402
+from bloomtrain.model import build_model  # noqa: E402
+from bloomtrain.model.presets import BloomShape  # noqa: E402
+from bloomtrain.parallel import comm  # noqa: E402
+from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
+from bloomtrain.topology import Topology  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+# Paper elements per byte-counted buffer, by collective.
+ELEMENT_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+
+
+class DtypeStats(comm.CommStats):
+    """comm's counters, additionally split by dtype (the wrappers read comm.STATS per call)."""
+
+    def __init__(self):
+        super().__init__(enabled=True)
+        self.by_dtype = defaultdict(lambda: {"calls": 0, "bytes": 0, "elements": 0})
+
+    def reset(self) -> None:
+        super().reset()
+        self.by_dtype.clear()
+
+    def record(self, kind, name, tensor) -> None:
+        super().record(kind, name, tensor)
+        e = self.by_dtype[(kind, name, str(tensor.dtype).replace("torch.", ""))]
+        e["calls"] += 1
+        e["bytes"] += tensor.numel() * tensor.element_size()
+        e["elements"] += tensor.numel()
+
+
+def _shape(args) -> BloomShape:
+    return BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                      num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
+
+
+def _dp_rank_fn(rank, world, shape, seq, precision):
+    comm.STATS = stats = DtypeStats()
+    topo = Topology.build(1, 1)
+    ids = torch.randint(0, shape.vocab_size, (1, seq + 1),
+                        generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for stage in range(4):
+        model = build_model(shape, seed=1)
+        opt = MixedPrecisionOptimizer(model, OptimConfig(), precision, topo, zero_stage=stage)
+        for measured in (False, True):  # the first step records stage 3's prefetch order
+            stats.reset()
+            model(ids[:, :-1], labels=ids[:, 1:]).backward()
+            opt.step(1e-4)
+        out[stage] = {"psi": opt.num_local_parameters(),
+                      "ops": {f"{k}/{n}/{d}": v for (k, n, d), v in stats.by_dtype.items()}}
+        opt.remove_hooks()
+    return out
+
+
+def dp_section(args) -> dict:
+    """dp traffic per step for each ZeRO stage, on args.dp gloo ranks."""
+    shape = _shape(args)
+    per_stage = run_ranks(args.dp, _dp_rank_fn, shape, args.seq, args.precision)[0]
+    n = args.dp
+    print(f"== data parallel: dp={n}, Ψ={shape.num_parameters():,}, {args.precision} compute, "
+          f"1 micro-batch per rank per step ==")
+    rows = []
+    for stage, r in per_stage.items():
+        psi = r["psi"]
+        dp_ops = {k: v for k, v in r["ops"].items() if k.split("/")[1] == "dp"}
+        elements = sum(v["elements"] * ELEMENT_FACTOR[k.split("/")[0]] for k, v in dp_ops.items())
+        nbytes = sum(v["bytes"] * ELEMENT_FACTOR[k.split("/")[0]] for k, v in dp_ops.items())
+        expected = (3 if stage == 3 else 2) * psi
+        # Stage 3 gathers per use: the head tied to the embedding (pp=1) is a second forward
+        # use of the embedding, so ours is 3Ψ + Ψ_emb (the embedding's own backward needs no
+        # weights and finds them gathered by the head's backward).
+        ours = expected + (shape.vocab_size * shape.hidden_size if stage == 3 else 0)
+        print(f"stage {stage}: {elements / psi:.3f} Ψ elements (paper {expected // psi}Ψ, "
+              f"ours {ours / psi:.3f}Ψ), {nbytes / 2 ** 20:,.1f} MiB per rank-buffer, "
+              f"~{nbytes * (n - 1) / n / 2 ** 20:,.1f} MiB sent per rank (ring)")
+        for k, v in sorted(dp_ops.items()):
+            kind, _, dtype = k.split("/")
+            share = v["elements"] * ELEMENT_FACTOR[kind] / psi
+            print(f"    {kind:<15} {dtype:<9} {v['calls']:>4} calls  {share:6.3f} Ψ  "
+                  f"{v['bytes'] / 2 ** 20:9.1f} MiB")
+        rows.append({"stage": stage, "psi": psi, "elements": elements,
+                     "elements_over_psi": elements / psi, "expected_over_psi": expected // psi,
+                     "ours_over_psi": ours / psi,
+                     "bytes": nbytes, "ops": dp_ops})
+    return {"dp": n, "precision": args.precision, "stages": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    args = ap.parse_args()
+    result = {"bench": "comm_volume", "data_parallel": dp_section(args)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
