@@ -7,6 +7,19 @@ size (reduce-scatter + all-gather), an all-gather its output, a reduce-scatter i
 step here has one micro-batch per rank: stages 2-3 reduce-scatter every micro-batch, so with m
 micro-batches their gradient traffic is m times larger.
 
+Tensor-parallel section: bytes per step over the tp group on 2 ranks, with sequence
+parallelism off and on, against the analytic count for our layout (Megatron-LM arXiv 1909.08053
+and arXiv 2205.05198). With A = b·s·h·(bytes per activation element), L blocks:
+- SP off: all-reduce (4L + 2)·A: per block g after attention and MLP in forward, f before them in
+  backward; g after the vocab-parallel embedding; f before the LM head (backward).
+- SP on: all-gather (4L + 2)·A and reduce-scatter (4L + 2)·A (each all-reduce becomes a
+  reduce-scatter plus an all-gather of the same buffer), plus one coalesced fp32 all-reduce of
+  the sequence-parallel parameters' grads ((6L + 4)·h elements: LayerNorms and row biases).
+- Both: the vocab-parallel cross-entropy's three fp32 all-reduces of [b, s] (max, sum-exp,
+  target logit); the full logits are never gathered.
+Counted as the comm wrappers count: an all-reduce its buffer, an all-gather its output, a
+reduce-scatter its input.
+
 Each section is a function that returns its figures; main() prints them and ends with one JSON
 line. Measures; asserts nothing.
 
@@ -113,9 +126,65 @@ def dp_section(args) -> dict:
     return {"dp": n, "precision": args.precision, "stages": rows}
 
 
+def _tp_rank_fn(rank, world, shape, batch, seq, precision, sequence_parallel):
+    from bloomtrain.parallel.tensor import apply_tensor_parallel
+    comm.STATS = stats = DtypeStats()
+    topo = Topology.build(world, 1)
+    ids = torch.randint(0, shape.vocab_size, (batch, seq + 1),
+                        generator=torch.Generator().manual_seed(0))
+    model = build_model(shape, seed=1)
+    apply_tensor_parallel(model, topo, sequence_parallel, seq_length=seq)
+    opt = MixedPrecisionOptimizer(model, OptimConfig(), precision, topo)
+    for _ in range(2):  # the second step is measured
+        stats.reset()
+        model(ids[:, :-1], labels=ids[:, 1:]).backward()
+        opt.step(1e-4)
+    return {f"{k}/{n}/{d}": v for (k, n, d), v in stats.by_dtype.items() if n == "tp"}
+
+
+def tp_expected(shape: BloomShape, batch: int, seq: int, act_bytes: int, sp: bool) -> dict:
+    a = batch * seq * shape.hidden_size * act_bytes
+    n_big = 4 * shape.num_layers + 2
+    ce = 3 * batch * seq * 4
+    if not sp:
+        return {"all_reduce": n_big * a + ce}
+    sp_grads = (6 * shape.num_layers + 4) * shape.hidden_size * 4
+    return {"all_gather": n_big * a, "reduce_scatter": n_big * a, "all_reduce": ce + sp_grads}
+
+
+def tp_section(args) -> dict:
+    """tp traffic per step on args.tp gloo ranks, sequence parallelism off and on."""
+    shape = _shape(args)
+    act_bytes = 4 if args.precision == "fp32" else 2
+    print(f"== tensor parallel: tp={args.tp}, L={shape.num_layers}, h={shape.hidden_size}, "
+          f"batch {args.batch} x seq {args.seq}, {args.precision} activations ==")
+    rows = []
+    for sp in (False, True):
+        ops = run_ranks(args.tp, _tp_rank_fn, shape, args.batch, args.seq, args.precision, sp)[0]
+        measured = defaultdict(int)
+        for k, v in ops.items():
+            measured[k.split("/")[0]] += v["bytes"]
+        expected = tp_expected(shape, args.batch, args.seq, act_bytes, sp)
+        total_m, total_e = sum(measured.values()), sum(expected.values())
+        print(f"sequence_parallel={sp}: measured {total_m / 2 ** 20:.3f} MiB, analytic "
+              f"{total_e / 2 ** 20:.3f} MiB, ratio {total_m / total_e:.4f}")
+        for kind in sorted(set(measured) | set(expected)):
+            print(f"    {kind:<15} measured {measured.get(kind, 0):>12,} B   analytic "
+                  f"{expected.get(kind, 0):>12,} B")
+        for k, v in sorted(ops.items()):
+            print(f"      {k:<30} {v['calls']:>4} calls {v['bytes']:>12,} B")
+        rows.append({"sequence_parallel": sp, "measured_bytes": total_m,
+                     "analytic_bytes": total_e, "ratio": total_m / total_e,
+                     "by_kind": {"measured": dict(measured), "analytic": expected}})
+    return {"tp": args.tp, "precision": args.precision, "cases": rows}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="micro-batch for the tp section")
+    ap.add_argument("--section", choices=["all", "tp", "dp"], default="all")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
@@ -123,7 +192,11 @@ def main():
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     args = ap.parse_args()
-    result = {"bench": "comm_volume", "data_parallel": dp_section(args)}
+    result = {"bench": "comm_volume"}
+    if args.section in ("all", "tp"):
+        result["tensor_parallel"] = tp_section(args)
+    if args.section in ("all", "dp"):
+        result["data_parallel"] = dp_section(args)
     print(json.dumps(result))
 
 

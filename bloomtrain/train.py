@@ -424,6 +424,10 @@ class Trainer:
                 }
                 if res.loss_scale is not None:
                     rec["loss_scale"] = self.optimizer.loss_scale
+                if comm.STATS.enabled:
+                    # This rank's collective traffic since the last record, per kind and group.
+                    rec["comm"] = {f"{k}/{g}": v for (k, g), v in comm.STATS.snapshot().items()}
+                    comm.STATS.reset()
                 if res.skipped:
                     rec["skipped"] = True
                 self.logger.record(rec)
