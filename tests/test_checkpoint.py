@@ -1,0 +1,203 @@
+"""Sharded, layout-independent, atomic checkpoints: resharding across layouts, corrupt-checkpoint
+fallback, refusal of pickles, and the preemption / kill-switch exits."""
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bloomtrain import checkpoint as ckpt
+from bloomtrain.train import Trainer, train
+from tests.dist import run_ranks
+from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.test_train_parallel import _write_config
+
+QUIET = dict(log=lambda *a: None)
+
+
+def full_state(path, kinds=("model", "exp_avg", "exp_avg_sq")):
+    reader = ckpt.CheckpointReader(path, kinds=kinds)
+    return {(k, n): reader.load(n, k) for n in reader.names() for k in kinds}
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def layout_cfg(dataset, tmp, layout, **over):
+    tp, pp, dp, zero = layout
+    parallel = {"tp": tp, "zero_stage": zero}
+    if pp > 1:
+        parallel.update(pp=pp, pp_schedule="1f1b")
+    return make_cfg(dataset, Path(tmp), parallel=parallel, train__micro_batch_size=2, **over)
+
+
+def _reshard_worker(rank, world, dataset, tmp, layout, src, out):
+    """Load `src` in `layout`, save it again at once (out/loaded), then train one step."""
+    cfg = layout_cfg(dataset, tmp, layout, train__train_iters=5,
+                     checkpoint={"dir": out, "resume": src, "async_save": False})
+    trainer = Trainer(cfg, **QUIET)
+    trainer.save()
+    res = trainer.run()
+    return res.losses
+
+
+@pytest.fixture(scope="module")
+def source_checkpoint(dataset, tmp_path_factory):
+    """4 steps on one process (fp32, zero 0), checkpointed at step 4; and the loss of step 5
+    when resuming on the same layout."""
+    tmp = tmp_path_factory.mktemp("src")
+    cfg = layout_cfg(dataset, tmp, (1, 1, 1, 0), train__train_iters=4,
+                     checkpoint={"dir": str(tmp / "ck"), "save_interval": 4})
+    train(cfg, **QUIET)
+    src = tmp / "ck" / ckpt.step_dir_name(4)
+    same = layout_cfg(dataset, tmp / "same", (1, 1, 1, 0), train__train_iters=5,
+                      checkpoint={"dir": str(tmp / "same_ck"), "resume": str(src)})
+    next_loss = train(same, **QUIET).losses
+    return src, next_loss
+
+
+# Next-step loss after resharding vs the same-layout resume: fp32, only the summation order of
+# tp/dp reductions differs, so 1e-5 relative.
+NEXT_LOSS_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 2, 3), (1, 1, 4, 1), (2, 1, 1, 2)],
+                         ids=["1.1.1z0->tp2.dp2.z3", "1.1.1z0->dp4.z1", "1.1.1z0->tp2.z2"])
+def test_reshard_from_single_process(dataset, tmp_path, source_checkpoint, layout):
+    src, next_loss = source_checkpoint
+    world = layout[0] * layout[1] * layout[2]
+    out = tmp_path / "out"
+    losses = run_ranks(world, _reshard_worker, dataset, str(tmp_path), layout, str(src),
+                       str(out))[0]
+    # Weights, fp32 masters and Adam moments, gathered to full shape, are bitwise what was saved.
+    assert_same_state(full_state(out / ckpt.step_dir_name(4)), full_state(src))
+    np.testing.assert_allclose(losses, next_loss, rtol=NEXT_LOSS_RTOL)
+
+
+def test_reshard_zero3_tp2_dp2_to_dp4_zero1(dataset, tmp_path, source_checkpoint):
+    src, next_loss = source_checkpoint
+    mid = tmp_path / "mid"
+    run_ranks(4, _reshard_worker, dataset, str(tmp_path), (2, 1, 2, 3), str(src), str(mid))
+    mid_ckpt = mid / ckpt.step_dir_name(5)
+    out = tmp_path / "out"
+    src_state = full_state(mid_ckpt)
+    run_ranks(4, _reshard_worker, dataset, str(tmp_path), (1, 1, 4, 1), str(mid_ckpt), str(out))
+    assert_same_state(full_state(out / ckpt.step_dir_name(5)), src_state)
+
+
+def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path):
+    root = tmp_path / "ck"
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=6,
+                   checkpoint={"dir": str(root), "save_interval": 2, "keep_last": 5})
+    train(cfg, **QUIET)
+    steps = [s for s, _ in ckpt.list_checkpoints(root)]
+    assert steps == [2, 4, 6]
+    model6 = root / ckpt.step_dir_name(6) / "model-00000.safetensors"
+    data = bytearray(model6.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: same size, bad checksum
+    model6.write_bytes(bytes(data))
+    optim4 = root / ckpt.step_dir_name(4) / "optim-00000.safetensors"
+    with open(optim4, "r+b") as f:
+        f.truncate(optim4.stat().st_size // 2)
+    # A save killed half way leaves only a temporary directory behind.
+    (root / ".step_00000008.tmp").mkdir()
+    lines = []
+    resumed = Trainer(make_cfg(dataset, tmp_path / "r", train__train_iters=6,
+                               checkpoint={"dir": str(root)}),
+                      log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert resumed.state.step == 2
+    text = "\n".join(lines)
+    assert "skipping step_00000006" in text and "checksum" in text
+    assert "skipping step_00000004" in text and "truncated" in text
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['BLOOMTRAIN_PWNED']}",))
+
+
+def test_malicious_pickle_is_refused(dataset, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("BLOOMTRAIN_PWNED", str(marker))
+    payload = pickle.dumps({"transformer.word_embeddings.weight": _Evil()})
+    root = tmp_path / "ck"
+    train(make_cfg(dataset, tmp_path, train__train_iters=2,
+                   checkpoint={"dir": str(root), "save_interval": 2}), **QUIET)
+    step = root / ckpt.step_dir_name(2)
+    # The attacker replaces a shard with a pickle and fixes the manifest's size and checksum.
+    target = step / "model-00000.safetensors"
+    target.write_bytes(payload)
+    import hashlib
+    import json
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["model-00000.safetensors"] = {
+        "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    import bloomtrain
+    with pytest.raises(Exception):
+        bloomtrain.load_model(step)
+    with pytest.raises(Exception):
+        Trainer(make_cfg(dataset, tmp_path / "r", checkpoint={"dir": str(root),
+                                                              "resume": str(step)}), **QUIET)
+    # And an HF directory whose pytorch_model.bin is a malicious pickle.
+    from bloomtrain import hf
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(
+        {"model_type": "bloom", "n_embed": 64, "n_layer": 1, "n_head": 4, "vocab_size": 256}))
+    (hf_dir / "pytorch_model.bin").write_bytes(payload)
+    with pytest.raises(Exception, match="weights_only"):
+        hf.import_hf(hf_dir, tmp_path / "imported", log=lambda *a: None)
+    assert not marker.exists()
+
+
+def _start_training(tmp_path, dataset, *overrides):
+    cfg = _write_config(tmp_path, dataset, "sig")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "bloomtrain", "train", "--config", str(cfg),
+         "train.train_iters=100000", "train.log_interval=1", "optim.decay_samples=10000000",
+         f"checkpoint.dir={tmp_path / 'ck'}", *overrides],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_steps(proc, n):
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step") and int(line.split()[1]) >= n:
+            return seen
+    raise AssertionError("training ended early:\n" + "".join(seen))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_saves_and_exits_cleanly(dataset, tmp_path, sig):
+    proc = _start_training(tmp_path, dataset)
+    _wait_for_steps(proc, 3)
+    proc.send_signal(sig)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, out
+    assert "stopping at step" in out and "signal" in out
+    (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
+    assert step >= 3 and ckpt.verify(path)
+
+
+def test_kill_switch_saves_and_exits(dataset, tmp_path):
+    switch = tmp_path / "STOP"
+    proc = _start_training(tmp_path, dataset, f"train.kill_switch_path={switch}")
+    _wait_for_steps(proc, 2)
+    switch.touch()
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, out
+    assert "kill switch" in out
+    (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
+    assert step >= 2 and ckpt.verify(path)
