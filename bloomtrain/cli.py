@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "bloomtrain.data.inspect",
     "bloomtrain.hf",
     "bloomtrain.generate",
+    "bloomtrain.pipeline_timeline",
 ]
 
 

@@ -41,6 +41,16 @@ class ModelConfig:
 class ParallelConfig:
     # Tensor-parallel size: Megatron column/row-split matmuls within a node.
     tp: int = 1
+    # Pipeline-parallel size (arXiv 2104.04473): stages of consecutive blocks, across nodes.
+    pp: int = 1
+    # gpipe, 1f1b (PipeDream-flush) or interleaved (needs num_virtual_stages > 1).
+    pp_schedule: str = "1f1b"
+    num_virtual_stages: int = 1
+    # uniform, type:transformer|embedding (BLOOM's: the embedding and the tied head count as one
+    # unit each on the first/last stage), or explicit block counts per stage like "5,6,6,5".
+    pp_partition: str = "type:transformer|embedding"
+    # Write a per-stage timeline of every logged step to run_dir/pipeline_timeline/.
+    pp_timeline: bool = False
     # Shard LayerNorm/dropout activations along the sequence over the tp group (needs tp > 1).
     sequence_parallel: bool = False
     # ZeRO (arXiv 1910.02054): 0 replicates everything; 1 shards fp32 master weights and Adam
@@ -187,11 +197,12 @@ class Config:
 
     # ---- derived values ------------------------------------------------------------------
     def derive_dp(self, world_size: int) -> int:
-        per_replica = self.parallel.tp
+        per_replica = self.parallel.tp * self.parallel.pp
         if world_size % per_replica:
             raise UserError(
-                f"the number of processes ({world_size}) is not divisible by parallel.tp "
-                f"({per_replica}); change --nproc or parallel.tp")
+                f"the number of processes ({world_size}) is not divisible by parallel.tp * "
+                f"parallel.pp ({self.parallel.tp} * {self.parallel.pp} = {per_replica}); change "
+                f"--nproc or the tp/pp sizes")
         return world_size // per_replica
 
     # ---- validation ----------------------------------------------------------------------
@@ -200,6 +211,8 @@ class Config:
         m, p, t, o, d = self.model, self.parallel, self.train, self.optim, self.data
         _pos = _require_positive
         _pos("parallel.tp", p.tp)
+        _pos("parallel.pp", p.pp)
+        _pos("parallel.num_virtual_stages", p.num_virtual_stages)
         dp = self.derive_dp(world_size)
         if p.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
@@ -238,6 +251,18 @@ class Config:
             raise UserError(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"train.micro_batch_size * dp ({t.micro_batch_size} * {dp} = {per_step})")
+        from bloomtrain.parallel.pipeline import num_micro_batches, validate_pipeline
+        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise UserError(f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, got "
+                            f"{p.pp_schedule!r}")
+        if p.pp > 1:
+            validate_pipeline(shape.num_layers, p.pp, p.pp_schedule, p.num_virtual_stages,
+                              p.pp_partition,
+                              num_micro=num_micro_batches(t.global_batch_size,
+                                                          t.micro_batch_size, dp))
+        elif p.num_virtual_stages != 1:
+            raise UserError("parallel.num_virtual_stages > 1 needs parallel.pp > 1 and "
+                            "parallel.pp_schedule=interleaved")
         if t.rampup_batch_size is not None:
             if len(t.rampup_batch_size) != 3:
                 raise UserError("train.rampup_batch_size must be [start, increment, ramp_samples]")

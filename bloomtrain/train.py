@@ -27,6 +27,8 @@ from bloomtrain.config import Config, parse_data_paths
 from bloomtrain.model import build_model, resolve_model_config
 from bloomtrain.optim import LRSchedule, megatron_tflops
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.pipeline import (Timeline, build_pipeline_chunks, pipeline_eval_step,
+                                          pipeline_train_step)
 from bloomtrain.parallel.tensor import apply_tensor_parallel, shard_tensor, tp_split_dim_of
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer
 from bloomtrain.topology import Topology
@@ -129,7 +131,7 @@ class Trainer:
         self.cfg = cfg
         self.device = resolve_device(cfg)
         init_distributed(cfg, self.device)
-        self.topo = Topology.build(cfg.parallel.tp, 1, cfg.parallel.timeout_minutes)
+        self.topo = Topology.build(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_minutes)
         if cfg.parallel.comm_stats:
             comm.STATS.enable()
         self.is_logger = self.topo.rank == 0
@@ -149,10 +151,26 @@ class Trainer:
         model.set_activation_checkpointing(t.activation_checkpointing == "full")
         apply_tensor_parallel(model, self.topo, cfg.parallel.sequence_parallel, seed=t.seed,
                               seq_length=cfg.data.seq_length)
-        self.model = model
-        self.optimizer = MixedPrecisionOptimizer(model, cfg.optim, t.precision, self.topo,
-                                                 zero_stage=cfg.parallel.zero_stage,
-                                                 bucket_size_mb=cfg.parallel.bucket_size_mb)
+        p = cfg.parallel
+        if p.pp > 1:
+            # This rank keeps only its stages' modules (model chunks); the rest is dropped.
+            self.chunks = build_pipeline_chunks(model, self.topo, p.pp_partition,
+                                                p.num_virtual_stages)
+            self.model = None
+            del model
+            modules = self.chunks
+            for chunk in self.chunks:
+                chunk.set_activation_checkpointing(t.activation_checkpointing == "full")
+            seq = cfg.data.seq_length // (p.tp if p.sequence_parallel else 1)
+            self.recv_shape = (t.micro_batch_size, seq, self.shape.hidden_size)
+        else:
+            self.chunks, self.model, modules = None, model, [model]
+        self.modules = modules
+        self.optimizer = MixedPrecisionOptimizer(modules if p.pp > 1 else model, cfg.optim,
+                                                 t.precision, self.topo,
+                                                 zero_stage=p.zero_stage,
+                                                 bucket_size_mb=p.bucket_size_mb)
+        self.timeline = None
 
         self.batches = BatchSizeSchedule(t.global_batch_size, t.micro_batch_size,
                                          self.topo.dp_size, t.rampup_batch_size)
@@ -218,7 +236,7 @@ class Trainer:
                 full = reader.load(name, kind).to(torch.float32)
                 return shard_tensor(name, full, topo.tp_rank, topo.tp_size)
             return load
-        names = [n for n, _ in self.model.named_parameters()]
+        names = [n for m in self.modules for n, _ in m.named_parameters()]
         master = ckpt.LazyState(names, local("model"))
         optim = None
         if reader.has("exp_avg"):
@@ -243,7 +261,9 @@ class Trainer:
     def _topology_meta(self) -> dict:
         p = self.cfg.parallel
         return {"tp": self.topo.tp_size, "pp": self.topo.pp_size, "dp": self.topo.dp_size,
-                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel}
+                "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel,
+                "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+                "num_virtual_stages": p.num_virtual_stages}
 
     def _fragments(self) -> list[dict]:
         """This rank's unique pieces of the fp32 master weights and Adam moments, in logical
@@ -290,19 +310,33 @@ class Trainer:
                                 eod_mask_loss=self.cfg.data.eod_mask_loss)
         return [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
 
+    def _set_mode(self, train: bool) -> None:
+        for m in self.modules:
+            m.train(train)
+
+    def _pipeline_kwargs(self) -> dict:
+        return dict(recv_shape=self.recv_shape, dtype=self.optimizer.compute_dtype,
+                    timeout=self.cfg.parallel.timeout_minutes * 60)
+
     def train_step(self, micro_batches) -> tuple[float, object]:
-        self.model.train()
+        self._set_mode(True)
         n = len(micro_batches)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for mb in micro_batches:
-            loss = self.model(mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"])
-            # Each micro-batch contributes 1/n: the step's loss is the mean over micro-batches,
-            # exactly as one process running the whole batch would average it.
-            self.optimizer.scale_loss(loss / n).backward()
-            total += loss.detach()
+        if self.chunks is not None:
+            loss = pipeline_train_step(self.cfg.parallel.pp_schedule, self.chunks, micro_batches,
+                                       self.topo, scale_loss=self.optimizer.scale_loss,
+                                       timeline=self.timeline, **self._pipeline_kwargs())
+            loss = torch.tensor(loss, dtype=torch.float32, device=self.device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            for mb in micro_batches:
+                mb_loss = self.model(mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"])
+                # Each micro-batch contributes 1/n: the step's loss is the mean over
+                # micro-batches, exactly as one process running the whole batch averages it.
+                self.optimizer.scale_loss(mb_loss / n).backward()
+                loss += mb_loss.detach()
+            loss /= n
         lr = self.lr_schedule(self.state.consumed_samples)
         result = self.optimizer.step(lr)
-        loss = total / n
         if self.topo.dp_group is not None:
             dist.all_reduce(loss, group=self.topo.dp_group)
             loss /= self.topo.dp_size
@@ -312,7 +346,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.valid_ds is None or len(self.valid_ds) == 0:
             return None
-        self.model.eval()
+        self._set_mode(False)
         t = self.cfg.train
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         count = 0
@@ -320,7 +354,13 @@ class Trainer:
             start = i * t.global_batch_size
             if start + t.global_batch_size > len(self.valid_ds):
                 break
-            for mb in self._micro_batches(self.valid_ds, start, t.global_batch_size):
+            mbs = self._micro_batches(self.valid_ds, start, t.global_batch_size)
+            if self.chunks is not None:
+                total += pipeline_eval_step(self.cfg.parallel.pp_schedule, self.chunks, mbs,
+                                            self.topo, **self._pipeline_kwargs()) * len(mbs)
+                count += len(mbs)
+                continue
+            for mb in mbs:
                 total += self.model(mb["tokens"], labels=mb["labels"], loss_mask=mb["loss_mask"])
                 count += 1
         if count == 0:
@@ -369,8 +409,9 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult(state=self.state, run_dir=str(self.run_dir))
         self._install_signal_handlers()
-        layout = (f"tp={self.topo.tp_size} dp={self.topo.dp_size} "
+        layout = (f"tp={self.topo.tp_size} pp={self.topo.pp_size} dp={self.topo.dp_size} "
                   f"zero={cfg.parallel.zero_stage}"
+                  f"{' schedule=' + cfg.parallel.pp_schedule if self.topo.pp_size > 1 else ''}"
                   f"{' sp' if cfg.parallel.sequence_parallel else ''} precision={t.precision}")
         self.print(f"[train] model {self.shape.num_parameters():,} parameters "
                    f"(L={self.shape.num_layers}, h={self.shape.hidden_size}, "
@@ -383,7 +424,12 @@ class Trainer:
             gbs = self.batches.global_batch_size_at(self.state.consumed_samples)
             t0 = time.time()
             micro_batches = self._micro_batches(self.train_ds, self.state.consumed_samples, gbs)
+            want_timeline = (self.chunks is not None and cfg.parallel.pp_timeline
+                             and (self.state.step + 1) % t.log_interval == 0)
+            self.timeline = Timeline() if want_timeline else None
             loss, res, lr = self.train_step(micro_batches)
+            if self.timeline is not None:
+                self.timeline.save(self.run_dir, self.state.step + 1)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.time() - t0

@@ -105,3 +105,58 @@ def test_cli_rejects_impossible_layout(dataset, tmp_path):
     out = _cli("train", "--config", str(cfg), "--nproc", "3", "parallel.tp=2")
     assert out.returncode == 2
     assert "not divisible by parallel.tp" in out.stderr
+
+
+def test_cli_nproc4_pp4_1f1b_matches_nproc1(dataset, tmp_path):
+    # The command: 4 pipeline stages with the 1F1B schedule on the demo-style data,
+    # against one process. tiny has 4 blocks: one per stage, embedding on the first, head on
+    # the last ("type:transformer|embedding" puts them there).
+    cfg = _write_config(tmp_path, dataset, "one")
+    one = _cli("train", "--config", str(cfg), "--nproc", "1")
+    assert one.returncode == 0, one.stderr
+    four = _cli("train", "--config", str(cfg), "--nproc", "4", "parallel.pp=4",
+                "parallel.pp_schedule=1f1b", "parallel.pp_partition=uniform",
+                "parallel.pp_timeline=true", f"run_dir={tmp_path / 'four'}")
+    assert four.returncode == 0, four.stderr + four.stdout
+    a = [r["loss"] for r in metrics(tmp_path / "one") if "loss" in r]
+    b = [r["loss"] for r in metrics(tmp_path / "four") if "loss" in r]
+    assert len(a) == len(b) == 6
+    np.testing.assert_allclose(b, a, rtol=LOSS_RTOL)
+    assert "pp=4" in metrics(tmp_path / "four")[0]["layout"]
+    timeline = _cli("pipeline-timeline", str(tmp_path / "four"))
+    assert timeline.returncode == 0 and "bubble" in timeline.stdout.lower(), timeline.stderr
+
+
+def _3d_worker(rank, world, dataset, tmp, zero, precision):
+    cfg = make_cfg(dataset, Path(tmp), train__train_iters=10, train__micro_batch_size=1,
+                   train__precision=precision,
+                   parallel={"tp": 2, "pp": 2, "zero_stage": zero, "pp_schedule": "1f1b",
+                             "pp_partition": "uniform"},
+                   checkpoint={"dir": f"{tmp}/ck", "save_interval": 10, "async_save": False})
+    res = Trainer(cfg, log=lambda *a: None).run()
+    return res.losses, res.checkpoint
+
+
+def _final_weights(path):
+    from bloomtrain.checkpoint import CheckpointReader
+    reader = CheckpointReader(path)
+    return {n: reader.load(n) for n in reader.names()}
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_3d_tp2_pp2_dp2_matches_single_process(dataset, tmp_path, zero):
+    # 8 ranks: tp=2 x pp=2 x dp=2 with the 1F1B schedule and ZeRO, against one process taking
+    # the whole global batch. fp32: only summation orders differ (tp all-reduces, dp
+    # reduce-scatters, micro-batch accumulation), so the parity tolerances above apply.
+    single = Trainer(make_cfg(dataset, tmp_path / "one", train__train_iters=10,
+                              train__micro_batch_size=1,
+                              checkpoint={"dir": str(tmp_path / "one_ck"), "save_interval": 10,
+                                          "async_save": False}), log=lambda *a: None)
+    ref = single.run()
+    outs = run_ranks(8, _3d_worker, dataset, str(tmp_path / "3d"), zero, "fp32")
+    for losses, _ in outs:
+        np.testing.assert_allclose(losses, ref.losses, rtol=LOSS_RTOL)
+    got, want = _final_weights(outs[0][1]), _final_weights(ref.checkpoint)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=WEIGHT_ATOL)
