@@ -70,11 +70,11 @@ def source_checkpoint(dataset, tmp_path_factory):
 NEXT_LOSS_RTOL = 1e-5
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 2, 3), (1, 1, 4, 1), (2, 1, 1, 2)],
-                         ids=["1.1.1z0->tp2.dp2.z3", "1.1.1z0->dp4.z1", "1.1.1z0->tp2.z2"])
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1), (2, 1, 2, 3), (1, 4, 1, 0)],
+                         ids=["1.1.1->2.2.2z1", "1.1.1->tp2.dp2.z3", "1.1.1->pp4"])
 def test_reshard_from_single_process(dataset, tmp_path, source_checkpoint, layout):
     src, next_loss = source_checkpoint
-    world = layout[0] * layout[1] * layout[2]
+    world = _world(layout)
     out = tmp_path / "out"
     losses = run_ranks(world, _reshard_worker, dataset, str(tmp_path), layout, str(src),
                        str(out))[0]
@@ -83,15 +83,37 @@ def test_reshard_from_single_process(dataset, tmp_path, source_checkpoint, layou
     np.testing.assert_allclose(losses, next_loss, rtol=NEXT_LOSS_RTOL)
 
 
-def test_reshard_zero3_tp2_dp2_to_dp4_zero1(dataset, tmp_path, source_checkpoint):
-    src, next_loss = source_checkpoint
+@pytest.mark.parametrize("first,second", [((2, 2, 2, 3), (1, 1, 4, 1)),
+                                          ((1, 4, 1, 2), (1, 2, 2, 0))],
+                         ids=["2.2.2z3->1.1.4z1", "pp4z2->pp2.dp2z0"])
+def test_reshard_between_parallel_layouts(dataset, tmp_path, source_checkpoint, first, second):
+    src, _ = source_checkpoint
     mid = tmp_path / "mid"
-    run_ranks(4, _reshard_worker, dataset, str(tmp_path), (2, 1, 2, 3), str(src), str(mid))
+    first_losses = run_ranks(_world(first), _reshard_worker, dataset, str(tmp_path), first,
+                             str(src), str(mid))[0]
     mid_ckpt = mid / ckpt.step_dir_name(5)
     out = tmp_path / "out"
-    src_state = full_state(mid_ckpt)
-    run_ranks(4, _reshard_worker, dataset, str(tmp_path), (1, 1, 4, 1), str(mid_ckpt), str(out))
-    assert_same_state(full_state(out / ckpt.step_dir_name(5)), src_state)
+    saved = full_state(mid_ckpt)
+    # The same-layout resume of mid_ckpt and the resharded one take the same next step.
+    same = run_ranks(_world(first), _reshard_worker6, dataset, str(tmp_path / "s"), first,
+                     str(mid_ckpt), str(tmp_path / "same"))[0]
+    losses = run_ranks(_world(second), _reshard_worker6, dataset, str(tmp_path / "o"), second,
+                       str(mid_ckpt), str(out))[0]
+    assert_same_state(full_state(out / ckpt.step_dir_name(5)), saved)
+    np.testing.assert_allclose(losses, same, rtol=NEXT_LOSS_RTOL)
+    assert len(first_losses) == 1 and len(losses) == 1
+
+
+def _world(layout):
+    return layout[0] * layout[1] * layout[2]
+
+
+def _reshard_worker6(rank, world, dataset, tmp, layout, src, out):
+    cfg = layout_cfg(dataset, tmp, layout, train__train_iters=6,
+                     checkpoint={"dir": out, "resume": src, "async_save": False})
+    trainer = Trainer(cfg, **QUIET)
+    trainer.save()
+    return trainer.run().losses
 
 
 def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path):
