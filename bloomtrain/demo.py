@@ -5,6 +5,8 @@ built-in corpus (the Python standard library's sources and docstrings) -> byte-l
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +15,10 @@ import yaml
 # The embedded default run. Sized so that a 2-core CPU finishes in a few minutes with the loss
 # falling visibly; every key can be overridden on the command line (section.key=value).
 DEMO_CONFIG = """
+parallel:
+  zero_stage: 1
+  pp_schedule: 1f1b
+  pp_partition: uniform
 model:
   preset: null
   hidden_size: 128
@@ -30,7 +36,7 @@ optim:
   decay_style: cosine
   clip_grad: 1.0
 train:
-  micro_batch_size: 8
+  micro_batch_size: 2
   global_batch_size: 16
   train_iters: 500
   precision: bf16
@@ -43,7 +49,23 @@ checkpoint:
 """
 
 DEMO_VOCAB = 4096
-DEMO_PROMPT = "def __init__(self"
+
+
+def demo_layout() -> tuple[int, dict]:
+    """(processes, parallel settings) for the demo: the full 3D layout BLOOM used, fitted to
+    this machine. Without GPUs: tp=2, pp=2, dp=2 on 8 CPU processes (gloo). With GPUs: tp=2 and
+    pp=2 when there are at least 4, dp over the rest; fewer GPUs drop pp, then tp."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        return 8, {"tp": 2, "pp": 2}
+    if gpus >= 4:
+        return gpus - gpus % 4, {"tp": 2, "pp": 2}
+    if gpus >= 2:
+        return 2, {"tp": 2, "pp": 1}
+    return 1, {"tp": 1, "pp": 1}
+DEMO_PROMPT = "for i in range("
 
 
 def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = None,
@@ -54,7 +76,9 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     from bloomtrain.data.tokenizer import load_tokenizer, train_tokenizer
     from bloomtrain.generate import generate
     from bloomtrain.hf import export_hf
-    from bloomtrain.train import train
+    from bloomtrain import checkpoint as ckpt
+    from bloomtrain.train import launch_local, train
+    from bloomtrain.utils import atomic_output
 
     t_start = time.time()
     root = Path(run_dir).resolve()
@@ -86,26 +110,41 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     data["data"]["paths"] = [str(dataset)]
     data["data"]["tokenizer"] = str(tok_dir)
     data["checkpoint"]["dir"] = str(root / "checkpoints")
+    nproc, layout = demo_layout()
+    data["parallel"].update(layout)
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = Config.from_dict(data)
-    log(f"[demo] 4/6 training ({cfg.train.train_iters} steps, precision {cfg.train.precision})")
-    result = train(cfg, log=log)
-    losses = result.losses
-    if len(losses) >= 20:
-        first = sum(losses[:10]) / 10
-        last = sum(losses[-10:]) / 10
-        log(f"[demo] loss fell from {first:.3f} (first 10 steps) to {last:.3f} (last 10 steps)")
+    nproc = nproc if "WORLD_SIZE" not in os.environ else 1
+    cfg.validate(world_size=nproc)
+    config_path = root / "demo_config.yaml"
+    with atomic_output(config_path, "w") as f:
+        f.write(cfg.to_yaml())
+    p = cfg.parallel
+    log(f"[demo] 4/6 training {cfg.train.train_iters} steps (precision {cfg.train.precision}) on "
+        f"{nproc} process(es): tp={p.tp} pp={p.pp} dp={nproc // (p.tp * p.pp)} "
+        f"zero={p.zero_stage} schedule={p.pp_schedule}; config {config_path}")
+    if nproc > 1:
+        launch_local(nproc, str(config_path), [])
+    else:
+        train(cfg, log=log)
+    records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    if len(losses) >= 2:
+        log(f"[demo] training loss went from {losses[0]:.3f} (first logged interval) to "
+            f"{losses[-1]:.3f} (last)" + (f"; eval loss {evals[-1]:.3f}" if evals else ""))
+    checkpoint = str(ckpt.resolve(cfg.checkpoint.dir))
 
     export_dir = root / "hf"
     log(f"[demo] 5/6 exporting to HF transformers format -> {export_dir}")
-    export_hf(result.checkpoint, str(export_dir))
+    export_hf(checkpoint, str(export_dir))
 
     log(f"[demo] 6/6 greedy continuation of {DEMO_PROMPT!r}")
     import torch
 
     from bloomtrain import load_model
-    model = load_model(result.checkpoint)
+    model = load_model(checkpoint)
     ids = torch.tensor([tokenizer.encode(DEMO_PROMPT)])
     out = generate(model, ids, max_new_tokens=40, vocab_limit=tokenizer.vocab_size)
     text = tokenizer.decode(out[0].tolist())
@@ -118,10 +157,10 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     log(f"  tokenizer     {tok_dir}/tokenizer.json")
     log(f"  dataset       {dataset}.bin / .idx")
     log(f"  run dir       {cfg.run_dir}  (config.yaml, metrics.jsonl)")
-    log(f"  checkpoint    {result.checkpoint}")
+    log(f"  checkpoint    {checkpoint}")
     log(f"  HF export     {export_dir}  (transformers.BloomForCausalLM.from_pretrained)")
-    return {"losses": losses, "eval_loss": result.eval_loss, "checkpoint": result.checkpoint,
-            "export": str(export_dir), "sample": text}
+    return {"losses": losses, "eval_losses": evals, "checkpoint": checkpoint,
+            "export": str(export_dir), "sample": text, "layout": records[0].get("layout")}
 
 
 def cmd_demo(args) -> int:
