@@ -60,6 +60,7 @@ MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 TIED_ALIAS = {"lm_head.weight": "transformer.word_embeddings.weight"}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_DISPLACED_DIR = re.compile(r"^\.step_(\d+)\.old$")
 
 
 class CheckpointError(UserError):
@@ -262,15 +263,14 @@ class CheckpointWriter:
             json.dump(manifest, f, indent=1, sort_keys=True)
         fsync_dir(tmp)
         verify(tmp, manifest, check_sums=False)  # every fragment present, every file complete
+        old = final.with_name(f".{final.name}.old")
         if final.exists():
-            # Re-saving a step (after a resume): the old copy goes only once the new one is in.
-            old = final.with_name(f".{final.name}.old")
+            # Re-saving a step: the old copy goes only once the new one is in. A kill between
+            # the two renames leaves `.step_N.old`, which list_checkpoints still offers.
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         fsync_dir(final.parent)
         with atomic_output(final.parent / "latest", "w") as f:
             f.write(final.name + "\n")
@@ -314,12 +314,18 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    out = []
+    out, displaced = {}, {}
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
         if m and p.is_dir():
-            out.append((int(m.group(1)), p))
-    return sorted(out)
+            out[int(m.group(1))] = p
+        m = _DISPLACED_DIR.match(p.name)
+        if m and p.is_dir():
+            displaced[int(m.group(1))] = p
+    # A re-save killed between its two renames: the previous copy of the step is still whole.
+    for step, p in displaced.items():
+        out.setdefault(step, p)
+    return sorted(out.items())
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

@@ -197,6 +197,7 @@ class Trainer:
         self.writer = (ckpt.CheckpointWriter(cfg.checkpoint.dir, cfg.checkpoint.async_save,
                                              log=self.print) if cfg.checkpoint.dir else None)
         resume_step = self._maybe_resume()
+        self.resumed = resume_step is not None
         self.logger = Logger(self.run_dir, self.is_logger, resume_step)
         if self.is_logger:
             with atomic_output(self.run_dir / "config.yaml", "w") as f:
@@ -249,7 +250,11 @@ class Trainer:
         if tr:  # a training checkpoint; an imported HF one starts training from step 0
             self.state = TrainState(**tr)
             ranks = manifest.get("ranks", {})
-            same = manifest.get("topology") == self._topology_meta()
+            # Each rank's own RNG when the rank grid is the same (dropout streams continue
+            # exactly); otherwise rank 0's, for every rank.
+            grid = ("tp", "pp", "dp")
+            saved = manifest.get("topology") or {}
+            same = all(saved.get(k) == self._topology_meta()[k] for k in grid)
             own = ranks.get(str(topo.rank) if same else "0", {})
             if "rng" in own:
                 set_rng_state(own["rng"])
@@ -418,7 +423,8 @@ class Trainer:
                    f"heads={self.shape.num_heads}, vocab={self.shape.vocab_size}); {layout}; "
                    f"{self.train_samples:,} samples, run dir {self.run_dir}")
         start_time = last_save = time.time()
-        saved_step = None
+        # A run resumed from a checkpoint of this very step has nothing new to save.
+        saved_step = self.state.step if self.resumed else None
         interval_loss, interval_steps, interval_time, interval_tokens = 0.0, 0, 0.0, 0
         while self.state.consumed_samples < self.train_samples:
             gbs = self.batches.global_batch_size_at(self.state.consumed_samples)

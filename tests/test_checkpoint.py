@@ -223,3 +223,28 @@ def test_kill_switch_saves_and_exits(dataset, tmp_path):
     assert "kill switch" in out
     (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
     assert step >= 2 and ckpt.verify(path)
+
+
+def test_resave_killed_between_renames_keeps_the_step(tmp_path, monkeypatch):
+    from bloomtrain.model.presets import BloomShape
+    shape = BloomShape(num_layers=1, hidden_size=8, num_heads=2, vocab_size=16,
+                       ffn_hidden_size=32)
+    state = {"transformer.ln_f.weight": torch.ones(8)}
+    ckpt.save_checkpoint(tmp_path, 5, state, shape, keep_last=1)
+    real = os.replace
+
+    def replace(a, b):
+        real(a, b)
+        if str(a).endswith("step_00000005") and str(b).endswith(".old"):
+            raise KeyboardInterrupt  # stands in for SIGKILL between the two renames
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 5, state, shape, keep_last=1)
+    monkeypatch.setattr(ckpt.os, "replace", real)
+    found = ckpt.find_latest_valid(tmp_path)
+    assert found is not None and found.name == ".step_00000005.old"
+    assert torch.equal(ckpt.CheckpointReader(found).load("transformer.ln_f.weight"), state[
+        "transformer.ln_f.weight"])
+    # The next save of that step cleans up.
+    ckpt.save_checkpoint(tmp_path, 5, state, shape, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000005"]
