@@ -65,6 +65,21 @@ def resolve_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def env_from_slurm(env=os.environ) -> None:
+    """Under a plain `srun` (one task per GPU, no torchrun), translate SLURM's task variables into
+    torchrun's. MASTER_ADDR/MASTER_PORT must come from the job script (see the README)."""
+    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise UserError(f"running under srun with {env['SLURM_NTASKS']} tasks but {missing} "
+                        f"unset: export MASTER_ADDR (the first node's hostname) and MASTER_PORT "
+                        f"in the job script, or launch through torchrun")
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
 def init_distributed(cfg: Config, device: torch.device) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or dist.is_initialized():
@@ -126,6 +141,7 @@ def set_rng_state(s: dict) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, log=print):
+        env_from_slurm()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world_size=world)
         self.cfg = cfg

@@ -158,3 +158,26 @@ def test_data_parallel_matches_single_process(dataset, tmp_path):
         np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
         for k, v in master.items():
             torch.testing.assert_close(v, single.optimizer.master_state()[k], rtol=1e-4, atol=1e-6)
+
+
+def test_slurm_environment_mapping():
+    from bloomtrain.train import env_from_slurm
+    from bloomtrain.utils import UserError
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+           "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+    env_from_slurm(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "16", "1")
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    env_from_slurm(torchrun)  # torchrun's variables win
+    assert torchrun["RANK"] == "3"
+    with pytest.raises(UserError, match="MASTER_ADDR"):
+        env_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+def test_exit_duration_saves_and_stops(dataset, tmp_path):
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=50, train__exit_duration_minutes=1e-9,
+                   checkpoint={"dir": str(tmp_path / "ck")})
+    res = train(cfg, log=lambda *a: None)
+    assert res.exit_reason == "exit_duration_minutes" and res.state.step == 1
+    from bloomtrain import checkpoint
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
