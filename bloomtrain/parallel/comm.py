@@ -136,3 +136,20 @@ def batch_isend_irecv(ops: list, name: str) -> list:
         for op in ops:
             STATS.record("send" if op.op in (dist.isend, dist.send) else "recv", name, op.tensor)
     return dist.batch_isend_irecv(ops)
+
+
+@torch.no_grad()
+def all_reduce_coalesced(tensors: list[torch.Tensor], group, name: str) -> None:
+    """Sum `tensors` over `group` in place with one collective. Used for many small tensors
+    (LayerNorm and bias grads), where latency, not bandwidth, is what a call per tensor costs."""
+    if group is None or not tensors:
+        return
+    if len(tensors) == 1:
+        all_reduce(tensors[0], group, name)
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group, name)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -569,16 +569,7 @@ def allreduce_sequence_parallel_grads(model_or_grads, group) -> None:
                  if p.grad is not None]
     else:
         grads = list(model_or_grads)
-    if group is None or not grads:
-        return
-    # One collective for all of them: they are small (LayerNorm and bias vectors), so latency,
-    # not bandwidth, is what a call per tensor would cost.
-    flat = torch.cat([t.reshape(-1) for t in grads])
-    comm.all_reduce(flat, group, COMM_NAME)
-    offset = 0
-    for t in grads:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    comm.all_reduce_coalesced(grads, group, COMM_NAME)
 
 
 # ---- 6. full <-> sharded tensors ---------------------------------------------------------------

@@ -566,8 +566,8 @@ class MixedPrecisionOptimizer:
                 a, b = max(lo, e.start), min(hi, e.start + e.numel)
                 if e.tp_sum and a < b:
                     tp_parts.append(g[a - lo:b - lo])
-        _all_reduce_coalesced(tp_parts, self.topo.tp_group, "tp")
-        _all_reduce_coalesced([self._grad_view(s) for s in self.segments if s.tied],
+        comm.all_reduce_coalesced(tp_parts, self.topo.tp_group, "tp")
+        comm.all_reduce_coalesced([self._grad_view(s) for s in self.segments if s.tied],
                               self.topo.embedding_group, "emb")
         if self.dp_size > 1:
             for seg in self.segments:
@@ -784,20 +784,3 @@ def _counted_ranges(seg: _Segment, lo: int, hi: int) -> list[tuple[int, int]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
-
-
-@torch.no_grad()
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group, name: str) -> None:
-    """Sum `tensors` over `group` in one collective: they are small (LayerNorm and bias vectors)
-    or one tied embedding, so latency, not bandwidth, is what a call per tensor would cost."""
-    if group is None or not tensors:
-        return
-    if len(tensors) == 1:
-        comm.all_reduce(tensors[0], group, name)
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.all_reduce(flat, group, name)
-    off = 0
-    for t in tensors:
-        t.copy_(flat[off:off + t.numel()].view_as(t))
-        off += t.numel()
