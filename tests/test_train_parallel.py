@@ -160,3 +160,13 @@ def test_3d_tp2_pp2_dp2_matches_single_process(dataset, tmp_path, zero):
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=WEIGHT_ATOL)
+    if zero == 3:
+        # export-hf from a tp2.pp2.dp2 ZeRO-3 checkpoint: HF loads it with our logits.
+        transformers = pytest.importorskip("transformers")
+        from bloomtrain import load_model
+        from bloomtrain.hf import export_hf
+        export_hf(outs[0][1], str(tmp_path / "hf"), log=lambda *a: None)
+        hf = transformers.BloomForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        ids = torch.randint(0, 256, (2, 24))
+        with torch.no_grad():
+            assert (hf(ids).logits - load_model(outs[0][1])(ids)).abs().max().item() < 1e-4
