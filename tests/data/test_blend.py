@@ -13,7 +13,7 @@ from bloomtrain.data.blend import (BlendableDataset, build_blending_indices,
 from bloomtrain.data.gpt_dataset import GPTDataset
 from bloomtrain.data.indexed import MMapIndexedDataset
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+from tests.data import FIXTURES
 CASES = json.loads((FIXTURES / "cases.json").read_text())
 
 

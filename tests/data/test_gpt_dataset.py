@@ -14,8 +14,7 @@ from bloomtrain.data.gpt_dataset import GPTDataset, parse_split, split_documents
 from bloomtrain.data.indexed import MMapIndexedDataset, write_dataset
 from bloomtrain.utils import UserError
 
-# The repository's sibling ../shared holds files written by Megatron-DeepSpeed itself.
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+from tests.data import FIXTURES
 CASES = json.loads((FIXTURES / "cases.json").read_text())
 
 

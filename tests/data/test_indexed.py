@@ -16,8 +16,7 @@ from bloomtrain.data.indexed import (
 )
 from bloomtrain.utils import UserError
 
-# The repo sits next to shared/ (../shared/fixtures in DESIGN.md).
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+from tests.data import FIXTURES
 CASES = [("wide_int32", np.int32), ("narrow_uint16", np.uint16)]
 
 

@@ -18,7 +18,7 @@ from bloomtrain.data.loader import (BatchSizeSchedule, DataIterator,
                                     build_train_valid_test_datasets, get_micro_batches)
 from bloomtrain.utils import UserError
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+from tests.data import FIXTURES
 
 
 class _Ids:
