@@ -170,3 +170,30 @@ def test_3d_tp2_pp2_dp2_matches_single_process(dataset, tmp_path, zero):
         ids = torch.randint(0, 256, (2, 24))
         with torch.no_grad():
             assert (hf(ids).logits - load_model(outs[0][1])(ids)).abs().max().item() < 1e-4
+
+
+def _combo_worker(rank, world, dataset, tmp, parallel):
+    cfg = make_cfg(dataset, Path(tmp), train__train_iters=4, train__micro_batch_size=1,
+                   model={"preset": None, "hidden_size": 64, "num_layers": 4, "num_heads": 4,
+                          "vocab_size": 256},
+                   parallel=parallel)
+    return Trainer(cfg, log=lambda *a: None).run().losses
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "zero_stage": 3, "pp_schedule": "interleaved", "num_virtual_stages": 2,
+     "pp_partition": "uniform"},
+    {"pp": 2, "zero_stage": 2, "pp_schedule": "gpipe", "pp_partition": "uniform"},
+    {"tp": 2, "zero_stage": 3, "sequence_parallel": True},
+], ids=["pp2.dp2-interleaved-z3", "pp2.dp2-gpipe-z2", "tp2.dp2-sp-z3"])
+def test_other_compositions_match_single_process(dataset, tmp_path, single4, parallel):
+    outs = run_ranks(4, _combo_worker, dataset, str(tmp_path), parallel)
+    for losses in outs:
+        np.testing.assert_allclose(losses, single4, rtol=LOSS_RTOL)
+
+
+@pytest.fixture(scope="module")
+def single4(dataset, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single4")
+    cfg = make_cfg(dataset, tmp, train__train_iters=4, train__micro_batch_size=1)
+    return Trainer(cfg, log=lambda *a: None).run().losses
