@@ -441,7 +441,9 @@ class Trainer:
         start_time = last_save = time.time()
         # A run resumed from a checkpoint of this very step has nothing new to save.
         saved_step = self.state.step if self.resumed else None
-        interval_loss, interval_steps, interval_time, interval_tokens = 0.0, 0, 0.0, 0
+        # Accumulated since the last record: loss over applied steps, time and tokens over all.
+        interval_loss, interval_steps, interval_count = 0.0, 0, 0
+        interval_time, interval_tokens = 0.0, 0
         while self.state.consumed_samples < self.train_samples:
             gbs = self.batches.global_batch_size_at(self.state.consumed_samples)
             t0 = time.time()
@@ -469,11 +471,12 @@ class Trainer:
                 interval_loss += loss
                 interval_steps += 1
             interval_time += dt
+            interval_count += 1
             interval_tokens += gbs * cfg.data.seq_length
             rec = None
             if self.state.step % t.log_interval == 0 or res.skipped:
                 steps = max(interval_steps, 1)
-                step_time = interval_time / max(1, self.state.step % t.log_interval or t.log_interval)
+                step_time = interval_time / interval_count
                 tflops = megatron_tflops(gbs, cfg.data.seq_length, self.shape.num_layers,
                                          self.shape.hidden_size, self.shape.vocab_size, step_time,
                                          self.topo.world_size, t.activation_checkpointing == "full")
@@ -503,7 +506,8 @@ class Trainer:
                            f" | loss {rec['loss']:.4f} | lr {lr:.3e} | grad_norm "
                            f"{res.grad_norm:.3f} | {step_time:.3f} s/step | "
                            f"{rec['tokens_per_s']:.0f} tok/s | {tflops:.3f} TFLOP/s/dev")
-                interval_loss, interval_steps, interval_time, interval_tokens = 0.0, 0, 0.0, 0
+                interval_loss, interval_steps, interval_count = 0.0, 0, 0
+                interval_time, interval_tokens = 0.0, 0
             if t.eval_interval and self.state.step % t.eval_interval == 0:
                 self._eval_and_log(result)
             stop = self._should_stop(start_time)
