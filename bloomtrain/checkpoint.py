@@ -49,9 +49,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save as st_save
 
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.safetensors_io import write_safetensors_streaming
 from bloomtrain.utils import UserError, atomic_output, fsync_dir
 
 FORMAT = "bloomtrain-checkpoint"
@@ -102,8 +102,7 @@ def _write_shard(tmp: Path, rank: int, fragments: list[dict]) -> tuple[dict, lis
         keys = {}
         for kind, t in frag["tensors"].items():
             key = f"{kind}/{frag['name']}/{rank}.{i}"
-            groups["model" if kind in MODEL_KINDS else "optim"][key] = \
-                t.detach().to("cpu").contiguous().reshape(-1)
+            groups["model" if kind in MODEL_KINDS else "optim"][key] = t.detach().reshape(-1)
             keys[kind] = key
         entry = {k: frag[k] for k in ("name", "shape", "tp_dim", "tp_rank", "tp_size", "offset",
                                       "numel")}
@@ -116,10 +115,11 @@ def _write_shard(tmp: Path, rank: int, fragments: list[dict]) -> tuple[dict, lis
         if not tensors:
             continue
         name = f"{prefix}-{rank:05d}.safetensors"
-        data = st_save(tensors, metadata={"format": "pt"})
-        with atomic_output(tmp / name) as f:
-            f.write(data)
-        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        entries = [(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), (lambda t=t: t))
+                   for key, t in tensors.items()]
+        # Straight to disk inside the temporary checkpoint directory, hashed on the way.
+        sha, size = write_safetensors_streaming(tmp / name, entries, {"format": "pt"})
+        files[name] = {"sha256": sha, "bytes": size}
         for entry in index:
             for kind, key in entry["keys"].items():
                 if key in tensors:
@@ -176,16 +176,20 @@ class CheckpointWriter:
 
     def save(self, step: int, fragments: list[dict], shape: BloomShape, meta: dict,
              rank_meta: dict | None = None, tokenizer=None, keep_last: int | None = None,
-             async_save: bool | None = None) -> Path:
+             async_save: bool | None = None, owned: bool = False) -> Path:
         """Save `fragments` (this rank's unique pieces, see full_fragments / the trainer) for
-        `step`. `meta` (JSON) comes from rank 0; `rank_meta` (JSON, e.g. RNG) from every rank."""
+        `step`. `meta` (JSON) comes from rank 0; `rank_meta` (JSON, e.g. RNG) from every rank.
+        `owned`: the fragment tensors are private copies nobody else modifies (as the
+        optimizer's sharded_state() returns), so an async save needs only move them to CPU."""
         self.wait()
         final = self.root / step_dir_name(step)
-        # Snapshot now: training may change the tensors while the thread writes.
-        snap = [{**f, "tensors": {k: t.detach().to("cpu", copy=True)
-                                  for k, t in f["tensors"].items()}} for f in fragments]
-        args = (step, snap, shape, meta, rank_meta or {}, tokenizer, keep_last)
         use_async = self.async_save if async_save is None else async_save
+        if use_async:
+            # Snapshot now: training goes on changing the parameters while the thread writes.
+            fragments = [{**f, "tensors": {k: t.detach().to("cpu", copy=not owned)
+                                           for k, t in f["tensors"].items()}}
+                         for f in fragments]
+        args = (step, fragments, shape, meta, rank_meta or {}, tokenizer, keep_last)
         if use_async:
             def run():
                 try:

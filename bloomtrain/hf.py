@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
@@ -39,12 +38,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 EMBEDDING = "transformer.word_embeddings.weight"
 LM_HEAD = "lm_head.weight"
 
-# torch dtype name -> safetensors dtype tag (the subset a BLOOM checkpoint can hold).
-_ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -321,48 +314,8 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
 
 # ---- writing HF directories ----------------------------------------------------------------------
 
-def write_safetensors_streaming(path: str | os.PathLike,
-                                entries: Iterable[tuple[str, str, tuple[int, ...],
-                                                        Callable[[], "torch.Tensor"]]],
-                                metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file one tensor at a time. `entries` are (name, dtype, shape, load),
-    with `dtype` a torch dtype name; `load()` is called once per tensor, in order, right before
-    its bytes are written, so at most one tensor is in memory.
-
-    The format (https://github.com/huggingface/safetensors): u64 little-endian header length, a
-    JSON header {name: {dtype, shape, data_offsets}} padded with spaces to 8 bytes, then the
-    tensors' little-endian bytes back to back.
-    """
-    import torch
-
-    entries = list(entries)
-    header: dict = {}
-    offset = 0
-    for name, dtype, shape, _ in entries:
-        if dtype not in _ST_DTYPES:
-            raise UserError(f"cannot write {name}: dtype {dtype} has no safetensors tag")
-        num_bytes = getattr(torch, dtype).itemsize
-        for d in shape:
-            num_bytes *= d
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + num_bytes]}
-        offset += num_bytes
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, dtype, shape, load in entries:
-            t = load()
-            if str(t.dtype).removeprefix("torch.") != dtype or tuple(t.shape) != tuple(shape):
-                raise RuntimeError(f"{name} changed between header and data")
-            data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-
+from bloomtrain.safetensors_io import ST_DTYPES as _ST_DTYPES  # noqa: E402
+from bloomtrain.safetensors_io import write_safetensors_streaming  # noqa: E402
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
     """bos/eos/pad ids as HF resolves them: tokenizer_config.json's tokens, else BLOOM's

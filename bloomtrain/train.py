@@ -317,7 +317,7 @@ class Trainer:
         }
         return self.writer.save(self.state.step, self._fragments(), self.shape, meta,
                                 rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
-                                keep_last=c.keep_last)
+                                keep_last=c.keep_last, owned=True)
 
     # ---- steps ---------------------------------------------------------------------------
     def print(self, *args) -> None:
