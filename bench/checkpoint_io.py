@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_shape_args, shape_from_args  # noqa: E402
+
 from bloomtrain import checkpoint as ckpt  # noqa: E402
 from bloomtrain.config import Config  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -135,10 +137,7 @@ def reader_load(path: Path) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=32768)
+    add_shape_args(p, hidden=768, layers=8, heads=12, vocab=32768)
     p.add_argument("--tp", type=int, default=1, help="tp of the 4-rank layout (dp = 4 / tp)")
     p.add_argument("--dir", help="directory on the disk to measure (default: a temporary one)")
     args = p.parse_args(argv)

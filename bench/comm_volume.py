@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_shape_args, shape_from_args  # noqa: E402
+
 from bloomtrain.config import OptimConfig  # noqa: E402
 from bloomtrain.model import build_model  # noqa: E402
 from bloomtrain.model.presets import BloomShape  # noqa: E402
@@ -69,11 +71,6 @@ class DtypeStats(comm.CommStats):
         e["elements"] += tensor.numel()
 
 
-def _shape(args) -> BloomShape:
-    return BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                      num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
-
-
 def _dp_rank_fn(rank, world, shape, seq, precision):
     comm.STATS = stats = DtypeStats()
     topo = Topology.build(1, 1)
@@ -95,7 +92,7 @@ def _dp_rank_fn(rank, world, shape, seq, precision):
 
 def dp_section(args) -> dict:
     """dp traffic per step for each ZeRO stage, on args.dp gloo ranks."""
-    shape = _shape(args)
+    shape = shape_from_args(args)
     per_stage = run_ranks(args.dp, _dp_rank_fn, shape, args.seq, args.precision)[0]
     n = args.dp
     print(f"== data parallel: dp={n}, Ψ={shape.num_parameters():,}, {args.precision} compute, "
@@ -154,7 +151,7 @@ def tp_expected(shape: BloomShape, batch: int, seq: int, act_bytes: int, sp: boo
 
 def tp_section(args) -> dict:
     """tp traffic per step on args.tp gloo ranks, sequence parallelism off and on."""
-    shape = _shape(args)
+    shape = shape_from_args(args)
     act_bytes = 4 if args.precision == "fp32" else 2
     print(f"== tensor parallel: tp={args.tp}, L={shape.num_layers}, h={shape.hidden_size}, "
           f"batch {args.batch} x seq {args.seq}, {args.precision} activations ==")
@@ -185,10 +182,7 @@ def main():
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2, help="micro-batch for the tp section")
     ap.add_argument("--section", choices=["all", "tp", "dp"], default="all")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_shape_args(ap, hidden=256, layers=8, heads=8, vocab=32768)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     args = ap.parse_args()

@@ -14,14 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from bloomtrain.config import ModelConfig, OptimConfig
-from bloomtrain.model import BloomShape, build_model, resolve_model_config
-from bloomtrain.optim import megatron_tflops
-from bloomtrain.parallel.zero import MixedPrecisionOptimizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import add_shape_args, shape_from_args  # noqa: E402
+from bloomtrain.config import ModelConfig, OptimConfig  # noqa: E402
+from bloomtrain.model import build_model, resolve_model_config  # noqa: E402
+from bloomtrain.optim import megatron_tflops  # noqa: E402
+from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
 
 
 def sync(device):
@@ -83,10 +88,7 @@ def bench_hf(shape, ids, device, args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default=None, help="a model preset instead of the explicit shape")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
+    add_shape_args(ap, hidden=512, layers=8, heads=8, vocab=8192)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
@@ -102,8 +104,7 @@ def main():
     if args.preset:
         shape = resolve_model_config(ModelConfig(preset=args.preset))
     else:
-        shape = BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
+        shape = shape_from_args(args)
     torch.manual_seed(0)
     ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
     tokens = args.micro_batch * args.seq

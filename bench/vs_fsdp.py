@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_shape_args, shape_from_args  # noqa: E402
+
 from bloomtrain.config import OptimConfig  # noqa: E402
 from bloomtrain.model import build_model  # noqa: E402
-from bloomtrain.model.presets import BloomShape  # noqa: E402
 from bloomtrain.optim import no_weight_decay  # noqa: E402
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
 from bloomtrain.topology import Topology  # noqa: E402
@@ -133,18 +134,14 @@ def rank_fn(rank, world, shape, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_shape_args(ap, hidden=256, layers=8, heads=8, vocab=32768)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
-    shape = BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                       num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
+    shape = shape_from_args(args)
     psi = shape.num_parameters()
     print(f"model: L={shape.num_layers} h={shape.hidden_size} V={shape.vocab_size}, Ψ = {psi:,}; "
           f"{args.world} gloo ranks, micro-batch {args.micro_batch} x seq {args.seq} per rank, "

@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import add_shape_args, shape_from_args  # noqa: E402
+
 from bloomtrain.config import OptimConfig  # noqa: E402
 from bloomtrain.model import build_model  # noqa: E402
-from bloomtrain.model.presets import BloomShape  # noqa: E402
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
 from bloomtrain.topology import Topology  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
@@ -51,15 +52,11 @@ def measure(rank, world, shape, seq):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32768)
+    add_shape_args(ap, hidden=256, layers=8, heads=8, vocab=32768)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--dp", type=int, default=4)
     args = ap.parse_args()
-    shape = BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                       num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
+    shape = shape_from_args(args)
     psi = shape.num_parameters()
     print(f"model: L={shape.num_layers} h={shape.hidden_size} V={shape.vocab_size}, "
           f"Ψ = {psi:,} parameters; dp = {args.dp} gloo ranks; bf16 compute; bytes per rank")
