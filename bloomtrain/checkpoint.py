@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -467,6 +468,29 @@ class CheckpointReader:
         for c, loc in zip(chunks, locals_):
             c.copy_(loc.view(c.shape))
         return full
+
+    def load_tp_shard(self, name: str, kind: str, tp_rank: int, tp_size: int,
+                      tp_dim: int | None) -> torch.Tensor:
+        """This tp rank's chunk of `name` along `tp_dim`. When the checkpoint was written with
+        the same split, only that chunk's fragments are read; otherwise the full parameter is
+        assembled once and cut."""
+        name = TIED_ALIAS.get(name, name)
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: no tensor {name}")
+        if tp_dim is None or tp_size == 1:
+            return self.load(name, kind)
+        frags = t["fragments"]
+        if frags[0]["tp_size"] == tp_size and frags[0]["tp_dim"] == tp_dim:
+            shape = list(t["shape"])
+            shape[tp_dim] //= tp_size
+            flat = torch.empty(math.prod(shape), dtype=self.dtype(name, kind))
+            for fr in frags:
+                if fr["tp_rank"] == tp_rank:
+                    data = self._file(fr["files"][kind]).get_tensor(fr["keys"][kind])
+                    flat[fr["offset"]:fr["offset"] + fr["numel"]].copy_(data)
+            return flat.view(shape)
+        return self.load(name, kind).chunk(tp_size, tp_dim)[tp_rank].clone()
 
     def close(self) -> None:
         self._handles.clear()

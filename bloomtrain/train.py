@@ -29,7 +29,7 @@ from bloomtrain.optim import LRSchedule, megatron_tflops
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline import (Timeline, build_pipeline_chunks, pipeline_eval_step,
                                           pipeline_train_step)
-from bloomtrain.parallel.tensor import apply_tensor_parallel, shard_tensor, tp_split_dim_of
+from bloomtrain.parallel.tensor import apply_tensor_parallel, tp_split_dim_of
 from bloomtrain.parallel.zero import MixedPrecisionOptimizer
 from bloomtrain.topology import Topology
 from bloomtrain.utils import UserError, atomic_output
@@ -250,8 +250,9 @@ class Trainer:
         def local(kind):
             # Full parameter from whatever layout wrote it -> this rank's tensor-parallel shard.
             def load(name):
-                full = reader.load(name, kind).to(torch.float32)
-                return shard_tensor(name, full, topo.tp_rank, topo.tp_size)
+                dim = tp_split_dim_of(name) if topo.tp_size > 1 else None
+                return reader.load_tp_shard(name, kind, topo.tp_rank, topo.tp_size,
+                                            dim).to(torch.float32)
             return load
         names = [n for m in self.modules for n, _ in m.named_parameters()]
         master = ckpt.LazyState(names, local("model"))

@@ -84,8 +84,9 @@ def test_reshard_from_single_process(dataset, tmp_path, source_checkpoint, layou
 
 
 @pytest.mark.parametrize("first,second", [((2, 2, 2, 3), (1, 1, 4, 1)),
-                                          ((1, 4, 1, 2), (1, 2, 2, 0))],
-                         ids=["2.2.2z3->1.1.4z1", "pp4z2->pp2.dp2z0"])
+                                          ((1, 4, 1, 2), (1, 2, 2, 0)),
+                                          ((2, 1, 2, 1), (2, 2, 1, 3))],
+                         ids=["2.2.2z3->1.1.4z1", "pp4z2->pp2.dp2z0", "tp2.dp2z1->tp2.pp2z3"])
 def test_reshard_between_parallel_layouts(dataset, tmp_path, source_checkpoint, first, second):
     src, _ = source_checkpoint
     mid = tmp_path / "mid"
