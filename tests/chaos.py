@@ -27,29 +27,16 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bloomtrain import checkpoint as ckpt
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: find tests/
+from tests.synthetic import write_synthetic_dataset  # noqa: E402
+
 KINDS = ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS
 _STEP_LINE = re.compile(r"^step\s+(\d+)\s")
 _RESUMED = re.compile(r"\[checkpoint\] resumed from .* at step (\d+)")
-
-
-def write_synthetic_dataset(prefix: Path) -> str:
-    """Token streams built from repeated phrases (as tests/test_train.py's fixture), so the loss
-    moves and a wrong resume shows up in every later step."""
-    from bloomtrain.data.indexed import write_dataset
-    rng = np.random.RandomState(0)
-    phrases = [rng.randint(4, 256, size=rng.randint(3, 9)) for _ in range(40)]
-    docs = []
-    for _ in range(300):
-        picks = rng.randint(0, len(phrases), size=rng.randint(4, 14))
-        docs.append([np.concatenate([phrases[i] for i in picks] + [[2]]).tolist()])
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    write_dataset(prefix, docs, dtype=np.uint16)
-    return str(prefix)
 
 
 def write_config(path: Path, dataset: str, steps: int, nproc: int, precision: str,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 # Scripts from the languages and symbol ranges byte-level BPE must round-trip exactly.
 MULTILINGUAL_TEXT = (
@@ -25,3 +26,13 @@ def tiny_tokenizer_dir(tmp_path_factory):
     corpus.write_text(MULTILINGUAL_TEXT * 20, encoding="utf-8")
     train_tokenizer([corpus], vocab_size=500, output_dir=root / "tok")
     return root / "tok"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Pin torch to one intra-op thread for a module of tiny-tensor tests. With two threads on a
+    shared 2-core machine, OpenMP's spin-waiting made single tiny calls 30-300x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

@@ -15,14 +15,7 @@ transformers.logging.set_verbosity_error()
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These matmuls are tiny; with two intra-op threads on a shared 2-core machine, OpenMP's
-    # spin-waiting made one generate() call 300x slower (6 s instead of 20 ms).
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -100,14 +100,7 @@ def _reference(shape: BloomShape, num_steps: int) -> dict:
     return dict(losses=losses, grads=grads)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The references are tiny; with the cores shared by the rank processes (and other test
-    # runs), a second intra-op thread only waits for a core (measured: 30x slower).
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

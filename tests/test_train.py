@@ -8,21 +8,12 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.train import Trainer, train
 from tests.dist import run_ranks
+from tests.synthetic import write_synthetic_dataset
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from bloomtrain.data.indexed import write_dataset
-    rng = np.random.RandomState(0)
-    # Token streams with structure (repeated phrases), so that the loss can actually fall.
-    phrases = [rng.randint(4, 256, size=rng.randint(3, 9)) for _ in range(40)]
-    docs = []
-    for _ in range(300):
-        picks = rng.randint(0, len(phrases), size=rng.randint(4, 14))
-        docs.append([np.concatenate([phrases[i] for i in picks] + [[2]]).tolist()])
-    prefix = tmp_path_factory.mktemp("data") / "synth_text_document"
-    write_dataset(prefix, docs, dtype=np.uint16)
-    return str(prefix)
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def make_cfg(dataset, tmp_path, **over):

@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -189,18 +190,14 @@ def test_merge_rejects_mixed_dtypes(tmp_path):
     assert not list(tmp_path.glob("m*"))
 
 
-@pytest.mark.skipif(__import__("multiprocessing").get_start_method() != "fork",
-                    reason="the patch reaches workers only through fork")
-def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_path, monkeypatch):
+def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_path):
     from concurrent.futures.process import BrokenProcessPool
 
-    import bloomtrain.data.tokenizer as tokenizer_module
-
-    def broken(path):
-        raise SystemExit(3)
-
-    tok = load_tokenizer(tiny_tokenizer_dir)
-    monkeypatch.setattr(tokenizer_module, "load_tokenizer", broken)
+    # The main process holds a loaded tokenizer whose files then disappear, so every worker's
+    # initializer fails to load it, whatever the start method (fork or spawn).
+    shutil.copytree(tiny_tokenizer_dir, tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    shutil.rmtree(tmp_path / "tok")
     (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS))
     with pytest.raises(BrokenProcessPool):
         preprocess([tmp_path / "d.jsonl"], tok, tmp_path / "out" / "p", workers=2, **_quiet())
