@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, shape_from_args  # noqa: E402
+from bench.common import add_shape_args  # noqa: E402
 
 from bloomtrain import checkpoint as ckpt  # noqa: E402
 from bloomtrain.config import Config  # noqa: E402

@@ -32,7 +32,6 @@ from bloomtrain.parallel.pipeline import (
     grid_bubble,
     pipeline_train_step,
     schedule_grid,
-    summarize,
     theoretical_bubble,
 )
 from bloomtrain.pipeline_timeline import format_timeline

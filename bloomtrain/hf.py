@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from bloomtrain.utils import UserError, fsync_dir
 
@@ -180,7 +180,6 @@ def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
 def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(canonical name, tensor) for every tensor of an HF Bloom directory, shard by shard. A
     tied `lm_head.weight`, when a file has one, is yielded too; `collect_hf_state` checks it."""
-    import torch
     from safetensors import safe_open
 
     kind, files = _weight_files(Path(hf_dir))
@@ -314,7 +313,6 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
 
 # ---- writing HF directories ----------------------------------------------------------------------
 
-from bloomtrain.safetensors_io import ST_DTYPES as _ST_DTYPES  # noqa: E402
 from bloomtrain.safetensors_io import write_safetensors_streaming  # noqa: E402
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bloomtrain.config import ModelConfig
-from bloomtrain.model import (PRESETS, BloomForCausalLM, BloomShape, alibi_slopes, build_model,
+from bloomtrain.model import (BloomForCausalLM, BloomShape, alibi_slopes, build_model,
                               resolve_model_config)
 from bloomtrain.utils import UserError
 

@@ -1,21 +1,8 @@
-import math
 
 import pytest
 
 from bloomtrain.optim import DynamicLossScaler, LRSchedule, megatron_tflops, no_weight_decay
-
-
-def megatron_lr(s, max_lr, min_lr, warmup, decay, style):
-    """Megatron-DeepSpeed's AnnealingLR.get_lr written out independently, in samples."""
-    if warmup > 0 and s <= warmup:
-        return max_lr * s / warmup
-    if style == "constant":
-        return max_lr
-    if s > decay:
-        return min_lr
-    r = (s - warmup) / (decay - warmup)
-    coeff = 1.0 - r if style == "linear" else 0.5 * (math.cos(math.pi * r) + 1.0)
-    return min_lr + coeff * (max_lr - min_lr)
+from tests.reference import megatron_lr
 
 
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant"])

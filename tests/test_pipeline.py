@@ -97,7 +97,12 @@ def _reference(shape: BloomShape, num_steps: int) -> dict:
         if step in (0, num_steps - 1):
             grads[step] = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-    return dict(losses=losses, grads=grads)
+    model.eval()
+    with torch.no_grad():
+        batches = _micro_batches(0)
+        eval_loss = sum(model(b["tokens"], b["labels"], b["loss_mask"]).item()
+                        for b in batches) / len(batches)
+    return dict(losses=losses, grads=grads, eval_loss=eval_loss)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -291,7 +296,10 @@ def test_parity_with_single_process(spawn, references, world):
         copies = [w for r in ranks if r[name]["tied_weights"]
                   for w in r[name]["tied_weights"].values()]
         assert len(copies) == 2 and torch.equal(copies[0], copies[1]), name
-        assert ranks[0][name]["eval_loss"] == pytest.approx(ranks[-1][name]["eval_loss"])
+        # Eval through the pipeline (forwards only) against one process evaluating its own
+        # weights, which match the pipeline's to the training tolerance.
+        for r in ranks:
+            assert r[name]["eval_loss"] == pytest.approx(ref["eval_loss"], abs=TRAIN_LOSS_ATOL)
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")

@@ -2,7 +2,6 @@ import json
 import os
 import pickle
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
