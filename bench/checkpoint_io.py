@@ -1,5 +1,5 @@
 """Checkpoint I/O: save and load time, bytes and write throughput of bloomtrain's sharded
-checkpoints (bloomtrain/checkpoint.py) for a model of >= 50M parameters at 1 and 4 gloo ranks,
+checkpoints (bloomtrain/checkpoint/) for a model of >= 50M parameters at 1 and 4 gloo ranks,
 against a plain sequential write + fsync of the same number of bytes in the same directory.
 
 Per layout, on real Trainers (fp32 master weights + Adam moments, 12 bytes per parameter):

@@ -135,7 +135,7 @@ class CheckpointConfig:
     keep_last: int | None = 3
     # auto: the newest valid checkpoint in `dir`; none: start fresh; or a checkpoint path.
     resume: str = "auto"
-    # Write checkpoints in a background thread after a copy to CPU memory (see checkpoint.py).
+    # Write checkpoints in a background thread after a copy to CPU memory (see checkpoint/).
     async_save: bool = True
 
 

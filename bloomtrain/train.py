@@ -286,7 +286,7 @@ class Trainer:
                 "pp_schedule": p.pp_schedule if p.pp > 1 else None,
                 "num_virtual_stages": p.num_virtual_stages}
 
-    def _fragments(self) -> list[dict]:
+    def _fragments(self) -> list[ckpt.Fragment]:
         """This rank's unique pieces of the fp32 master weights and Adam moments, in logical
         (full-parameter) coordinates; nothing is gathered."""
         topo, frags = self.topo, []
@@ -297,12 +297,13 @@ class Trainer:
             full_shape = list(fr["shape"])
             if dim is not None:
                 full_shape[dim] *= topo.tp_size
-            frags.append({"name": name, "shape": full_shape, "tp_dim": dim,
-                          "tp_rank": topo.tp_rank if dim is not None else 0,
-                          "tp_size": topo.tp_size if dim is not None else 1,
-                          "offset": fr["offset"], "numel": fr["numel"],
-                          "tensors": {"model": fr["master"], "exp_avg": fr["exp_avg"],
-                                      "exp_avg_sq": fr["exp_avg_sq"]}})
+            frags.append(ckpt.Fragment(
+                name=name, shape=tuple(full_shape), tp_dim=dim,
+                tp_rank=topo.tp_rank if dim is not None else 0,
+                tp_size=topo.tp_size if dim is not None else 1,
+                offset=fr["offset"], numel=fr["numel"],
+                tensors={"model": fr["master"], "exp_avg": fr["exp_avg"],
+                         "exp_avg_sq": fr["exp_avg_sq"]}))
         return frags
 
     def save(self) -> Path | None:

@@ -253,10 +253,10 @@ def test_resave_killed_between_renames_keeps_the_step(tmp_path, monkeypatch):
         real(a, b)
         if str(a).endswith("step_00000005") and str(b).endswith(".old"):
             raise KeyboardInterrupt  # stands in for SIGKILL between the two renames
-    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(ckpt.writer.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save_checkpoint(tmp_path, 5, state, shape, keep_last=1)
-    monkeypatch.setattr(ckpt.os, "replace", real)
+    monkeypatch.setattr(ckpt.writer.os, "replace", real)
     found = ckpt.find_latest_valid(tmp_path)
     assert found is not None and found.name == ".step_00000005.old"
     assert torch.equal(ckpt.CheckpointReader(found).load("transformer.ln_f.weight"), state[
