@@ -407,23 +407,23 @@ def test_uniform_and_explicit_partitions():
 @pytest.mark.parametrize("args, message", [
     ((3, 4, "uniform"), "model.num_layers (3) must be >= the number of stages (pp x "
                         "num_virtual_stages = 4) with uniform partitioning"),
-    ((8, 4, "1,2,3"), "parallel.pp_partition_method lists 3 block counts but there are 4 stages "
+    ((8, 4, "1,2,3"), "parallel.pp_partition lists 3 block counts but there are 4 stages "
                       "(pp x num_virtual_stages); give one count per stage"),
-    ((8, 4, "1,2,3,1"), "parallel.pp_partition_method [1, 2, 3, 1] assigns 7 blocks but the model "
+    ((8, 4, "1,2,3,1"), "parallel.pp_partition [1, 2, 3, 1] assigns 7 blocks but the model "
                         "has 8 (model.num_layers)"),
-    ((8, 4, "type:foo"), "parallel.pp_partition_method 'type:foo' matches no layer; the layer "
+    ((8, 4, "type:foo"), "parallel.pp_partition 'type:foo' matches no layer; the layer "
                          "types are EmbeddingPipe and ParallelTransformerLayerPipe"),
-    ((8, 4, "bogus"), "parallel.pp_partition_method 'bogus' is unknown; use 'uniform', "
+    ((8, 4, "bogus"), "parallel.pp_partition 'bogus' is unknown; use 'uniform', "
                       "'type:REGEX' (BLOOM: 'type:transformer|embedding') or a list of block "
                       "counts like '5,6,6,5'"),
     ((8, 4, "4,0,0,4"), "pipeline stage 1 of 4 gets no transformer block (block counts "
                         "[4, 0, 0, 4]); use fewer stages (parallel.pp, "
                         "parallel.num_virtual_stages), more layers, or another "
-                        "parallel.pp_partition_method"),
+                        "parallel.pp_partition"),
     ((4, 4, "type:transformer|embedding", True),
      "pipeline virtual stage 3 of 4 gets no transformer block (block counts [1, 2, 1, 0]); use "
      "fewer stages (parallel.pp, parallel.num_virtual_stages), more layers, or another "
-     "parallel.pp_partition_method"),
+     "parallel.pp_partition"),
 ])
 def test_partition_errors(args, message):
     with pytest.raises(UserError) as e:

@@ -71,7 +71,7 @@ class BloomAttention(nn.Module):
         self.dense = nn.Linear(h, h, bias=True)
         self.attention_dropout = shape.attention_dropout
         # Tensor parallelism swaps this for a context that forks a per-tp-rank RNG, so that
-        # dropout on different heads differs across ranks (see parallel/tensor.py).
+        # dropout on different heads differs across ranks (see parallel/tensor/rng.py).
         self.rng_context = contextlib.nullcontext
 
     def forward(self, x, bias, past_kv=None):

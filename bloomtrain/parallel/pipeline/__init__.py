@@ -1,0 +1,80 @@
+"""Pipeline parallelism (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", arXiv 2104.04473, §2.2), with BLOOM's stage partitioning
+(Megatron-DeepSpeed's `--pp-partition-method 'type:transformer|embedding'`, the config key
+`parallel.pp_partition`).
+
+One module per concern, in reading order:
+1. `partition`: which blocks each (virtual) stage holds; pure functions of the layer count, and
+   the check of a pipeline configuration;
+2. `stage`: `build_pipeline_chunks` keeps this rank's share of a full (possibly tensor-parallel)
+   model, with the tied embedding copied onto the last stage;
+3. `schedules`: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B as plain functions that list a
+   rank's forward/backward ops in named warmup / steady / cooldown phases; `schedule_grid` replays
+   those lists under unit costs, which is where the bubble of a schedule is counted;
+4. `runtime`: `pipeline_train_step` / `pipeline_eval_step` run a rank's op list with batched
+   isend/irecv to the neighbouring stages, freeing each sent activation (Megatron's
+   `deallocate_output_tensor`), with a timeout and a precise error on every wait;
+5. `timeline`: the timeline of a step (forward, backward, send, recv wait and idle per
+   micro-batch).
+Everything public is re-exported here, so `from bloomtrain.parallel.pipeline import X` works for
+every X of those modules.
+
+Virtual stages: with `num_virtual_stages` v > 1 the model is cut into pp·v pieces and model chunk c
+on pipeline rank r is virtual stage c·pp + r, as in Megatron, so activations go round the ring of
+ranks v times. The embedding is on virtual stage 0 (rank 0, chunk 0) and the LM head on the last
+(rank pp-1, chunk v-1) whatever v is.
+
+Parameter attributes set here, the contract with the optimizer and checkpoints (on every chunk
+parameter, next to the tensor-parallel ones of bloomtrain.parallel.tensor):
+- `p.tied_embedding`: the parameter is one of the two copies of the tied word embedding that exist
+  when pp > 1 (the embedding on the first stage, the LM head weight on the last). Their grads are
+  summed over `topo.embedding_group` every step (`allreduce_tied_embedding_grads`), so the copies
+  get the same updates and never drift. False everywhere with pp = 1, where the LM head is the
+  embedding Parameter itself.
+- `p.tied_embedding_copy`: the last stage's copy. The global grad norm skips it (its grad is the
+  first stage's after the all-reduce) and checkpoints store it under its logical name
+  (`logical_name`), i.e. once.
+"""
+from bloomtrain.parallel.pipeline.partition import (num_micro_batches, partition_layers,
+                                                    validate_pipeline)
+from bloomtrain.parallel.pipeline.runtime import (COMM_NAME, PipelineCommError,
+                                                  pipeline_eval_step, pipeline_train_step)
+from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, Op, gpipe_schedule, grid_bubble,
+                                                    interleaved_schedule, one_f_one_b_schedule,
+                                                    op_p2p, schedule_grid, theoretical_bubble)
+from bloomtrain.parallel.pipeline.stage import (TIED_EMBEDDING_NAME, TIED_HEAD_NAME, PipelineChunk,
+                                                StageTransformer, allreduce_tied_embedding_grads,
+                                                build_pipeline_chunks, logical_name,
+                                                pipeline_named_parameters, tied_embedding_params)
+from bloomtrain.parallel.pipeline.timeline import TIMELINE_DIR, Timeline, summarize
+
+__all__ = [
+    "COMM_NAME",
+    "SCHEDULES",
+    "TIED_EMBEDDING_NAME",
+    "TIED_HEAD_NAME",
+    "TIMELINE_DIR",
+    "Op",
+    "PipelineChunk",
+    "PipelineCommError",
+    "StageTransformer",
+    "Timeline",
+    "allreduce_tied_embedding_grads",
+    "build_pipeline_chunks",
+    "gpipe_schedule",
+    "grid_bubble",
+    "interleaved_schedule",
+    "logical_name",
+    "num_micro_batches",
+    "one_f_one_b_schedule",
+    "op_p2p",
+    "partition_layers",
+    "pipeline_eval_step",
+    "pipeline_named_parameters",
+    "pipeline_train_step",
+    "schedule_grid",
+    "summarize",
+    "theoretical_bubble",
+    "tied_embedding_params",
+    "validate_pipeline",
+]

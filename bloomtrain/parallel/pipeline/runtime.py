@@ -1,0 +1,271 @@
+"""Pipeline execution (Narayanan et al., arXiv 2104.04473): `pipeline_train_step` /
+`pipeline_eval_step` run a rank's op list with batched isend/irecv to the neighbouring stages,
+freeing each sent activation (Megatron's `deallocate_output_tensor`), with a timeout and a
+precise error on every wait.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.autograd.variable import Variable
+
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.pipeline.schedules import SCHEDULES, Op, op_p2p
+from bloomtrain.parallel.pipeline.timeline import Timeline
+from bloomtrain.utils import UserError
+
+COMM_NAME = "pp"
+
+
+class PipelineCommError(RuntimeError):
+    """A pipeline point-to-point or collective operation timed out or failed. The message names
+    the stage, the operation, the peer and the micro-batch."""
+
+
+def _wait(work, timeout: float, what: str) -> None:
+    t0 = time.monotonic()
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        elapsed = time.monotonic() - t0
+        text = str(e)
+        if elapsed >= 0.9 * timeout or "timed out" in text.lower() or "timeout" in text.lower():
+            raise PipelineCommError(f"{what} timed out after {timeout:g}s") from e
+        raise PipelineCommError(f"{what} failed after {elapsed:.1f}s: {text}") from e
+
+
+def _deallocate(out: torch.Tensor) -> None:
+    """Megatron's deallocate_output_tensor: once sent, a stage output is needed only for its
+    grad_fn (the add of the last residual does not keep its result), so its storage is dropped.
+    The send itself holds an alias of the storage until it completes."""
+    out.data = torch.empty((0,), device=out.device, dtype=out.dtype)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """torch.autograd.backward(out, grad) for an output whose storage was released: the Python
+    front end checks grad against out's current (empty) shape, the C++ engine checks it against
+    the shape recorded in out's grad_fn, which is the right one (Megatron's custom_backward)."""
+    if grad is None:
+        grad = torch.ones_like(out, memory_format=torch.preserve_format)
+    Variable._execution_engine.run_backward(
+        tensors=(out,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
+class _P2P:
+    """The point-to-point traffic of one rank in one step. Receives are posted one op ahead in the
+    same batch as the sends of the op just computed (Megatron's send_forward_recv_backward
+    pattern: with NCCL a batch is one group, so a pair's crossing sends cannot block each other),
+    and waited for only when the op needs them. Sends are never waited for until the end of the
+    step, so no rank ever blocks on a peer that is itself waiting: the op lists (checked by
+    schedule_grid) are then enough to exclude deadlock. Tags tell messages apart on gloo; the
+    order of the op lists makes them match on NCCL, which ignores tags."""
+
+    def __init__(self, topo, num_chunks: int, num_micro: int, recv_shape, dtype, device,
+                 timeout: float, timeline):
+        self.topo, self.num_chunks, self.num_micro = topo, num_chunks, num_micro
+        self.recv_shape, self.dtype, self.device = tuple(recv_shape), dtype, device
+        self.timeout, self.timeline = timeout, timeline
+        self.pending_sends: list[tuple[object, torch.Tensor, str]] = []
+        self.posted: dict[tuple[str, int, int], tuple[object, torch.Tensor, str]] = {}
+
+    def global_rank(self, pp_rank: int) -> int:
+        return int(self.topo.grid[pp_rank, self.topo.dp_rank, self.topo.tp_rank])
+
+    def where(self, chunk: int | None = None) -> str:
+        t = self.topo
+        where = f"pipeline stage {t.pp_rank}/{t.pp_size}"
+        return where + (f" (model chunk {chunk})" if chunk is not None and self.num_chunks > 1
+                        else "")
+
+    def tag(self, kind: str, receiving_stage: int, micro_batch: int) -> int:
+        # Not a function of the number of micro-batches: if ranks disagree on it, the first
+        # micro-batch that one of them lacks is what times out and gets named.
+        num_stages = self.topo.pp_size * self.num_chunks
+        return (micro_batch * num_stages + receiving_stage) * 2 + (kind == "gradient")
+
+    def post(self, sends: list[tuple[Op, torch.Tensor]], next_op: Op | None) -> None:
+        p2p_ops, records = [], []
+        t0 = time.perf_counter()
+        for op, tensor in sends:
+            _, send = op_p2p(op, self.topo.pp_size, self.topo.pp_rank, self.num_chunks)
+            peer_pp, kind, stage = send
+            peer = self.global_rank(peer_pp)
+            what = (f"{self.where(op.chunk)}: send {kind} for micro-batch {op.micro_batch} "
+                    f"to rank {peer}")
+            alias = tensor.detach()
+            p2p_ops.append(dist.P2POp(dist.isend, alias, peer,
+                                      tag=self.tag(kind, stage, op.micro_batch)))
+            records.append(("send", alias, what))
+            if op.kind == "F":
+                _deallocate(tensor)
+        if next_op is not None:
+            recv, _ = op_p2p(next_op, self.topo.pp_size, self.topo.pp_rank, self.num_chunks)
+            if recv is not None:
+                peer_pp, kind, stage = recv
+                peer = self.global_rank(peer_pp)
+                buf = torch.empty(self.recv_shape, dtype=self.dtype, device=self.device)
+                what = (f"{self.where(next_op.chunk)}: recv {kind} for micro-batch "
+                        f"{next_op.micro_batch} from rank {peer}")
+                p2p_ops.append(dist.P2POp(dist.irecv, buf, peer,
+                                          tag=self.tag(kind, stage, next_op.micro_batch)))
+                records.append((next_op, buf, what))
+        if not p2p_ops:
+            return
+        works = comm.batch_isend_irecv(p2p_ops, COMM_NAME)
+        if len(works) != len(p2p_ops):  # NCCL coalesces a batch into one work
+            works = [works[0]] * len(p2p_ops)
+        for work, (key, tensor, what) in zip(works, records):
+            if key == "send":
+                self.pending_sends.append((work, tensor, what))
+            else:
+                self.posted[(key.kind, key.chunk, key.micro_batch)] = (work, tensor, what)
+        if self.timeline is not None and sends:
+            self.timeline.record("send", t0, time.perf_counter(), sends[0][0].chunk,
+                                 sends[0][0].micro_batch)
+        # Drop the aliases of completed sends, so that their storage goes right away.
+        self.pending_sends = [s for s in self.pending_sends if not s[0].is_completed()]
+
+    def wait_recv(self, op: Op) -> torch.Tensor:
+        work, buf, what = self.posted.pop((op.kind, op.chunk, op.micro_batch))
+        t0 = time.perf_counter()
+        _wait(work, self.timeout, what)
+        if self.timeline is not None:
+            self.timeline.record("recv", t0, time.perf_counter(), op.chunk, op.micro_batch)
+        return buf
+
+    def finish(self) -> None:
+        t0 = time.perf_counter()
+        for work, _, what in self.pending_sends:
+            _wait(work, self.timeout, what)
+        self.pending_sends = []
+        if self.timeline is not None:
+            self.timeline.record("send_wait", t0, time.perf_counter())
+
+
+def _check_step_args(schedule: str, chunks, micro_batches, topo) -> tuple[int, int]:
+    num_chunks, num_micro = len(chunks), len(micro_batches)
+    if schedule not in SCHEDULES:
+        raise UserError(f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}, "
+                        f"got {schedule!r}")
+    if num_micro < 1:
+        raise UserError("a pipeline step needs at least one micro-batch")
+    if schedule == "interleaved":
+        if num_chunks < 2:
+            raise UserError("parallel.pp_schedule=interleaved needs parallel.num_virtual_stages "
+                            ">= 2 model chunks per rank")
+        if num_micro % topo.pp_size:
+            raise UserError(f"the interleaved schedule needs the number of micro-batches "
+                            f"({num_micro}) to be divisible by parallel.pp ({topo.pp_size}); "
+                            f"change train.global_batch_size or train.micro_batch_size")
+    elif num_chunks != 1:
+        raise UserError(f"{num_chunks} model chunks per rank need parallel.pp_schedule="
+                        f"interleaved")
+    return num_chunks, num_micro
+
+
+def _run_step(schedule: str, chunks, micro_batches, topo, *, train: bool, scale_loss,
+              recv_shape, dtype, timeline, timeout: float) -> float:
+    num_chunks, num_micro = _check_step_args(schedule, chunks, micro_batches, topo)
+    ops = SCHEDULES[schedule](topo.pp_size, topo.pp_rank, num_micro, num_chunks)
+    if not train:
+        # Forward only: the schedule's forwards in its order (which keeps the p2p order).
+        ops = [op for op in ops if op.kind == "F"]
+    device = next(chunks[0].parameters()).device
+    if timeline is not None:
+        timeline.begin(topo, schedule, num_micro, num_chunks)
+    p2p = _P2P(topo, num_chunks, num_micro, recv_shape, dtype, device, timeout, timeline)
+    # (chunk, micro-batch) -> (received input or None, output or loss) until the backward.
+    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def forward(op: Op):
+        nonlocal loss_sum
+        chunk, batch = chunks[op.chunk], micro_batches[op.micro_batch]
+        inp = None
+        if not chunk.is_first:
+            inp = p2p.wait_recv(op)
+            inp.requires_grad_(train)
+        t0 = time.perf_counter()
+        if chunk.is_last:
+            out = chunk(batch["tokens"] if chunk.is_first else inp, batch["labels"],
+                        batch.get("loss_mask"))
+            loss_sum += out.detach().double()
+        else:
+            out = chunk(batch["tokens"] if chunk.is_first else inp)
+        if timeline is not None:
+            timeline.record("F", t0, time.perf_counter(), op.chunk, op.micro_batch)
+        if train:
+            stash[(op.chunk, op.micro_batch)] = (inp, out)
+        return [] if chunk.is_last else [(op, out)]
+
+    def backward(op: Op):
+        chunk = chunks[op.chunk]
+        inp, out = stash.pop((op.chunk, op.micro_batch))
+        grad = None if chunk.is_last else p2p.wait_recv(op)
+        t0 = time.perf_counter()
+        if chunk.is_last:
+            # The step's gradient is the mean over micro-batches, as one process averaging the
+            # micro-batch losses gets it.
+            _backward(scale_loss(out / num_micro), None)
+        else:
+            _backward(out, grad)
+        if timeline is not None:
+            timeline.record("B", t0, time.perf_counter(), op.chunk, op.micro_batch)
+        return [] if chunk.is_first else [(op, inp.grad)]
+
+    grad_context = torch.enable_grad() if train else torch.no_grad()
+    with grad_context:
+        p2p.post([], ops[0])
+        for k, op in enumerate(ops):
+            sends = forward(op) if op.kind == "F" else backward(op)
+            p2p.post(sends, ops[k + 1] if k + 1 < len(ops) else None)
+        p2p.finish()
+    mean_loss = _broadcast_loss(float(loss_sum) / num_micro, topo, device, timeout, p2p)
+    if timeline is not None:
+        timeline.end()
+    return mean_loss
+
+
+def _broadcast_loss(value: float, topo, device, timeout: float, p2p: _P2P) -> float:
+    if topo.pp_group is None:
+        return value
+    src = p2p.global_rank(topo.pp_size - 1)
+    t = torch.tensor([value if topo.is_last_stage else 0.0], dtype=torch.float64, device=device)
+    work = comm.broadcast(t, src=src, group=topo.pp_group, name=COMM_NAME, async_op=True)
+    _wait(work, timeout, f"{p2p.where()}: broadcast of the step loss from rank {src}")
+    return float(t.item())
+
+
+def pipeline_train_step(schedule: str, chunks, micro_batches: list[dict], topo, *,
+                        scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+                        recv_shape, dtype=torch.float32, timeline: "Timeline | None" = None,
+                        timeout: float = 600.0) -> float:
+    """Run one training step's forwards and backwards over `micro_batches` with `schedule`
+    ("gpipe", "1f1b" or "interleaved") and leave the gradients in the parameters' .grad
+    (accumulated: zero them before). Returns the mean micro-batch loss on every pipeline rank.
+
+    `micro_batches`: dicts with "tokens" [b, s], "labels" [b, s] and optionally "loss_mask"; every
+    rank passes the same list (the first stage reads tokens, the last labels and loss_mask).
+    The last stage runs backward on scale_loss(loss / num_micro_batches) (scale_loss: the fp16
+    loss scale). `recv_shape`: the hidden states between stages, [micro_batch, seq, h], with
+    seq / tp under sequence parallelism, in `dtype` (the compute dtype). `timeout`: seconds any
+    single wait may take before a PipelineCommError names what was being waited for.
+    `timeline`: a Timeline to record this step into. The tied embedding's grads are not reduced
+    here: the optimizer sums them over the embedding group with its other grad reductions.
+    """
+    return _run_step(schedule, chunks, micro_batches, topo, train=True, scale_loss=scale_loss,
+                     recv_shape=recv_shape, dtype=dtype, timeline=timeline, timeout=timeout)
+
+
+def pipeline_eval_step(schedule: str, chunks, micro_batches: list[dict], topo, *, recv_shape,
+                       dtype=torch.float32, timeline: "Timeline | None" = None,
+                       timeout: float = 600.0) -> float:
+    """Forwards only, without autograd; returns the mean micro-batch loss on every pipeline rank.
+    Arguments as for pipeline_train_step; set the chunks to eval() first for no dropout."""
+    return _run_step(schedule, chunks, micro_batches, topo, train=False, scale_loss=None,
+                     recv_shape=recv_shape, dtype=dtype, timeline=timeline, timeout=timeout)
