@@ -2,195 +2,37 @@
 `tools/preprocess_data.py` without sentence splitting: each input document becomes one sequence
 and one document of `{output_prefix}_{json_key}_document.bin/.idx`.
 
-Inputs are read as streams by extension: JSON lines (`.jsonl`/`.json`, optionally `.gz`/`.zst`,
-one object per line, text under `json_key`), Parquet (column `json_key`, read by record batch),
-and anything else as plain text where each file is one document.
+Inputs are read by `bloomtrain.data.sources` (jsonl, jsonl.gz, jsonl.zst, parquet, plain text),
+the same reader the tokenizer trainer uses.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
-import glob
-import gzip
-import io
-import json
 import multiprocessing
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
 from bloomtrain.data.indexed import IndexedDatasetBuilder, best_fitting_dtype
+from bloomtrain.data.sources import (
+    SKIP_REASONS,
+    expand_inputs,
+    iter_records,
+    parse_record,
+    skip_message,
+)
+from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
 from bloomtrain.utils import UserError
 
-# Record kinds handed to the tokenizing step; parsing happens there so that workers share it.
-_JSON, _TEXT, _BYTES = "json", "text", "bytes"
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20
 _MAX_REPORTS = 20
-
-SKIP_REASONS = ("invalid_json", "missing_key", "not_utf8", "empty")
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def _walk(directory: Path) -> list[Path]:
-    # Hidden entries are skipped: they hold editor swap files and bloomtrain's own temporaries.
-    found = []
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
-    return sorted(found)
-
-
-def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
-    """Files, globs (`**` recurses) and directories (recursed), each expanded in sorted order so
-    that the output never depends on the filesystem's listing order. Duplicates are dropped."""
-    if not inputs:
-        raise UserError("no input given; pass --input FILE [FILE ...] (files, globs or directories)")
-    paths: list[Path] = []
-    for item in inputs:
-        item = os.fspath(item)
-        if glob.has_magic(item):
-            matches = sorted(glob.glob(item, recursive=True))
-            if not matches:
-                raise UserError(f"no files matched {item!r}")
-            for match in matches:
-                paths.extend(_walk(Path(match)) if os.path.isdir(match) else [Path(match)])
-        elif os.path.isdir(item):
-            files = _walk(Path(item))
-            if not files:
-                raise UserError(f"directory {item} contains no input files")
-            paths.extend(files)
-        elif os.path.isfile(item):
-            paths.append(Path(item))
-        else:
-            raise UserError(f"input {item} does not exist")
-    seen, unique = set(), []
-    for path in paths:
-        key = os.path.abspath(path)
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
-
-
-def input_format(path: str | os.PathLike) -> tuple[str, str | None]:
-    """(`jsonl` | `parquet` | `text`, compression `gz` | `zst` | None), from the file name."""
-    name = Path(path).name.lower()
-    compression = None
-    for ext in ("gz", "zst"):
-        if name.endswith("." + ext):
-            compression, name = ext, name[: -len(ext) - 1]
-    if name.endswith((".jsonl", ".json", ".ndjson")):
-        return "jsonl", compression
-    if name.endswith(".parquet") and compression is None:
-        return "parquet", None
-    return "text", compression
-
-
-@contextlib.contextmanager
-def _open_binary(path: Path, compression: str | None) -> Iterator[io.BufferedIOBase]:
-    if compression == "gz":
-        with gzip.open(path, "rb") as f:
-            yield f
-    elif compression == "zst":
-        try:
-            import zstandard
-        except ImportError:
-            raise UserError(f"reading {path} needs zstandard: pip install 'bloomtrain[formats]'")
-        with open(path, "rb") as raw:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            with io.BufferedReader(reader, 1 << 20) as f:
-                yield f
-    else:
-        with open(path, "rb") as f:
-            yield f
-
-
-def iter_records(path: str | os.PathLike, json_key: str = "text") -> Iterator[tuple[int, str, object]]:
-    """(line or row number from 1, kind, payload) for every document of one input file, streamed.
-    Blank lines of JSON-lines files are not documents and are passed over silently."""
-    path = Path(path)
-    fmt, compression = input_format(path)
-    try:
-        if fmt == "jsonl":
-            with _open_binary(path, compression) as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        yield lineno, _JSON, line
-        elif fmt == "parquet":
-            yield from _iter_parquet(path, json_key)
-        else:
-            with _open_binary(path, compression) as f:
-                yield 1, _BYTES, f.read()
-    except UserError:
-        raise
-    except Exception as e:
-        # gzip, zstandard and the OS each raise their own types for a truncated or mislabeled file.
-        raise UserError(f"cannot read {path} as {compression or fmt}: {e}") from e
-
-
-def _iter_parquet(path: Path, json_key: str):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"reading {path} needs pyarrow: pip install 'bloomtrain[formats]'")
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as e:
-        raise UserError(f"cannot read {path} as Parquet: {e}") from e
-    names = parquet.schema_arrow.names
-    if json_key not in names:
-        raise UserError(f"{path} has no column {json_key!r} (columns: {', '.join(names)}); "
-                        f"pass --json-key")
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[json_key]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield row, _TEXT, value
-
-
-def iter_texts(inputs: list[str | os.PathLike], json_key: str = "text") -> Iterator[str]:
-    """The valid, non-empty documents of all inputs in order; unusable ones are skipped, as
-    preprocess (non-strict) skips them. Used for tokenizer training."""
-    for path in expand_inputs(inputs):
-        for _, kind, payload in iter_records(path, json_key):
-            text, _ = parse_record(kind, payload, json_key)
-            if text:
-                yield text
-
-
-def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason) with reason in SKIP_REASONS."""
-    if kind == _TEXT:
-        text = payload
-    else:
-        try:
-            decoded = payload.decode("utf-8")
-        except UnicodeDecodeError:
-            return None, "not_utf8"
-        if kind == _BYTES:
-            text = decoded
-        else:
-            try:
-                obj = json.loads(decoded)
-            except ValueError:
-                return None, "invalid_json"
-            if not isinstance(obj, dict) or json_key not in obj:
-                return None, "missing_key"
-            text = obj[json_key]
-    if not isinstance(text, str):
-        return None, "missing_key"
-    if not text:
-        return None, "empty"
-    return text, None
 
 
 # ----------------------------------------------------------------------------- tokenizing
@@ -202,8 +44,6 @@ def _init_worker(tokenizer_path: str) -> None:
     global _worker_tokenizer
     # A forked child must not use the parent's Rayon pool; parallelism comes from processes here.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from bloomtrain.data.tokenizer import load_tokenizer
-
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
@@ -245,6 +85,35 @@ def _batches(paths: list[Path], json_key: str):
                 batch, nbytes = [], 0
         if batch:
             yield index, batch
+
+
+def _start_pool(workers: int, tok: Tokenizer) -> concurrent.futures.ProcessPoolExecutor:
+    # An executor, not multiprocessing.Pool: a Pool silently respawns workers whose start fails
+    # and waits forever, an executor raises BrokenProcessPool.
+    return concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context(), initializer=_init_worker,
+        initargs=(str(tok.path),))
+
+
+def _encoded_batches(paths: list[Path], tok: Tokenizer, json_key: str, append_eod: bool, dtype,
+                     pool, workers: int):
+    """(path index, per-record results of `_encode_batch`) in input order, encoded in this
+    process when `pool` is None, else by the pool. The caller shuts the pool down."""
+    batches = _batches(paths, json_key)
+    if pool is None:
+        for path_index, batch in batches:
+            yield path_index, _encode_batch(tok, batch, json_key, append_eod, dtype)
+        return
+    # A bounded window of submissions keeps memory flat however large the input is.
+    window = collections.deque()
+    for path_index, batch in batches:
+        window.append((path_index, pool.submit(_work, (batch, json_key, append_eod, dtype))))
+        if len(window) >= 2 * workers + 2:
+            index, pending = window.popleft()
+            yield index, pending.result()
+    while window:
+        index, pending = window.popleft()
+        yield index, pending.result()
 
 
 # ----------------------------------------------------------------------------- progress
@@ -304,14 +173,6 @@ def dataset_prefix(output_prefix: str | os.PathLike, json_key: str = "text") -> 
     return f"{os.fspath(output_prefix)}_{json_key}_document"
 
 
-_REASON_TEXT = {
-    "invalid_json": "invalid JSON",
-    "missing_key": "missing key {key!r} or its value is not a string",
-    "not_utf8": "not valid UTF-8",
-    "empty": "empty document",
-}
-
-
 def _check_output_dir(prefix: str) -> None:
     parent = Path(prefix).parent
     try:
@@ -339,8 +200,6 @@ def preprocess(
     Unusable documents (SKIP_REASONS) are skipped and reported by file and line, or with
     `strict` the first one raises and nothing is written. The output is the same for any
     number of workers."""
-    from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
-
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
@@ -357,8 +216,7 @@ def preprocess(
     def consume(path_index: int, results) -> None:
         for lineno, result in results:
             if isinstance(result, str):
-                where = f"{paths[path_index]}:{lineno}"
-                message = f"{where}: {_REASON_TEXT[result].format(key=json_key)}"
+                message = skip_message(paths[path_index], lineno, result, json_key)
                 if strict:
                     raise UserError(f"{message} (run without --strict to skip such documents)")
                 stats.skipped[result] += 1
@@ -374,26 +232,11 @@ def preprocess(
     builder = IndexedDatasetBuilder(prefix, dtype)
     pool = None
     try:
-        batches = _batches(paths, json_key)
-        if workers == 1:
-            for path_index, batch in batches:
-                consume(path_index, _encode_batch(tok, batch, json_key, append_eod, dtype))
-        else:
-            # An executor, not multiprocessing.Pool: a Pool silently respawns workers whose start
-            # fails and waits forever, an executor raises BrokenProcessPool.
-            pool = concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context(), initializer=_init_worker,
-                initargs=(str(tok.path),))
-            # A bounded window of submissions keeps memory flat however large the input is.
-            window = collections.deque()
-            for path_index, batch in batches:
-                window.append((path_index, pool.submit(_work, (batch, json_key, append_eod, dtype))))
-                if len(window) >= 2 * workers + 2:
-                    index, pending = window.popleft()
-                    consume(index, pending.result())
-            while window:
-                index, pending = window.popleft()
-                consume(index, pending.result())
+        if workers > 1:
+            pool = _start_pool(workers, tok)
+        for path_index, results in _encoded_batches(paths, tok, json_key, append_eod, dtype,
+                                                    pool, workers):
+            consume(path_index, results)
         if stats.docs == 0:
             raise UserError(f"no usable documents in {len(paths)} input file(s); nothing written"
                             + (f" (first problem: {stats.reports[0]})" if stats.reports else ""))
@@ -406,15 +249,19 @@ def preprocess(
             pool.shutdown(wait=True, cancel_futures=True)
         bar.close(stats.docs, stats.tokens)
     stats.elapsed = time.monotonic() - start
+    _log_summary(stats, dtype, log)
+    return stats
 
+
+def _log_summary(stats: PreprocessStats, dtype: np.dtype, log: Callable[[str], None]) -> None:
     for message in stats.reports:
         log(f"skipped {message}")
     if stats.num_skipped > len(stats.reports):
         log(f"... {stats.num_skipped - len(stats.reports)} more skipped documents not listed")
     skipped = ", ".join(f"{n} {r}" for r, n in stats.skipped.items() if n) or "none"
-    log(f"wrote {prefix}.bin/.idx: {stats.docs:,} documents, {stats.tokens:,} tokens "
-        f"({dtype.name}) from {stats.files} file(s) in {stats.elapsed:.1f}s; skipped: {skipped}")
-    return stats
+    log(f"wrote {stats.output_prefix}.bin/.idx: {stats.docs:,} documents, "
+        f"{stats.tokens:,} tokens ({dtype.name}) from {stats.files} file(s) "
+        f"in {stats.elapsed:.1f}s; skipped: {skipped}")
 
 
 def register(subparsers) -> None:

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+from bloomtrain.data.sources import expand_inputs, iter_texts
 from bloomtrain.utils import UserError, atomic_output
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -23,8 +24,6 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
     `output_dir/tokenizer.json` plus the HF side files. Returns the tokenizer.json path."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from bloomtrain.data.preprocess import expand_inputs, iter_texts
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     minimum = len(SPECIAL_TOKENS) + len(alphabet)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset
-from bloomtrain.data.preprocess import expand_inputs, preprocess
+from bloomtrain.data.preprocess import preprocess
+from bloomtrain.data.sources import expand_inputs
 from bloomtrain.data.tokenizer import load_tokenizer
 from bloomtrain.utils import UserError
 

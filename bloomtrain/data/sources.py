@@ -1,0 +1,193 @@
+"""Input readers shared by the tokenizer trainer and the preprocessor.
+
+Both must read the same inputs the same way (a tokenizer is trained on the documents it will later
+tokenize); keeping the readers here lets neither of the two import the other.
+
+Inputs are files, globs or directories. By extension: JSON lines (`.jsonl`/`.json`/`.ndjson`,
+optionally `.gz`/`.zst`, text under `json_key`), Parquet (column `json_key`), and plain text, one
+document per file. Unusable documents (invalid JSON, a missing key, non-UTF-8 bytes, empty text)
+get a reason from SKIP_REASONS, which `skip_message` words with the document's file:line.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import io
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+from bloomtrain.utils import UserError
+
+# Record kinds yielded by iter_records. Records stay unparsed until parse_record so that the
+# preprocessor can parse them in its worker processes rather than in the reading one.
+_JSON, _TEXT, _BYTES = "json", "text", "bytes"
+
+SKIP_REASONS = ("invalid_json", "missing_key", "not_utf8", "empty")
+
+_REASON_TEXT = {
+    "invalid_json": "invalid JSON",
+    "missing_key": "missing key {key!r} or its value is not a string",
+    "not_utf8": "not valid UTF-8",
+    "empty": "empty document",
+}
+
+
+def _walk(directory: Path) -> list[Path]:
+    # Hidden entries are skipped: they hold editor swap files and bloomtrain's own temporaries.
+    found = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
+    return sorted(found)
+
+
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
+    """Files, globs (`**` recurses) and directories (recursed), each expanded in sorted order so
+    that the output never depends on the filesystem's listing order. Duplicates are dropped."""
+    if not inputs:
+        raise UserError("no input given; pass --input FILE [FILE ...] (files, globs or directories)")
+    paths: list[Path] = []
+    for item in inputs:
+        item = os.fspath(item)
+        if glob.has_magic(item):
+            matches = sorted(glob.glob(item, recursive=True))
+            if not matches:
+                raise UserError(f"no files matched {item!r}")
+            for match in matches:
+                paths.extend(_walk(Path(match)) if os.path.isdir(match) else [Path(match)])
+        elif os.path.isdir(item):
+            files = _walk(Path(item))
+            if not files:
+                raise UserError(f"directory {item} contains no input files")
+            paths.extend(files)
+        elif os.path.isfile(item):
+            paths.append(Path(item))
+        else:
+            raise UserError(f"input {item} does not exist")
+    seen, unique = set(), []
+    for path in paths:
+        key = os.path.abspath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
+def input_format(path: str | os.PathLike) -> tuple[str, str | None]:
+    """(`jsonl` | `parquet` | `text`, compression `gz` | `zst` | None), from the file name."""
+    name = Path(path).name.lower()
+    compression = None
+    for ext in ("gz", "zst"):
+        if name.endswith("." + ext):
+            compression, name = ext, name[: -len(ext) - 1]
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl", compression
+    if name.endswith(".parquet") and compression is None:
+        return "parquet", None
+    return "text", compression
+
+
+@contextlib.contextmanager
+def _open_binary(path: Path, compression: str | None) -> Iterator[io.BufferedIOBase]:
+    if compression == "gz":
+        with gzip.open(path, "rb") as f:
+            yield f
+    elif compression == "zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"reading {path} needs zstandard: pip install 'bloomtrain[formats]'")
+        with open(path, "rb") as raw:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            with io.BufferedReader(reader, 1 << 20) as f:
+                yield f
+    else:
+        with open(path, "rb") as f:
+            yield f
+
+
+def iter_records(path: str | os.PathLike, json_key: str = "text") -> Iterator[tuple[int, str, object]]:
+    """(line or row number from 1, kind, payload) for every document of one input file, streamed.
+    Blank lines of JSON-lines files are not documents and are passed over silently."""
+    path = Path(path)
+    fmt, compression = input_format(path)
+    try:
+        if fmt == "jsonl":
+            with _open_binary(path, compression) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield lineno, _JSON, line
+        elif fmt == "parquet":
+            yield from _iter_parquet(path, json_key)
+        else:
+            with _open_binary(path, compression) as f:
+                yield 1, _BYTES, f.read()
+    except UserError:
+        raise
+    except Exception as e:
+        # gzip, zstandard and the OS each raise their own types for a truncated or mislabeled file.
+        raise UserError(f"cannot read {path} as {compression or fmt}: {e}") from e
+
+
+def _iter_parquet(path: Path, json_key: str):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading {path} needs pyarrow: pip install 'bloomtrain[formats]'")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:
+        raise UserError(f"cannot read {path} as Parquet: {e}") from e
+    names = parquet.schema_arrow.names
+    if json_key not in names:
+        raise UserError(f"{path} has no column {json_key!r} (columns: {', '.join(names)}); "
+                        f"pass --json-key")
+    row = 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=[json_key]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            yield row, _TEXT, value
+
+
+def iter_texts(inputs: list[str | os.PathLike], json_key: str = "text") -> Iterator[str]:
+    """The valid, non-empty documents of all inputs in order; unusable ones are skipped, as
+    preprocess (non-strict) skips them. Used for tokenizer training."""
+    for path in expand_inputs(inputs):
+        for _, kind, payload in iter_records(path, json_key):
+            text, _ = parse_record(kind, payload, json_key)
+            if text:
+                yield text
+
+
+def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason) with reason in SKIP_REASONS."""
+    if kind == _TEXT:
+        text = payload
+    else:
+        try:
+            decoded = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "not_utf8"
+        if kind == _BYTES:
+            text = decoded
+        else:
+            try:
+                obj = json.loads(decoded)
+            except ValueError:
+                return None, "invalid_json"
+            if not isinstance(obj, dict) or json_key not in obj:
+                return None, "missing_key"
+            text = obj[json_key]
+    if not isinstance(text, str):
+        return None, "missing_key"
+    if not text:
+        return None, "empty"
+    return text, None
+
+
+def skip_message(path: str | os.PathLike, lineno: int, reason: str, json_key: str = "text") -> str:
+    """`file:line: what is wrong` for a document that parse_record (or an encoder) rejected."""
+    return f"{path}:{lineno}: {_REASON_TEXT[reason].format(key=json_key)}"
