@@ -64,12 +64,12 @@ def _slowest(seconds: list[float]) -> list[float]:
 def _rank_fn(rank, world, args, data, root, run_dir, tp, zero):
     from bloomtrain.train import Trainer
     trainer = Trainer(_config(args, data, root, run_dir, tp, zero), log=lambda *a: None)
-    writer = trainer.writer
+    writer = trainer.checkpoints.writer
 
     dist.barrier()
     trainer.state.step = 1
     t0 = time.perf_counter()
-    trainer.save()
+    trainer.checkpoints.save(trainer.state)
     dist.barrier()
     sync_s = time.perf_counter() - t0
 
@@ -77,7 +77,7 @@ def _rank_fn(rank, world, args, data, root, run_dir, tp, zero):
     trainer.state.step = 2
     dist.barrier()
     t0 = time.perf_counter()
-    trainer.save()
+    trainer.checkpoints.save(trainer.state)
     blocked_s = time.perf_counter() - t0
     writer.wait()
     dist.barrier()
@@ -86,7 +86,7 @@ def _rank_fn(rank, world, args, data, root, run_dir, tp, zero):
     trainer.cfg.checkpoint.resume = str(Path(root) / ckpt.step_dir_name(1))
     dist.barrier()
     t0 = time.perf_counter()
-    trainer._maybe_resume()
+    trainer.checkpoints.resume()
     dist.barrier()
     resume_s = time.perf_counter() - t0
     sync_s, blocked_s, async_total_s, resume_s = _slowest(

@@ -40,12 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_shape_args, shape_from_args  # noqa: E402
 
-from bloomtrain.config import OptimConfig  # noqa: E402
-from bloomtrain.model import build_model  # noqa: E402
 from bloomtrain.model.presets import BloomShape  # noqa: E402
 from bloomtrain.parallel import comm  # noqa: E402
-from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
-from bloomtrain.topology import Topology  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 # Paper elements per byte-counted buffer, by collective.
@@ -73,13 +70,14 @@ class DtypeStats(comm.CommStats):
 
 def _dp_rank_fn(rank, world, shape, seq, precision):
     comm.STATS = stats = DtypeStats()
-    topo = Topology.build(1, 1)
     ids = torch.randint(0, shape.vocab_size, (1, seq + 1),
                         generator=torch.Generator().manual_seed(rank))
-    out = {}
+    out, topo = {}, None
     for stage in range(4):
-        model = build_model(shape, seed=1)
-        opt = MixedPrecisionOptimizer(model, OptimConfig(), precision, topo, zero_stage=stage)
+        cfg = helpers.config(shape, parallel={"zero_stage": stage}, precision=precision, seed=1)
+        topo = helpers.topology(cfg, topo)
+        parts = helpers.build(cfg, topo)
+        model, opt = parts.chunks[0], parts.engine
         for measured in (False, True):  # the first step records stage 3's prefetch order
             stats.reset()
             model(ids[:, :-1], labels=ids[:, 1:]).backward()
@@ -124,14 +122,13 @@ def dp_section(args) -> dict:
 
 
 def _tp_rank_fn(rank, world, shape, batch, seq, precision, sequence_parallel):
-    from bloomtrain.parallel.tensor import apply_tensor_parallel
     comm.STATS = stats = DtypeStats()
-    topo = Topology.build(world, 1)
     ids = torch.randint(0, shape.vocab_size, (batch, seq + 1),
                         generator=torch.Generator().manual_seed(0))
-    model = build_model(shape, seed=1)
-    apply_tensor_parallel(model, topo, sequence_parallel, seq_length=seq)
-    opt = MixedPrecisionOptimizer(model, OptimConfig(), precision, topo)
+    cfg = helpers.config(shape, parallel={"tp": world, "sequence_parallel": sequence_parallel},
+                         precision=precision, seed=1)
+    parts = helpers.build(cfg)
+    model, opt = parts.chunks[0], parts.engine
     for _ in range(2):  # the second step is measured
         stats.reset()
         model(ids[:, :-1], labels=ids[:, 1:]).backward()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import BloomShape, build_model
 from bloomtrain.parallel.pipeline import (
     Timeline,
@@ -59,7 +60,9 @@ def _rank(rank: int, port: int, args, out_dir: str) -> None:
         g = torch.Generator().manual_seed(0)
         results = {}
         for schedule, v in SCHEDULES:
-            chunks = build_pipeline_chunks(build_model(shape, 1), topo, "uniform", v)
+            layout = ParallelLayout(pp=PP, schedule=schedule, num_virtual_stages=v,
+                                    partition="uniform")
+            chunks = build_pipeline_chunks(build_model(shape, 1), layout, topo.pp_rank)
             for m in MICRO_BATCHES:
                 batches = []
                 for _ in range(m):

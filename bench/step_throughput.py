@@ -34,10 +34,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_shape_args, shape_from_args  # noqa: E402
-from bloomtrain.config import ModelConfig, OptimConfig  # noqa: E402
-from bloomtrain.model import build_model, resolve_model_config  # noqa: E402
-from bloomtrain.optim import megatron_tflops, no_weight_decay  # noqa: E402
-from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
+from bloomtrain.config import ModelConfig  # noqa: E402
+from bloomtrain.model import resolve_model_config  # noqa: E402
+from bloomtrain.model.params import base_spec  # noqa: E402
+from bloomtrain.optim import megatron_tflops  # noqa: E402
+from tests import helpers  # noqa: E402
 
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
@@ -56,11 +57,13 @@ def timed(step, device) -> float:
 
 
 def make_bloomtrain(shape, ids, device, args):
-    model = build_model(shape, seed=1, device=device)
-    model.set_activation_checkpointing(args.activation_checkpointing)
-    opt = MixedPrecisionOptimizer(model, OptimConfig(lr=LR, beta1=BETAS[0], beta2=BETAS[1],
-                                                     eps=EPS, weight_decay=WD, clip_grad=CLIP),
-                                  "bf16")
+    cfg = helpers.config(shape, optim=dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                                           weight_decay=WD, clip_grad=CLIP),
+                         precision="bf16", seed=1,
+                         activation_checkpointing="full" if args.activation_checkpointing
+                         else "none")
+    parts = helpers.build(cfg, device=device)
+    model, opt = parts.chunks[0], parts.engine
     model.train()
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
@@ -101,9 +104,9 @@ def make_hf(shape, ids, device, args):
     inputs = ids[:, :-1]  # HF shifts the labels itself
 
     def make_opt(kind):
-        groups = [{"params": [p for n, p in named if not no_weight_decay(n, p.ndim)],
+        groups = [{"params": [p for n, p in named if base_spec(n).weight_decay],
                    "weight_decay": WD},
-                  {"params": [p for n, p in named if no_weight_decay(n, p.ndim)],
+                  {"params": [p for n, p in named if not base_spec(n).weight_decay],
                    "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **{kind: True})
 

@@ -1,8 +1,9 @@
 """bloomtrain ZeRO-3 against PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) on the same model
 and batch, on 4 gloo ranks: model-state bytes per rank and step time, and their ratios.
 
-bloomtrain: MixedPrecisionOptimizer(zero_stage=3, bf16): bf16 parameter shards, fp32 master, fp32
-gradient shards, fp32 Adam moments; each BloomBlock gathered per use with prefetch.
+bloomtrain: the ZeRO engine at stage 3 with bf16 compute: fp32 master, fp32 gradient and fp32
+Adam shards; each unit (a BloomBlock, the embedding, ...) gathered per use, cast from the master
+shards, with prefetch.
 FSDP2: every BloomBlock and the root wrapped with fully_shard, MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32) (fp32 sharded parameters double as the master, fp32
 sharded gradients), `clip_grad_norm_(foreach=True)` and torch.optim.AdamW with `fused=True` or
@@ -37,11 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_shape_args, shape_from_args  # noqa: E402
 
-from bloomtrain.config import OptimConfig  # noqa: E402
 from bloomtrain.model import build_model  # noqa: E402
-from bloomtrain.optim import no_weight_decay  # noqa: E402
-from bloomtrain.parallel.zero import MixedPrecisionOptimizer  # noqa: E402
-from bloomtrain.topology import Topology  # noqa: E402
+from bloomtrain.model.params import base_spec  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 LR = 1e-4
@@ -66,10 +65,10 @@ def _storage_bytes(tensors) -> int:
 
 
 def bloomtrain_side(shape, ids, args):
-    topo = Topology.build(1, 1)
-    model = build_model(shape, seed=1)
-    opt = MixedPrecisionOptimizer(model, OptimConfig(lr=LR, clip_grad=1.0), "bf16", topo,
-                                  zero_stage=3)
+    cfg = helpers.config(shape, parallel={"zero_stage": 3}, optim={"lr": LR, "clip_grad": 1.0},
+                         precision="bf16", seed=1)
+    parts = helpers.build(cfg)
+    model, opt = parts.chunks[0], parts.engine
 
     def step():
         model(ids[:, :-1], labels=ids[:, 1:]).backward()
@@ -98,9 +97,9 @@ def fsdp2_side(shape, ids, args):
     named = list(model.named_parameters())
 
     def make_opt(kind):
-        groups = [{"params": [p for n, p in named if not no_weight_decay(n, p.ndim)],
+        groups = [{"params": [p for n, p in named if base_spec(n).weight_decay],
                    "weight_decay": 0.1},
-                  {"params": [p for n, p in named if no_weight_decay(n, p.ndim)],
+                  {"params": [p for n, p in named if not base_spec(n).weight_decay],
                    "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, **{kind: True})
 
@@ -196,8 +195,8 @@ def main():
     out = {"bench": "vs_fsdp", "psi": psi, "world": args.world, "torch": torch.__version__,
            "bloomtrain": ours}
     print(f"{ours['ran']}: {ours['model_state_bytes']:,} B model state per rank "
-          f"({ours['model_state_bytes'] / psi:.2f} B/param; formula 18Ψ/N = "
-          f"{18 / args.world:.2f}), {ours['step_time_s']:.3f} s/step; "
+          f"({ours['model_state_bytes'] / psi:.2f} B/param; formula 16Ψ/N = "
+          f"{16 / args.world:.2f}), {ours['step_time_s']:.3f} s/step; "
           f"gathered working peak {ours['gathered_peak_bytes']:,} B")
     if "fsdp2" in r:
         f = r["fsdp2"]

@@ -1,8 +1,14 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML plus dotted
-`section.key=value` overrides, and validated once before any process group starts.
+`section.key=value` overrides.
 
-Every error names the key and says what to change, e.g. `model.num_heads (12) must be divisible
-by parallel.tp (8)`.
+This module is the leaf of the package: it imports nothing from bloomtrain, so every other module
+can import it. `Config.check()` validates each key on its own (ranges, choices, the forms of
+`data.split` and `data.paths`); the rules that tie keys of different sections together (tp
+against the head count, the global batch against micro-batch and dp, ramp-up, pipeline
+partitions) live in bloomtrain.layout, which applies both before any process group starts.
+
+Every error names the key and says what to change, e.g. `train.precision must be bf16, fp16 or
+fp32, got 'fp8'`.
 """
 from __future__ import annotations
 
@@ -15,7 +21,11 @@ from typing import Any
 
 import yaml
 
-from bloomtrain.utils import UserError
+
+class UserError(Exception):
+    """An error caused by the user's input or environment. The CLI prints it without a
+    traceback, so the message must say what to change. Defined here, in the package's leaf
+    module, so that every module can raise it; bloomtrain.utils re-exports it."""
 
 
 @dataclass
@@ -195,111 +205,54 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
-    # ---- derived values ------------------------------------------------------------------
-    def derive_dp(self, world_size: int) -> int:
-        per_replica = self.parallel.tp * self.parallel.pp
-        if world_size % per_replica:
-            raise UserError(
-                f"the number of processes ({world_size}) is not divisible by parallel.tp * "
-                f"parallel.pp ({self.parallel.tp} * {self.parallel.pp} = {per_replica}); change "
-                f"--nproc or the tp/pp sizes")
-        return world_size // per_replica
-
-    # ---- validation ----------------------------------------------------------------------
-    def validate(self, world_size: int = 1) -> None:
-        """Check every key and every combination before anything starts. Raises UserError."""
-        m, p, t, o, d = self.model, self.parallel, self.train, self.optim, self.data
-        _pos = _require_positive
-        _pos("parallel.tp", p.tp)
-        _pos("parallel.pp", p.pp)
-        _pos("parallel.num_virtual_stages", p.num_virtual_stages)
-        dp = self.derive_dp(world_size)
-        if p.zero_stage not in (0, 1, 2, 3):
-            raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
-        _pos("parallel.bucket_size_mb", p.bucket_size_mb)
-        if p.sequence_parallel and p.tp == 1:
-            raise UserError("parallel.sequence_parallel=true needs parallel.tp > 1")
-        if p.backend not in ("auto", "gloo", "nccl"):
-            raise UserError(f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
-        _pos("parallel.timeout_minutes", p.timeout_minutes)
-
-        from bloomtrain.model import resolve_model_config  # late: model imports torch
-        from bloomtrain.parallel.tensor import validate_tensor_parallel
-        shape = resolve_model_config(m, vocab_size=m.vocab_size or 1)
-        if m.make_vocab_size_divisible_by % p.tp:
-            raise UserError(f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by})"
-                            f" must be divisible by parallel.tp ({p.tp}) so the padded vocabulary "
-                            f"splits evenly")
-        validate_tensor_parallel(shape, p.tp, p.sequence_parallel, d.seq_length)
+    # ---- per-key checks ------------------------------------------------------------------
+    def check(self) -> None:
+        """Check every key on its own before anything starts; raises UserError. Combinations
+        of keys are checked by bloomtrain.layout.validate."""
+        m, p, t, o, d, c = (self.model, self.parallel, self.train, self.optim, self.data,
+                            self.checkpoint)
+        for key in ("tp", "pp", "num_virtual_stages", "bucket_size_mb", "timeout_minutes"):
+            _require_positive(f"parallel.{key}", getattr(p, key))
+        _require_choice("parallel.zero_stage", p.zero_stage, (0, 1, 2, 3))
+        _require_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
+        _require_choice("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved"))
         for name in ("hidden_dropout", "attention_dropout"):
-            v = getattr(m, name)
-            if not 0.0 <= v < 1.0:
-                raise UserError(f"model.{name} must be in [0, 1), got {v}")
+            if not 0.0 <= getattr(m, name) < 1.0:
+                raise UserError(f"model.{name} must be in [0, 1), got {getattr(m, name)}")
+        _require_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
 
-        _pos("data.seq_length", d.seq_length)
-        from bloomtrain.data.gpt_dataset import parse_split  # validates the split string
+        _require_positive("data.seq_length", d.seq_length)
         try:
             parse_split(d.split)
         except ValueError as e:
             raise UserError(f"data.split: {e}") from None
         parse_data_paths(d.paths)
 
-        _pos("train.micro_batch_size", t.micro_batch_size)
-        _pos("train.global_batch_size", t.global_batch_size)
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            raise UserError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"train.micro_batch_size * dp ({t.micro_batch_size} * {dp} = {per_step})")
-        from bloomtrain.parallel.pipeline import num_micro_batches, validate_pipeline
-        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise UserError(f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, got "
-                            f"{p.pp_schedule!r}")
-        if p.pp > 1:
-            validate_pipeline(shape.num_layers, p.pp, p.pp_schedule, p.num_virtual_stages,
-                              p.pp_partition,
-                              num_micro=num_micro_batches(t.global_batch_size,
-                                                          t.micro_batch_size, dp))
-        elif p.num_virtual_stages != 1:
-            raise UserError("parallel.num_virtual_stages > 1 needs parallel.pp > 1 and "
-                            "parallel.pp_schedule=interleaved")
-        if t.rampup_batch_size is not None:
-            if len(t.rampup_batch_size) != 3:
-                raise UserError("train.rampup_batch_size must be [start, increment, ramp_samples]")
-            start, inc, ramp = t.rampup_batch_size
-            _pos("train.rampup_batch_size start", start)
-            _pos("train.rampup_batch_size increment", inc)
-            _pos("train.rampup_batch_size ramp_samples", ramp)
-            if (t.global_batch_size - start) % inc:
-                raise UserError(f"train.global_batch_size ({t.global_batch_size}) - rampup start "
-                                f"({start}) must be divisible by the increment ({inc})")
-            for b in (start, inc):
-                if b % per_step:
-                    raise UserError(f"rampup batch size {b} must be divisible by "
-                                    f"micro_batch_size * dp ({per_step})")
-            if t.train_samples is None:
-                raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
+        _require_positive("train.micro_batch_size", t.micro_batch_size)
+        _require_positive("train.global_batch_size", t.global_batch_size)
         if (t.train_iters is None) == (t.train_samples is None):
             raise UserError("set exactly one of train.train_iters and train.train_samples")
-        if t.train_iters is not None:
-            _pos("train.train_iters", t.train_iters)
-        if t.train_samples is not None:
-            _pos("train.train_samples", t.train_samples)
-        if t.precision not in ("bf16", "fp16", "fp32"):
-            raise UserError(f"train.precision must be bf16, fp16 or fp32, got {t.precision!r}")
-        if t.activation_checkpointing not in ("none", "full"):
-            raise UserError(f"train.activation_checkpointing must be none or full, "
-                            f"got {t.activation_checkpointing!r}")
-        if t.device not in ("auto", "cpu", "cuda"):
-            raise UserError(f"train.device must be auto, cpu or cuda, got {t.device!r}")
-        _pos("train.log_interval", t.log_interval)
+        for key in ("train_iters", "train_samples"):
+            if getattr(t, key) is not None:
+                _require_positive(f"train.{key}", getattr(t, key))
+        _require_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
+        _require_choice("train.activation_checkpointing", t.activation_checkpointing,
+                        ("none", "full"))
+        _require_choice("train.device", t.device, ("auto", "cpu", "cuda"))
+        _require_positive("train.log_interval", t.log_interval)
         if t.eval_interval is not None:
-            _pos("train.eval_interval", t.eval_interval)
-            _pos("train.eval_iters", t.eval_iters)
+            _require_positive("train.eval_interval", t.eval_interval)
+            _require_positive("train.eval_iters", t.eval_iters)
+        self._check_optim(o)
+        for name in ("save_interval", "keep_last", "save_interval_minutes"):
+            if getattr(c, name) is not None:
+                _require_positive(f"checkpoint.{name}", getattr(c, name))
+        if (c.save_interval or c.save_interval_minutes) and not c.dir:
+            raise UserError("checkpoint.save_interval needs checkpoint.dir")
 
-        if o.decay_style not in ("cosine", "linear", "constant"):
-            raise UserError(f"optim.decay_style must be cosine, linear or constant, "
-                            f"got {o.decay_style!r}")
+    @staticmethod
+    def _check_optim(o: "OptimConfig") -> None:
+        _require_choice("optim.decay_style", o.decay_style, ("cosine", "linear", "constant"))
         if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
             raise UserError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
         if o.warmup_samples < 0:
@@ -313,15 +266,29 @@ class Config:
         if o.clip_grad < 0:
             raise UserError("optim.clip_grad must be >= 0 (0 disables clipping)")
 
-        c = self.checkpoint
-        for name in ("save_interval", "keep_last"):
-            v = getattr(c, name)
-            if v is not None:
-                _pos(f"checkpoint.{name}", v)
-        if c.save_interval_minutes is not None:
-            _pos("checkpoint.save_interval_minutes", c.save_interval_minutes)
-        if (c.save_interval or c.save_interval_minutes) and not c.dir:
-            raise UserError("checkpoint.save_interval needs checkpoint.dir")
+
+def parse_split(s: str) -> list[float]:
+    """`"969,30,1"`, `"98/2"` or `"1"` -> three normalized fractions (train, valid, test)."""
+    text = str(s).strip()
+    sep = "," if "," in text else "/"
+    parts = [p.strip() for p in text.split(sep)]
+    if not text or any(p == "" for p in parts):
+        raise ValueError(f"split {s!r} must be up to three comma-separated numbers, "
+                         f"e.g. '969,30,1'")
+    if len(parts) > 3:
+        raise ValueError(f"split {s!r} has {len(parts)} parts; give at most three "
+                         f"(train, valid, test)")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"split {s!r} must be numbers, e.g. '969,30,1'") from None
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ValueError(f"split {s!r} must be finite and non-negative")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"split {s!r} sums to zero; at least one part must be positive")
+    return [v / total for v in values]
 
 
 def parse_data_paths(paths: list[str] | str) -> list[tuple[float, str]]:
@@ -450,3 +417,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _require_positive(key: str, value) -> None:
     if value is None or value <= 0:
         raise UserError(f"{key} must be positive, got {value}")
+
+
+def _require_choice(key: str, value, choices: tuple) -> None:
+    if value not in choices:
+        names = [str(c) for c in choices]
+        listed = ", ".join(names[:-1]) + " or " + names[-1]
+        raise UserError(f"{key} must be {listed}, got {value!r}")

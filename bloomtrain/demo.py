@@ -77,7 +77,9 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     from bloomtrain.generate import generate
     from bloomtrain.hf import export_hf
     from bloomtrain import checkpoint as ckpt
+    from bloomtrain.layout import validate
     from bloomtrain.train import launch_local, train
+    from bloomtrain.train.cli import worker_entry
     from bloomtrain.utils import atomic_output
 
     t_start = time.time()
@@ -116,16 +118,16 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
         apply_override(data, ov)
     cfg = Config.from_dict(data)
     nproc = nproc if "WORLD_SIZE" not in os.environ else 1
-    cfg.validate(world_size=nproc)
+    run = validate(cfg, nproc)
     config_path = root / "demo_config.yaml"
     with atomic_output(config_path, "w") as f:
         f.write(cfg.to_yaml())
     p = cfg.parallel
     log(f"[demo] 4/6 training {cfg.train.train_iters} steps (precision {cfg.train.precision}) on "
-        f"{nproc} process(es): tp={p.tp} pp={p.pp} dp={nproc // (p.tp * p.pp)} "
+        f"{nproc} process(es): tp={p.tp} pp={p.pp} dp={run.layout.dp} "
         f"zero={p.zero_stage} schedule={p.pp_schedule}; config {config_path}")
     if nproc > 1:
-        launch_local(nproc, str(config_path), [])
+        launch_local(nproc, worker_entry, str(config_path), [])
     else:
         train(cfg, log=log)
     records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]

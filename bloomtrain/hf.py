@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from bloomtrain.model.params import EMBEDDING, LM_HEAD
 from bloomtrain.utils import UserError, fsync_dir
 
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
@@ -35,8 +36,6 @@ BIN_FILE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 WEIGHT_FILES = (SAFETENSORS_FILE, SAFETENSORS_INDEX, BIN_FILE, BIN_INDEX)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-EMBEDDING = "transformer.word_embeddings.weight"
-LM_HEAD = "lm_head.weight"
 
 
 

@@ -7,10 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-
-class UserError(Exception):
-    """An error caused by the user's input or environment. The CLI prints it without a
-    traceback, so the message must say what to change."""
+from bloomtrain.config import UserError  # noqa: F401  (defined in the leaf module; re-exported)
 
 
 def tmp_name(path: str | os.PathLike) -> Path:

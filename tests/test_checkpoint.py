@@ -48,7 +48,7 @@ def _reshard_worker(rank, world, dataset, tmp, layout, src, out, start):
     cfg = layout_cfg(dataset, tmp, layout, train__train_iters=start + CONTINUE,
                      checkpoint={"dir": out, "resume": src, "async_save": False})
     trainer = Trainer(cfg, **QUIET)
-    trainer.save()
+    trainer.checkpoints.save(trainer.state)
     res = trainer.run()
     return res.losses, res.checkpoint
 

@@ -1,6 +1,7 @@
 import pytest
 
 from bloomtrain.config import Config, apply_override, parse_data_paths
+from bloomtrain.layout import validate
 from bloomtrain.utils import UserError
 
 
@@ -38,7 +39,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
 def test_validation_messages(over, match):
     cfg = base(**over)
     with pytest.raises(UserError, match=match):
-        cfg.validate(world_size=1)
+        validate(cfg, 1)
 
 
 def test_unknown_keys_and_types():
@@ -54,6 +55,6 @@ def test_unknown_keys_and_types():
 
 def test_batch_must_split_over_data_parallel():
     cfg = base(**{"train.global_batch_size": 8, "train.micro_batch_size": 4})
-    cfg.validate(world_size=2)
+    validate(cfg, 2)
     with pytest.raises(UserError, match=r"micro_batch_size \* dp \(4 \* 3 = 12\)"):
-        cfg.validate(world_size=3)
+        validate(cfg, 3)

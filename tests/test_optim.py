@@ -1,7 +1,8 @@
 
 import pytest
 
-from bloomtrain.optim import DynamicLossScaler, LRSchedule, megatron_tflops, no_weight_decay
+from bloomtrain.model.params import base_spec
+from bloomtrain.optim import DynamicLossScaler, LRSchedule, megatron_tflops
 from tests.reference import megatron_lr
 
 
@@ -45,11 +46,13 @@ def test_loss_scaler_hysteresis_window_min():
 
 
 def test_no_weight_decay_groups():
-    assert no_weight_decay("transformer.h.0.self_attention.dense.bias", 1)
-    assert no_weight_decay("transformer.h.0.input_layernorm.weight", 1)
-    assert no_weight_decay("transformer.ln_f.weight", 1)
-    assert not no_weight_decay("transformer.h.0.mlp.dense_h_to_4h.weight", 2)
-    assert not no_weight_decay("transformer.word_embeddings.weight", 2)
+    # Megatron's rule: no decay on biases and LayerNorms, decay on every matrix.
+    for name in ("transformer.h.0.self_attention.dense.bias", "transformer.h.0.input_layernorm.weight",
+                 "transformer.ln_f.weight", "transformer.word_embeddings_layernorm.bias"):
+        assert not base_spec(name).weight_decay, name
+    for name in ("transformer.h.0.mlp.dense_h_to_4h.weight", "transformer.word_embeddings.weight",
+                 "lm_head.weight"):
+        assert base_spec(name).weight_decay, name
 
 
 def test_tflops_formula_reproduces_bloom_logs():

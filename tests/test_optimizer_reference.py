@@ -16,8 +16,11 @@ from torch import nn
 
 from bloomtrain.config import OptimConfig
 from bloomtrain.model import build_model
+from bloomtrain.model.params import ParamSpec
 from bloomtrain.model.presets import BloomShape
-from bloomtrain.parallel.zero import MixedPrecisionOptimizer
+from bloomtrain.parallel.zero.engine import ZeroEngine
+from bloomtrain.topology import Topology
+from tests import helpers
 from tests.reference import megatron_lr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,11 +61,12 @@ def test_adamw_clipping_and_norm_match_torch():
     <= 1.1e-6 (exp_avg) and 1.6e-6 (exp_avg_sq) of each tensor's largest entry, so the bound is
     1e-5 of it, and 1e-6 absolute. A real bug moves parameters by ~lr = 1e-3 and moments by
     their own size."""
-    cfg = OptimConfig(lr=LR, min_lr=MIN_LR, clip_grad=CLIP, weight_decay=0.1, beta1=0.9,
-                      beta2=0.95, eps=1e-8)
-    ours = build_model(SHAPE, seed=1)
+    cfg = helpers.config(SHAPE, optim=dict(lr=LR, min_lr=MIN_LR, clip_grad=CLIP,
+                                           weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8),
+                         precision="fp32", seed=1)
+    parts = helpers.build(cfg)
+    ours, opt = parts.chunks[0], parts.engine
     ref = build_model(SHAPE, seed=1)
-    opt = MixedPrecisionOptimizer(ours, cfg, "fp32")
     topt = torch_reference(ref, foreach=False)
     ref_params = dict(ref.named_parameters())
     g = torch.Generator().manual_seed(0)
@@ -114,8 +118,11 @@ class Scalar(nn.Module):
 
 
 def _optimizer(module, stage, **kw):
+    """The engine alone on a module that is not BLOOM: its one parameter gets a spec by hand."""
     cfg = OptimConfig(lr=1.0, clip_grad=0.0, weight_decay=0.0, **kw)
-    return MixedPrecisionOptimizer(module, cfg, "bf16", zero_stage=stage)
+    spec = ParamSpec(name="w", tp_dim=None, weight_decay=False, init="zeros")
+    return ZeroEngine([module], {"w": spec}, Topology.single(), cfg, "bf16", zero_stage=stage,
+                      unit_types=(Scalar,))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -168,6 +175,7 @@ def _compute_copy(module: nn.Module, opt) -> dict[str, torch.Tensor]:
     forward pre-hook, so they are read from inside the forward)."""
     if opt.stage < 3:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
+    # Stage 3 keeps no compute copy: it is cast from the masters as a unit is gathered.
     seen = {}
     hooks = [mod.register_forward_pre_hook(
         lambda mod, args, prefix=prefix: seen.update(
@@ -186,9 +194,9 @@ def _compute_copy(module: nn.Module, opt) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_compute_copy_is_the_rounded_master_after_every_step(stage):
-    model = build_model(SHAPE, seed=1)
-    opt = MixedPrecisionOptimizer(model, OptimConfig(lr=1e-3, clip_grad=1.0), "bf16",
-                                  zero_stage=stage)
+    parts = helpers.build(helpers.config(SHAPE, parallel={"zero_stage": stage},
+                                         optim={"lr": 1e-3, "clip_grad": 1.0}, seed=1))
+    model, opt = parts.chunks[0], parts.engine
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)

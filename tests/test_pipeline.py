@@ -11,33 +11,25 @@ import pytest
 import torch
 
 from bloomtrain import cli
+from bloomtrain.layout import ParallelLayout, validate
 from bloomtrain.model import BloomShape, build_model
+from bloomtrain.model.params import logical_name
 from bloomtrain.parallel.pipeline import (
     SCHEDULES,
     PipelineCommError,
     Timeline,
-    allreduce_tied_embedding_grads,
     build_pipeline_chunks,
     grid_bubble,
-    logical_name,
-    num_micro_batches,
     op_p2p,
     partition_layers,
     pipeline_eval_step,
-    pipeline_named_parameters,
     pipeline_train_step,
     schedule_grid,
     theoretical_bubble,
-    tied_embedding_params,
-    validate_pipeline,
-)
-from bloomtrain.parallel.tensor import (
-    allreduce_sequence_parallel_grads,
-    apply_tensor_parallel,
-    gather_full_tensors,
 )
 from bloomtrain.topology import Topology
 from bloomtrain.utils import UserError
+from tests import helpers
 from tests.dist import run_ranks
 
 SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, ffn_hidden_size=256)
@@ -126,18 +118,24 @@ def _case_shape(case) -> BloomShape:
     return SHAPE8 if case["pp"] * case["v"] > 4 or case["pp"] == 4 else SHAPE
 
 
-def _train_case(case, topo, tmp_dir):
-    shape = _case_shape(case)
-    tp, sp = case["tp"], case["sp"]
-    model = apply_tensor_parallel(build_model(shape, SEED), topo, sequence_parallel=sp, seed=SEED)
-    chunks = build_pipeline_chunks(model, topo, case["partition"], case["v"])
-    del model
-    for chunk in chunks:
-        # Recomputation in backward must not need the outputs that were freed once sent.
-        chunk.set_activation_checkpointing(case.get("recompute", False))
-    params = pipeline_named_parameters(chunks)
+def _case_config(case):
+    return helpers.config(
+        _case_shape(case), precision="fp32", seed=SEED,
+        activation_checkpointing="full" if case.get("recompute") else "none",
+        parallel={"tp": case["tp"], "pp": case["pp"], "sequence_parallel": case["sp"],
+                  "pp_schedule": case["schedule"], "num_virtual_stages": case["v"],
+                  "pp_partition": case["partition"]})
+
+
+def _train_case(case, base, tmp_dir):
+    # TP and PP composed by parallelize, without the ZeRO engine: this test drives torch's AdamW
+    # on the parameters' .grad, so it sees the pipeline's gradients as they come out of backward.
+    cfg = _case_config(case)
+    parts = helpers.build(cfg, helpers.topology(cfg, base), engine=False)
+    topo, chunks, specs = parts.topo, parts.chunks, parts.specs
+    params = parts.named_parameters()
     opt = torch.optim.AdamW([p for _, p in params], lr=LR, weight_decay=0.1)
-    recv_shape = (MBS, SEQ // tp if sp else SEQ, shape.hidden_size)
+    recv_shape = topo.layout.recv_shape(MBS, SEQ, cfg.model.hidden_size)
     out = dict(losses=[], grads={}, names=[n for n, _ in params],
                ranges=[c.block_range for c in chunks])
     for step in range(case["steps"]):
@@ -145,23 +143,22 @@ def _train_case(case, topo, tmp_dir):
         timeline = Timeline() if case.get("timeline") else None
         loss = pipeline_train_step(case["schedule"], chunks, _micro_batches(step), topo,
                                    recv_shape=recv_shape, timeline=timeline, timeout=TIMEOUT)
-        allreduce_sequence_parallel_grads(
-            [p.grad for _, p in params if p.grad_needs_tp_allreduce], topo.tp_group)
-        allreduce_tied_embedding_grads([p for _, p in tied_embedding_params(chunks)], topo)
+        helpers.sum_partial_grads(parts)
         if step in (0, case["steps"] - 1):
-            grads = gather_full_tensors({logical_name(n): p.grad for n, p in params}, topo)
+            grads = helpers.gather_full_tensors({logical_name(n): p.grad for n, p in params},
+                                                topo)
             out["grads"][step] = grads if topo.tp_rank == 0 else None
         opt.step()
         out["losses"].append(loss)
         if timeline is not None:
             timeline.save(tmp_dir, step)
-    weights = gather_full_tensors({n: p.detach() for n, p in tied_embedding_params(chunks)}, topo)
+    tied = {n: p.detach() for n, p in params if specs[n].tied}
+    weights = helpers.gather_full_tensors(tied, topo)
     out["tied_weights"] = weights if topo.tp_rank == 0 else None
-    out["attrs"] = {n: (p.tied_embedding, p.tied_embedding_copy) for n, p in params
-                    if p.tied_embedding or p.tied_embedding_copy}
+    out["attrs"] = {n: (specs[n].tied, specs[n].tied_copy) for n, _ in params
+                    if specs[n].tied or specs[n].tied_copy}
     with torch.no_grad():
-        for c in chunks:
-            c.eval()
+        parts.train(False)
         out["eval_loss"] = pipeline_eval_step(case["schedule"], chunks, _micro_batches(0), topo,
                                               recv_shape=recv_shape, timeout=TIMEOUT)
     return out
@@ -171,7 +168,7 @@ def _freeing_check(topo):
     """Stage 0 of a pp=2 1F1B step: every output it sent has lost its storage, and the first one
     already when the next micro-batch's forward starts, i.e. before its own backward."""
     model = build_model(SHAPE, SEED)
-    chunks = build_pipeline_chunks(model, topo, "uniform", 1)
+    chunks = build_pipeline_chunks(model, ParallelLayout(pp=2, partition="uniform"), topo.pp_rank)
     chunk = chunks[0]
     blocks = list(chunk.transformer.h.values())
     outputs, seen_at_forward = [], []
@@ -190,7 +187,8 @@ def _mismatch_check(topo):
     """Stage 0 runs two micro-batches and stage 1 three: both must fail fast, naming what they
     waited for, instead of hanging."""
     num_micro = 2 if topo.pp_rank == 0 else 3
-    chunks = build_pipeline_chunks(build_model(SHAPE, SEED), topo, "uniform", 1)
+    chunks = build_pipeline_chunks(build_model(SHAPE, SEED),
+                                   ParallelLayout(pp=2, partition="uniform"), topo.pp_rank)
     try:
         pipeline_train_step("1f1b", chunks, _micro_batches(0, num_micro), topo,
                             recv_shape=(MBS, SEQ, SHAPE.hidden_size), timeout=2.0)
@@ -203,7 +201,7 @@ def _rank_main(rank, world_size, cases, tmp_dir, extra_checks):
     topos, results = {}, {}
     for name, case in cases.items():
         key = (case["tp"], case["pp"])
-        if key not in topos:
+        if key not in topos:  # process groups of these sizes, built once
             topos[key] = Topology.build(tp=case["tp"], pp=case["pp"])
         results[name] = _train_case(case, topos[key], tmp_dir)
     if extra_checks:
@@ -432,26 +430,30 @@ def test_partition_errors(args, message):
 
 
 def test_validation():
-    assert num_micro_batches(64, 2, 4) == 8
+    def layout(pp, schedule, v=1, dp=1):
+        return ParallelLayout(pp=pp, dp=dp, schedule=schedule, num_virtual_stages=v,
+                              partition="uniform")
+    assert layout(1, "1f1b", dp=4).num_micro_batches(64, 2) == 8
     with pytest.raises(UserError, match=r"train.global_batch_size \(60\) must be divisible by "
                                         r"train.micro_batch_size \* dp \(2 \* 4 = 8\)"):
-        num_micro_batches(60, 2, 4)
-    validate_pipeline(8, 4, "interleaved", 2, "uniform", num_micro=8)
+        layout(1, "1f1b", dp=4).num_micro_batches(60, 2)
+    layout(4, "interleaved", 2).check_pipeline(8)
+    assert layout(4, "interleaved", 2).num_micro_batches(8, 1) == 8
     with pytest.raises(UserError, match=r"number of micro-batches \(6 = global_batch / "
                                         r"\(micro_batch \* dp\)\) to be divisible by "
                                         r"parallel.pp \(4\)"):
-        validate_pipeline(8, 4, "interleaved", 2, num_micro=6)
+        layout(4, "interleaved", 2).num_micro_batches(6, 1)
     with pytest.raises(UserError, match="needs parallel.num_virtual_stages >= 2"):
-        validate_pipeline(8, 4, "interleaved", 1)
+        layout(4, "interleaved", 1).check_pipeline(8)
     with pytest.raises(UserError, match=r"num_virtual_stages \(2\) > 1 needs "
                                         r"parallel.pp_schedule=interleaved"):
-        validate_pipeline(8, 4, "1f1b", 2)
-    with pytest.raises(UserError, match="parallel.pp_schedule must be one of"):
-        validate_pipeline(8, 4, "zero-bubble")
+        layout(4, "1f1b", 2).check_pipeline(8)
+    with pytest.raises(UserError, match="parallel.pp_schedule must be gpipe, 1f1b or interleaved"):
+        helpers.config(parallel={"pp_schedule": "zero-bubble"}).check()
+    # Fewer micro-batches than stages works, but is mostly bubble: the config check warns.
+    cfg = helpers.config(parallel={"pp": 4, "pp_partition": "uniform"}, global_batch_size=2)
     with pytest.warns(UserWarning, match="2 micro-batches for 4 pipeline stages"):
-        validate_pipeline(8, 4, "1f1b", num_micro=2)
-    with pytest.warns(UserWarning):  # any m >= 1 works without interleaving, just slowly
-        validate_pipeline(8, 4, "gpipe", num_micro=3)
+        validate(cfg, 4)
 
 
 def test_tp1_pp1_chunk_is_the_model():
@@ -459,17 +461,14 @@ def test_tp1_pp1_chunk_is_the_model():
     names = [n for n, _ in model.named_parameters()]
     b = _micro_batches(0)[0]
     expected = model(b["tokens"], b["labels"], b["loss_mask"]).item()
-    (chunk,) = build_pipeline_chunks(model, Topology.single())
+    (chunk,) = build_pipeline_chunks(model, ParallelLayout(), 0)
     assert [n for n, _ in chunk.named_parameters()] == names
     assert chunk.lm_head.weight is chunk.transformer.word_embeddings.weight
-    assert not any(p.tied_embedding or p.tied_embedding_copy for p in chunk.parameters())
     loss = pipeline_train_step("1f1b", [chunk], [b], Topology.single(),
                                recv_shape=(MBS, SEQ, SHAPE.hidden_size))
     assert loss == expected
     assert logical_name("lm_head.weight") == "transformer.word_embeddings.weight"
     assert logical_name("transformer.h.3.mlp.dense_4h_to_h.weight").endswith("4h_to_h.weight")
-    allreduce_tied_embedding_grads([p for _, p in tied_embedding_params([chunk])],
-                                   Topology.single())
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

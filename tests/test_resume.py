@@ -43,20 +43,21 @@ def _cfg(dataset, tmp, parallel):
 
 def _local_state(trainer) -> dict[str, torch.Tensor]:
     """This rank's flat buffers: compute weights, fp32 masters, Adam moments."""
-    opt = trainer.optimizer
-    return {k: getattr(opt, k).clone() for k in ("compute", "master", "exp_avg", "exp_avg_sq")}
+    bufs = trainer.engine.bufs
+    return {k: getattr(bufs, k).clone() for k in ("compute", "master", "exp_avg", "exp_avg_sq")
+            if getattr(bufs, k) is not None}  # stage 3 keeps no compute copy
 
 
 def _crash_worker(rank, world, dataset, tmp, parallel):
     trainer = Trainer(_cfg(dataset, tmp, parallel), log=lambda *a: None)
-    save = trainer.save
+    save = trainer.checkpoints.save
 
-    def save_then_die():
-        path = save()
-        if trainer.state.step == CRASH_AT:
+    def save_then_die(state):
+        path = save(state)
+        if state.step == CRASH_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         return path
-    trainer.save = save_then_die
+    trainer.checkpoints.save = save_then_die
     trainer.run()
     return "the run did not crash"
 

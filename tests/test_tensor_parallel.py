@@ -10,26 +10,47 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import BloomShape, build_model, lm_loss
+from bloomtrain.model.params import base_spec, param_spec
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    allreduce_sequence_parallel_grads,
     apply_tensor_parallel,
-    gather_full_state,
-    gather_full_tensors,
-    sequence_parallel_grad_params,
-    shard_full_state,
-    shard_tensor,
-    tp_split_dim_of,
-    validate_tensor_parallel,
     vocab_parallel_lm_loss,
 )
 from bloomtrain.topology import Topology
 from bloomtrain.utils import UserError
 from tests.dist import run_ranks
+from tests.helpers import gather_full_tensors, shard_full
+
+
+def sum_sequence_parallel_grads(model, topo, sp: bool) -> None:
+    """Under sequence parallelism the replicated parameters' grads are partial sums over tp
+    (their specs say so); what the engine does before a step, in one coalesced all-reduce."""
+    if sp:
+        comm.all_reduce_coalesced([p.grad for n, p in model.named_parameters()
+                                   if base_spec(n).tp_dim is None and p.grad is not None],
+                                  topo.tp_group, "tp")
+
+
+def gather_full_state(model, topo) -> dict:
+    return gather_full_tensors(model.state_dict(), topo)
+
+
+def splits_match_specs(model, full_model, tp: int) -> bool:
+    """Every sharded parameter is the spec's split of the full one."""
+    full = dict(full_model.named_parameters())
+    for n, p in model.named_parameters():
+        shape = list(full[n].shape)
+        dim = base_spec(n).tp_dim
+        if dim is not None:
+            shape[dim] //= tp
+        if list(p.shape) != shape:
+            return False
+    return True
 
 SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, ffn_hidden_size=256)
 SEED = 1234
@@ -111,7 +132,7 @@ def _comm_counts(model, topo, sequence_parallel):
     model.zero_grad(set_to_none=True)
     tokens, labels, mask = _batch(0)
     model(tokens, labels, mask).backward()
-    allreduce_sequence_parallel_grads(model, topo.tp_group)
+    sum_sequence_parallel_grads(model, topo, sequence_parallel)
     whole = comm.STATS.snapshot()
     comm.STATS.enable(False)
     model.zero_grad(set_to_none=True)
@@ -134,7 +155,7 @@ def _dropout_checks(topo, sequence_parallel):
                 lambda mod, args, out: capture.append(out.detach().clone()))
         loss = model(tokens, labels, mask)
         loss.backward()
-        allreduce_sequence_parallel_grads(model, group)
+        sum_sequence_parallel_grads(model, topo, sequence_parallel)
         grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, topo)
         return loss.item(), grads, model
 
@@ -189,11 +210,9 @@ def _tp_rank_checks(rank, world_size):
         model = apply_tensor_parallel(build_model(SHAPE, SEED), topo, sequence_parallel=sp,
                                       seed=SEED)
         r = {}
-        r["attrs_ok"] = all(
-            p.tp_split_dim == tp_split_dim_of(n) and p.tp_replicated == (p.tp_split_dim is None)
-            and p.grad_needs_tp_allreduce == (sp and p.tp_split_dim is None)
-            for n, p in model.named_parameters())
-        r["sp_params"] = [n for n, _ in sequence_parallel_grad_params(model)]
+        r["attrs_ok"] = splits_match_specs(model, build_model(SHAPE, SEED), topo.tp_size)
+        r["sp_params"] = [n for n, _ in model.named_parameters()
+                          if param_spec(n, tp=topo.tp_size, sequence_parallel=sp).tp_partial_grad]
         r["module_types"] = (
             type(model.transformer.word_embeddings) is VocabParallelEmbedding
             and type(model.transformer.h[0].self_attention.query_key_value) is ColumnParallelLinear
@@ -201,18 +220,18 @@ def _tp_rank_checks(rank, world_size):
             and model.lm_head.weight is model.transformer.word_embeddings.weight)
         state = gather_full_state(model, topo)
         local = model.state_dict()
-        r["reshard_exact"] = all(torch.equal(t, local[n])
-                                 for n, t in shard_full_state(state, topo).items())
+        r["reshard_exact"] = all(torch.equal(shard_full(n, t, topo.tp_rank, topo.tp_size),
+                                             local[n]) for n, t in state.items())
         r["logits_shape"] = tuple(model(tokens).shape)
         loss = model(tokens, labels, mask)
         loss.backward()
-        allreduce_sequence_parallel_grads(model, topo.tp_group)
+        sum_sequence_parallel_grads(model, topo, sp)
         grads = gather_full_tensors({n: p.grad for n, p in model.named_parameters()}, topo)
         r["loss"] = loss.item()
         r["block_comm"], r["model_comm"] = _comm_counts(model, topo, sp)
         r["train_losses"] = _train_losses(
             apply_tensor_parallel(build_model(SHAPE, SEED), topo, sequence_parallel=sp, seed=SEED),
-            step_fn=lambda m: allreduce_sequence_parallel_grads(m, topo.tp_group))
+            step_fn=lambda m: sum_sequence_parallel_grads(m, topo, sp))
         r["dropout"] = _dropout_checks(topo, sp)
         if rank == 0:  # identical on every rank after the gathers; ship one copy
             r["state"], r["grads"] = state, grads
@@ -257,7 +276,7 @@ def test_parity_with_single_process(tp_run, reference, sp):
         assert r[sp]["train_losses"] == pytest.approx(reference["train_losses"],
                                                       abs=TRAIN_LOSS_ATOL)
     # The LayerNorms and row-parallel biases see only their sequence shard under SP.
-    replicated = [n for n in reference["grads"] if tp_split_dim_of(n) is None]
+    replicated = [n for n in reference["grads"] if base_spec(n).tp_dim is None]
     assert r0["sp_params"] == (replicated if sp else [])
     assert len(replicated) == 6 * SHAPE.num_layers + 4
 
@@ -338,12 +357,14 @@ def test_sequence_length_not_divisible(tp_run):
 # ---- single process ----------------------------------------------------------------------------
 
 def test_validation_messages():
-    validate_tensor_parallel(SHAPE, 4, sequence_parallel=True, seq_length=SEQ)
+    def check(shape, tp, seq):
+        ParallelLayout(tp=tp, sequence_parallel=True).check_tensor_parallel(shape, seq, 384)
+    check(SHAPE, 4, SEQ)
     cases = [
-        (SHAPE, 3, None, "model.num_heads (4) must be divisible by parallel.tp (3)"),
-        (SHAPE.replace(ffn_hidden_size=250), 4, None,
+        (SHAPE, 3, SEQ, "model.num_heads (4) must be divisible by parallel.tp (3)"),
+        (SHAPE.replace(ffn_hidden_size=250), 4, SEQ,
          "model.ffn_hidden_size (250) must be divisible by parallel.tp (4)"),
-        (SHAPE.replace(vocab_size=250), 4, None,
+        (SHAPE.replace(vocab_size=250), 4, SEQ,
          "the padded vocabulary (250) must be divisible by parallel.tp (4); set "
          "model.make_vocab_size_divisible_by to a multiple of 4"),
         (SHAPE, 4, 30, "data.seq_length (30) must be divisible by parallel.tp (4) with "
@@ -351,7 +372,7 @@ def test_validation_messages():
     ]
     for shape, tp, seq, message in cases:
         with pytest.raises(UserError) as e:
-            validate_tensor_parallel(shape, tp, sequence_parallel=True, seq_length=seq)
+            check(shape, tp, seq)
         assert str(e.value) == message
 
 
@@ -363,24 +384,25 @@ def test_tp1_is_a_no_op():
     apply_tensor_parallel(model, Topology.single(), sequence_parallel=True)
     assert [type(m) for m in model.modules()] == types
     assert torch.equal(model(tokens, labels, mask), expected)
-    assert all(p.tp_split_dim == tp_split_dim_of(n) and not p.grad_needs_tp_allreduce
-               for n, p in model.named_parameters())
-    assert gather_full_state(model, Topology.single()).keys() == model.state_dict().keys()
+    assert not any(param_spec(n, tp=1, sequence_parallel=True).tp_partial_grad
+                   for n, _ in model.named_parameters())
 
 
 def test_split_dims_and_sharding_without_a_process_group():
-    assert tp_split_dim_of("transformer.word_embeddings.weight") == 0
-    assert tp_split_dim_of("lm_head.weight") == 0
-    assert tp_split_dim_of("transformer.h.3.self_attention.query_key_value.bias") == 0
-    assert tp_split_dim_of("transformer.h.3.mlp.dense_4h_to_h.weight") == 1
-    assert tp_split_dim_of("transformer.h.3.mlp.dense_4h_to_h.bias") is None
-    assert tp_split_dim_of("transformer.word_embeddings_layernorm.weight") is None
+    def dim(name):
+        return base_spec(name).tp_dim
+    assert dim("transformer.word_embeddings.weight") == 0
+    assert dim("lm_head.weight") == 0
+    assert dim("transformer.h.3.self_attention.query_key_value.bias") == 0
+    assert dim("transformer.h.3.mlp.dense_4h_to_h.weight") == 1
+    assert dim("transformer.h.3.mlp.dense_4h_to_h.bias") is None
+    assert dim("transformer.word_embeddings_layernorm.weight") is None
     # The fused QKV is per-head interleaved, so rank r's row block holds heads of rank r whole:
     # rows [r * 3h/tp, (r+1) * 3h/tp) are heads [r * nh/tp, (r+1) * nh/tp) with their q, k, v.
     h, nh, hd = SHAPE.hidden_size, SHAPE.num_heads, SHAPE.head_dim
     qkv = torch.arange(3 * h * h, dtype=torch.float32).view(3 * h, h)
     heads = qkv.view(nh, 3, hd, h)
-    shard = shard_tensor("transformer.h.0.self_attention.query_key_value.weight", qkv, 1, 2)
+    shard = shard_full("transformer.h.0.self_attention.query_key_value.weight", qkv, 1, 2)
     assert torch.equal(shard.view(nh // 2, 3, hd, h), heads[nh // 2:])
 
 

@@ -59,7 +59,7 @@ def test_fp16_overflow_skipped_and_logged(dataset, tmp_path):
                    optim__initial_loss_scale=2.0 ** 40)
     lines = []
     trainer = Trainer(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
-    before = {k: v.clone() for k, v in trainer.optimizer.master_state().items()}
+    before = {k: v.clone() for k, v in trainer.engine.master_state().items()}
     trainer.run()
     warnings = [l for l in lines if "step skipped" in l]
     assert warnings and "WARNING step 1" in warnings[0]
@@ -68,7 +68,7 @@ def test_fp16_overflow_skipped_and_logged(dataset, tmp_path):
     assert recs[1]["loss_scale"] == 2.0 ** 39
     assert trainer.state.skipped_steps == 3
     # Nothing was applied.
-    for k, v in trainer.optimizer.master_state().items():
+    for k, v in trainer.engine.master_state().items():
         assert torch.equal(v, before[k])
 
 
@@ -76,7 +76,7 @@ def test_nonfinite_gradient_skips_step(dataset, tmp_path):
     cfg = make_cfg(dataset, tmp_path, train__precision="bf16", train__train_iters=4)
     lines = []
     trainer = Trainer(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
-    emb = trainer.model.transformer.word_embeddings.weight
+    emb = trainer.parts.chunks[0].transformer.word_embeddings.weight
     calls = {"n": 0}
 
     def poison(grad):
@@ -89,7 +89,7 @@ def test_nonfinite_gradient_skips_step(dataset, tmp_path):
     recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in recs] == [0, 1, 1, 1]
     assert recs[1].get("skipped") is True
-    assert trainer.state.skipped_steps == 1 and trainer.optimizer.step_count == 3
+    assert trainer.state.skipped_steps == 1 and trainer.engine.step_count == 3
 
 
 def test_gradient_accumulation_parity(dataset, tmp_path):
@@ -99,15 +99,15 @@ def test_gradient_accumulation_parity(dataset, tmp_path):
     b = Trainer(make_cfg(dataset, tmp_path / "b", train__micro_batch_size=8), log=lambda *a: None)
     ra, rb = a.run(), b.run()
     np.testing.assert_allclose(ra.losses, rb.losses, rtol=1e-5)
-    for k, v in a.optimizer.master_state().items():
-        torch.testing.assert_close(v, b.optimizer.master_state()[k], rtol=1e-4, atol=1e-6)
+    for k, v in a.engine.master_state().items():
+        torch.testing.assert_close(v, b.engine.master_state()[k], rtol=1e-4, atol=1e-6)
 
 
 def _dp_worker(rank, world, dataset, tmp):
     cfg = make_cfg(dataset, __import__("pathlib").Path(tmp), train__micro_batch_size=2)
     trainer = Trainer(cfg, log=lambda *a: None)
     res = trainer.run()
-    return res.losses, {k: v.clone() for k, v in trainer.optimizer.master_state().items()}
+    return res.losses, {k: v.clone() for k, v in trainer.engine.master_state().items()}
 
 
 def test_data_parallel_matches_single_process(dataset, tmp_path):
@@ -120,7 +120,7 @@ def test_data_parallel_matches_single_process(dataset, tmp_path):
     for losses, master in outs:
         np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
         for k, v in master.items():
-            torch.testing.assert_close(v, single.optimizer.master_state()[k], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(v, single.engine.master_state()[k], rtol=1e-4, atol=1e-6)
 
 
 def test_slurm_environment_mapping():

@@ -12,6 +12,7 @@ import torch
 
 from bloomtrain.train import Trainer
 from tests.dist import run_ranks
+from tests.helpers import gather_full_tensors
 from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
 
 # fp32, dropout 0: tensor-parallel runs differ from one process only in the summation order of
@@ -27,8 +28,7 @@ def _tp_worker(rank, world, dataset, tmp, tp, sp, save):
                    train__train_iters=10, **extra)
     trainer = Trainer(cfg, log=lambda *a: None)
     res = trainer.run()
-    from bloomtrain.parallel.tensor import gather_full_tensors
-    full = gather_full_tensors(trainer.optimizer.master_state(), trainer.topo)
+    full = gather_full_tensors(trainer.engine.master_state(), trainer.topo)
     return res.losses, {k: v.clone() for k, v in full.items()}, res.checkpoint
 
 
@@ -37,7 +37,7 @@ def single_run(dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     trainer = Trainer(make_cfg(dataset, tmp, train__train_iters=10), log=lambda *a: None)
     res = trainer.run()
-    return res.losses, {k: v.clone() for k, v in trainer.optimizer.master_state().items()}
+    return res.losses, {k: v.clone() for k, v in trainer.engine.master_state().items()}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])

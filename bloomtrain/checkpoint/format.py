@@ -13,13 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bloomtrain.model.params import EMBEDDING, LM_HEAD
 from bloomtrain.utils import UserError
 
 FORMAT = "bloomtrain-checkpoint"
 FORMAT_VERSION = 2
 MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
-TIED_ALIAS = {"lm_head.weight": "transformer.word_embeddings.weight"}
+TIED_ALIAS = {LM_HEAD: EMBEDDING}  # the tied LM head is stored once, as the embedding
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DISPLACED_DIR = re.compile(r"^\.step_(\d+)\.old$")
 

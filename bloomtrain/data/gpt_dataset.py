@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bloomtrain.config import parse_split  # noqa: F401  (the one parser of data.split)
 from bloomtrain.utils import UserError, atomic_output, fsync_dir
 
 log = logging.getLogger(__name__)
@@ -40,30 +40,6 @@ SEPARATE_LAST_EPOCH_FRACTION = 0.80
 
 
 # ---- splits --------------------------------------------------------------------------------
-
-def parse_split(s: str) -> list[float]:
-    """`"969,30,1"`, `"98/2"` or `"1"` -> three normalized fractions (train, valid, test)."""
-    text = str(s).strip()
-    sep = "," if "," in text else "/"
-    parts = [p.strip() for p in text.split(sep)]
-    if not text or any(p == "" for p in parts):
-        raise ValueError(f"split {s!r} must be up to three comma-separated numbers, "
-                         f"e.g. '969,30,1'")
-    if len(parts) > 3:
-        raise ValueError(f"split {s!r} has {len(parts)} parts; give at most three "
-                         f"(train, valid, test)")
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"split {s!r} must be numbers, e.g. '969,30,1'") from None
-    if any(not math.isfinite(v) or v < 0 for v in values):
-        raise ValueError(f"split {s!r} must be finite and non-negative")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    if total <= 0:
-        raise ValueError(f"split {s!r} sums to zero; at least one part must be positive")
-    return [v / total for v in values]
-
 
 def split_documents(split_str: str, num_docs: int) -> list[int]:
     """Boundaries `[0, a, b, num_docs]` of the train/valid/test document ranges, rounded exactly

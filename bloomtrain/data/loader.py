@@ -1,7 +1,7 @@
 """Training data in Megatron-DeepSpeed's order: train/valid/test datasets built as its
 `build_train_valid_test_datasets` (gpt_dataset.py), global batches taken as its
-`MegatronPretrainingSampler` (data_samplers.py) does, and the batch-size ramp-up of its
-`RampupBatchsizeNumMicroBatches` (microbatches.py).
+`MegatronPretrainingSampler` (data_samplers.py) does, following the batch-size schedule of
+bloomtrain.layout (Megatron's ramp-up).
 
 The order of samples depends only on `consumed_samples`: global batch k is the dataset samples
 `[consumed, consumed + global_batch_size)`; micro-step m takes the next `micro_batch_size * dp`
@@ -83,52 +83,6 @@ def _check_tokenizer(indexed, tokenizer) -> None:
                         f"another tokenizer, so preprocess it again with data.tokenizer")
 
 
-class BatchSizeSchedule:
-    """Global batch size and micro-batch count as a function of consumed samples.
-
-    With `rampup = [start, increment, ramp_samples]` (Megatron's --rampup-batch-size) the batch
-    grows from `start` by `increment` every `ramp_samples / num_increments` samples and is
-    `global_batch_size` once more than `ramp_samples` samples are consumed."""
-
-    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int,
-                 rampup: list[int] | tuple[int, int, int] | None = None):
-        self.global_batch_size = int(global_batch_size)
-        self.micro_batch_size = int(micro_batch_size)
-        self.dp_size = int(dp_size)
-        self.per_step = self.micro_batch_size * self.dp_size
-        if self.global_batch_size <= 0 or self.per_step <= 0:
-            raise ValueError("global_batch_size, micro_batch_size and dp_size must be positive")
-        self.rampup = None if rampup is None else tuple(int(v) for v in rampup)
-        if self.rampup is not None:
-            start, increment, ramp_samples = self.rampup
-            diff = self.global_batch_size - start
-            if start <= 0 or increment <= 0 or ramp_samples < 0 or diff < 0 or diff % increment:
-                raise ValueError(f"rampup {list(self.rampup)} does not fit global batch size "
-                                 f"{self.global_batch_size}: need 0 < start <= global batch size "
-                                 f"and (global - start) divisible by increment")
-            num_increments = diff // increment
-            # Nothing to ramp (start == global, or no ramp samples): Megatron would divide by zero.
-            self._samples_per_increment = (ramp_samples / num_increments
-                                           if num_increments and ramp_samples else None)
-
-    def global_batch_size_at(self, consumed_samples: int) -> int:
-        if self.rampup is None or self._samples_per_increment is None:
-            return self.global_batch_size
-        start, increment, ramp_samples = self.rampup
-        if consumed_samples > ramp_samples:
-            return self.global_batch_size
-        steps = int(consumed_samples / self._samples_per_increment)
-        return min(start + steps * increment, self.global_batch_size)
-
-    def num_micro_batches_at(self, consumed_samples: int) -> int:
-        gbs = self.global_batch_size_at(consumed_samples)
-        if gbs % self.per_step:
-            raise UserError(f"global batch size {gbs} (at {consumed_samples} consumed samples) is "
-                            f"not divisible by micro_batch_size * dp ({self.micro_batch_size} * "
-                            f"{self.dp_size})")
-        return gbs // self.per_step
-
-
 def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int,
                       micro_batch_size: int, dp_rank: int, dp_size: int, eod_id: int | None = None,
                       eod_mask_loss: bool = False) -> list[dict]:
@@ -172,7 +126,7 @@ class DataIterator:
     one trains; it is keyed by the consumed_samples it was started for, so a load_state_dict in
     between simply discards it."""
 
-    def __init__(self, dataset, schedule: BatchSizeSchedule, dp_rank: int,
+    def __init__(self, dataset, schedule, dp_rank: int,
                  consumed_samples: int = 0, eod_id: int | None = None,
                  eod_mask_loss: bool = False, prefetch: bool = False):
         self.dataset = dataset
@@ -188,7 +142,7 @@ class DataIterator:
     def _read(self, consumed: int) -> list[dict]:
         s = self.schedule
         return get_micro_batches(self.dataset, consumed, s.global_batch_size_at(consumed),
-                                 s.micro_batch_size, self.dp_rank, s.dp_size, self.eod_id,
+                                 s.micro_batch_size, self.dp_rank, s.layout.dp, self.eod_id,
                                  self.eod_mask_loss)
 
     def next_global_batch(self) -> list[dict]:

@@ -6,7 +6,6 @@ from bloomtrain.model.bloom import (  # noqa: F401
     alibi_causal_bias,
     alibi_slopes,
     build_model,
-    init_full_parameter,
     init_weights,
     lm_loss,
 )

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bloomtrain.model.params import base_spec, init_full, init_std
 from bloomtrain.model.presets import BloomShape
 
 
@@ -204,45 +204,20 @@ def lm_loss(logits, labels, loss_mask=None):
 
 # ---- initialization ----------------------------------------------------------------------------
 
-def _param_generator(seed: int, name: str) -> torch.Generator:
-    # One generator per parameter, keyed by its HF name: the same seed gives the same full weights
-    # however the model is later split (tensor, pipeline or ZeRO shards), because each piece is cut
-    # from the same full tensor.
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
-    return g
-
-
-def init_full_parameter(name: str, shape_: tuple, model_shape: BloomShape, seed: int,
-                        dtype=torch.float32) -> torch.Tensor:
-    """The initial value of the full (unsharded) parameter `name`, Megatron style: normal(0, std)
-    for weights, std / sqrt(2 * num_layers) for the two output projections of each block, zero
-    biases, unit LayerNorm weights."""
-    if name == "lm_head.weight":  # tied: identical to the embedding on any pipeline stage
-        name = "transformer.word_embeddings.weight"
-    leaf = name.rsplit(".", 1)[-1]
-    is_norm = "layernorm" in name or ".ln_f." in name or name.startswith("transformer.ln_f")
-    if is_norm:
-        return (torch.ones if leaf == "weight" else torch.zeros)(shape_, dtype=dtype)
-    if leaf == "bias":
-        return torch.zeros(shape_, dtype=dtype)
-    std = model_shape.init_method_std
-    if name.endswith("self_attention.dense.weight") or name.endswith("mlp.dense_4h_to_h.weight"):
-        std = std / math.sqrt(2.0 * model_shape.num_layers)
-    out = torch.empty(shape_, dtype=torch.float32)
-    out.normal_(0.0, std, generator=_param_generator(seed, name))
-    return out.to(dtype)
-
-
 @torch.no_grad()
 def init_weights(model: BloomForCausalLM, seed: int) -> BloomForCausalLM:
+    """Every parameter's initial value, by its spec (bloomtrain.model.params): the same values a
+    parallel layout materializes piece by piece."""
     for name, p in model.named_parameters():
-        p.copy_(init_full_parameter(name, tuple(p.shape), model.shape, seed))
+        spec = base_spec(name)
+        std = init_std(spec, model.shape.num_layers, model.shape.init_method_std)
+        p.copy_(init_full(spec, tuple(p.shape), std, seed))
     return model
 
 
 def build_model(shape: BloomShape, seed: int = 1234, device=None,
                 dtype=torch.float32) -> BloomForCausalLM:
+    """The whole model, initialized, on one device: the single-process reference."""
     model = BloomForCausalLM(shape)
     init_weights(model, seed)
     model.to(device=device)

@@ -20,9 +20,12 @@ through unchanged.
 never changes what is computed or communicated, so making it global cannot make two runs differ,
 and it spares threading a counter through every autograd function and layer (whose backward
 passes run where no argument can reach them). When disabled, the cost of a call is one bool test.
+A run turns it on only inside `stats_scope`, which restores the previous setting when the run
+ends, so one run's setting never leaks into the next in the same process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -58,6 +61,26 @@ class CommStats:
 
 
 STATS = CommStats()
+
+
+@contextlib.contextmanager
+def stats_scope(enabled: bool):
+    """Count communication inside the block when `enabled` (or BLOOMTRAIN_COMM_STATS is set),
+    from zero; restore the previous setting and counts afterwards."""
+    saved = (STATS.enabled, STATS.snapshot())
+    STATS.enabled = enabled or saved[0]
+    STATS.reset()
+    try:
+        yield STATS
+    finally:
+        STATS.enabled, STATS._counts = saved
+
+
+def world_group():
+    """The group of every rank, or None (a group of one) without a multi-process job."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.group.WORLD
 
 
 def group_size(group) -> int:

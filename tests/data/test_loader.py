@@ -14,8 +14,9 @@ from bloomtrain.config import DataConfig
 from bloomtrain.data.blend import BlendableDataset, normalize_weights_and_num_samples
 from bloomtrain.data.gpt_dataset import GPTDataset, split_documents
 from bloomtrain.data.indexed import MMapIndexedDataset
-from bloomtrain.data.loader import (BatchSizeSchedule, DataIterator,
-                                    build_train_valid_test_datasets, get_micro_batches)
+from bloomtrain.config import TrainConfig
+from bloomtrain.data.loader import DataIterator, build_train_valid_test_datasets, get_micro_batches
+from bloomtrain.layout import BatchSchedule, ParallelLayout
 from bloomtrain.utils import UserError
 
 from tests.data import FIXTURES
@@ -138,6 +139,13 @@ def _megatron_rampup(start, inc, ramp, gbs, consumed):
     return start + int(consumed / per_increment) * inc
 
 
+def BatchSizeSchedule(gbs, mbs, dp, rampup=None):
+    """The trainer's batch schedule for these sizes, checked as the trainer checks it."""
+    t = TrainConfig(global_batch_size=gbs, micro_batch_size=mbs, rampup_batch_size=rampup,
+                    train_iters=None if rampup else 1, train_samples=10 ** 9 if rampup else None)
+    return BatchSchedule.from_config(t, ParallelLayout(dp=dp))
+
+
 @pytest.mark.parametrize("rampup,gbs", [([16, 16, 1000], 64), ([32, 32, 6_000_000], 2048),
                                         ([8, 8, 100], 16)])
 def test_rampup_matches_megatron(rampup, gbs):
@@ -161,7 +169,7 @@ def test_rampup_values_bloom_like():
     assert s.num_micro_batches_at(0) == 12
     assert BatchSizeSchedule(64, 2, 2).global_batch_size_at(12345) == 64
     assert BatchSizeSchedule(64, 2, 2, [64, 8, 100]).global_batch_size_at(0) == 64
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError, match="divisible by the increment"):
         BatchSizeSchedule(64, 2, 2, [16, 10, 100])
 
 

@@ -24,57 +24,40 @@ on pipeline rank r is virtual stage c·pp + r, as in Megatron, so activations go
 ranks v times. The embedding is on virtual stage 0 (rank 0, chunk 0) and the LM head on the last
 (rank pp-1, chunk v-1) whatever v is.
 
-Parameter attributes set here, the contract with the optimizer and checkpoints (on every chunk
-parameter, next to the tensor-parallel ones of bloomtrain.parallel.tensor):
-- `p.tied_embedding`: the parameter is one of the two copies of the tied word embedding that exist
-  when pp > 1 (the embedding on the first stage, the LM head weight on the last). Their grads are
-  summed over `topo.embedding_group` every step (`allreduce_tied_embedding_grads`), so the copies
-  get the same updates and never drift. False everywhere with pp = 1, where the LM head is the
-  embedding Parameter itself.
-- `p.tied_embedding_copy`: the last stage's copy. The global grad norm skips it (its grad is the
-  first stage's after the all-reduce) and checkpoints store it under its logical name
-  (`logical_name`), i.e. once.
+With pp > 1 the tied word embedding exists twice, the embedding on the first stage and the LM
+head's copy on the last; their specs (bloomtrain.model.params) mark them `tied`, and the optimizer
+sums their gradients over the embedding group so that both take the same steps.
 """
-from bloomtrain.parallel.pipeline.partition import (num_micro_batches, partition_layers,
-                                                    validate_pipeline)
+from bloomtrain.parallel.pipeline.partition import check_micro_batches, partition_layers
 from bloomtrain.parallel.pipeline.runtime import (COMM_NAME, PipelineCommError,
                                                   pipeline_eval_step, pipeline_train_step)
 from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, Op, gpipe_schedule, grid_bubble,
                                                     interleaved_schedule, one_f_one_b_schedule,
                                                     op_p2p, schedule_grid, theoretical_bubble)
-from bloomtrain.parallel.pipeline.stage import (TIED_EMBEDDING_NAME, TIED_HEAD_NAME, PipelineChunk,
-                                                StageTransformer, allreduce_tied_embedding_grads,
-                                                build_pipeline_chunks, logical_name,
-                                                pipeline_named_parameters, tied_embedding_params)
+from bloomtrain.parallel.pipeline.stage import (PipelineChunk, StageTransformer,
+                                                build_pipeline_chunks)
 from bloomtrain.parallel.pipeline.timeline import TIMELINE_DIR, Timeline, summarize
 
 __all__ = [
+    "check_micro_batches",
     "COMM_NAME",
     "SCHEDULES",
-    "TIED_EMBEDDING_NAME",
-    "TIED_HEAD_NAME",
     "TIMELINE_DIR",
     "Op",
     "PipelineChunk",
     "PipelineCommError",
     "StageTransformer",
     "Timeline",
-    "allreduce_tied_embedding_grads",
     "build_pipeline_chunks",
     "gpipe_schedule",
     "grid_bubble",
     "interleaved_schedule",
-    "logical_name",
-    "num_micro_batches",
     "one_f_one_b_schedule",
     "op_p2p",
     "partition_layers",
     "pipeline_eval_step",
-    "pipeline_named_parameters",
     "pipeline_train_step",
     "schedule_grid",
     "summarize",
     "theoretical_bubble",
-    "tied_embedding_params",
-    "validate_pipeline",
 ]

@@ -1,16 +1,14 @@
 """Pipeline stage partitioning (Narayanan et al., arXiv 2104.04473): which transformer blocks each
 (virtual) stage holds, with BLOOM's method from Megatron-DeepSpeed
 (`--pp-partition-method 'type:transformer|embedding'`), and the checks of a pipeline
-configuration. Pure functions of the layer count, so config validation can run them before any
-process starts.
+configuration. Pure functions of the layer count, so validation (bloomtrain.layout) can run them
+before any process starts.
 """
 from __future__ import annotations
 
 import re
-import warnings
 
-from bloomtrain.parallel.pipeline.schedules import SCHEDULES
-from bloomtrain.utils import UserError
+from bloomtrain.config import UserError
 
 
 # Layer class names as DeepSpeed's PipelineModule sees BLOOM in Megatron-DeepSpeed, so that a
@@ -127,48 +125,13 @@ def partition_layers(num_layers: int, num_stages: int, method="uniform",
     return ranges
 
 
-def num_micro_batches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
-    per_step = micro_batch_size * dp_size
-    if global_batch_size % per_step:
-        raise UserError(f"train.global_batch_size ({global_batch_size}) must be divisible by "
-                        f"train.micro_batch_size * dp ({micro_batch_size} * {dp_size} = "
-                        f"{per_step})")
-    return global_batch_size // per_step
-
-
-def validate_pipeline(num_layers: int, pp_size: int, schedule: str, num_virtual_stages: int = 1,
-                      partition_method="uniform", num_micro: int | None = None) -> None:
-    """Check a pipeline configuration before any process starts; raise a UserError that says
-    what to change. Warns when there are fewer micro-batches than stages (most of each step is
-    then bubble)."""
-    if pp_size < 1:
-        raise UserError(f"parallel.pp must be >= 1, got {pp_size}")
-    if schedule not in SCHEDULES:
-        raise UserError(f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}, "
-                        f"got {schedule!r}")
-    if num_virtual_stages < 1:
-        raise UserError(f"parallel.num_virtual_stages must be >= 1, got {num_virtual_stages}")
-    if schedule == "interleaved":
-        if num_virtual_stages < 2:
-            raise UserError("parallel.pp_schedule=interleaved needs parallel.num_virtual_stages "
-                            ">= 2; use 1f1b for one model chunk per rank")
-        if pp_size < 2:
-            raise UserError("parallel.pp_schedule=interleaved needs parallel.pp >= 2")
-    elif num_virtual_stages != 1:
-        raise UserError(f"parallel.num_virtual_stages ({num_virtual_stages}) > 1 needs "
-                        f"parallel.pp_schedule=interleaved")
-    partition_layers(num_layers, pp_size * num_virtual_stages, partition_method,
-                     interleaved=num_virtual_stages > 1)
-    if num_micro is not None:
-        if num_micro < 1:
-            raise UserError(f"the number of micro-batches must be >= 1, got {num_micro}")
-        if schedule == "interleaved" and num_micro % pp_size:
-            raise UserError(f"the interleaved schedule needs the number of micro-batches "
-                            f"({num_micro} = global_batch / (micro_batch * dp)) to be divisible "
-                            f"by parallel.pp ({pp_size}); change train.global_batch_size or "
-                            f"train.micro_batch_size")
-        if num_micro < pp_size:
-            warnings.warn(f"{num_micro} micro-batches for {pp_size} pipeline stages: most of each "
-                          f"step is pipeline bubble ((p-1)/m = {(pp_size - 1) / num_micro:.2f}); "
-                          f"raise train.global_batch_size or lower train.micro_batch_size",
-                          stacklevel=2)
+def check_micro_batches(num_micro: int, pp_size: int, schedule: str) -> None:
+    """The micro-batch count a schedule can run: at least one, and for the interleaved schedule
+    a multiple of pp, so that every group of pp micro-batches goes round the ring whole."""
+    if num_micro < 1:
+        raise UserError(f"the number of micro-batches must be >= 1, got {num_micro}")
+    if schedule == "interleaved" and num_micro % pp_size:
+        raise UserError(f"the interleaved schedule needs the number of micro-batches "
+                        f"({num_micro} = global_batch / (micro_batch * dp)) to be divisible by "
+                        f"parallel.pp ({pp_size}); change train.global_batch_size or "
+                        f"train.micro_batch_size")

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.autograd.variable import Variable
 
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.pipeline.partition import check_micro_batches
 from bloomtrain.parallel.pipeline.schedules import SCHEDULES, Op, op_p2p
 from bloomtrain.parallel.pipeline.timeline import Timeline
-from bloomtrain.utils import UserError
 
 COMM_NAME = "pp"
 
@@ -74,7 +74,7 @@ class _P2P:
         self.posted: dict[tuple[str, int, int], tuple[object, torch.Tensor, str]] = {}
 
     def global_rank(self, pp_rank: int) -> int:
-        return int(self.topo.grid[pp_rank, self.topo.dp_rank, self.topo.tp_rank])
+        return self.topo.stage_rank(pp_rank)
 
     def where(self, chunk: int | None = None) -> str:
         t = self.topo
@@ -149,22 +149,10 @@ class _P2P:
 
 def _check_step_args(schedule: str, chunks, micro_batches, topo) -> tuple[int, int]:
     num_chunks, num_micro = len(chunks), len(micro_batches)
-    if schedule not in SCHEDULES:
-        raise UserError(f"parallel.pp_schedule must be one of {sorted(SCHEDULES)}, "
-                        f"got {schedule!r}")
-    if num_micro < 1:
-        raise UserError("a pipeline step needs at least one micro-batch")
-    if schedule == "interleaved":
-        if num_chunks < 2:
-            raise UserError("parallel.pp_schedule=interleaved needs parallel.num_virtual_stages "
-                            ">= 2 model chunks per rank")
-        if num_micro % topo.pp_size:
-            raise UserError(f"the interleaved schedule needs the number of micro-batches "
-                            f"({num_micro}) to be divisible by parallel.pp ({topo.pp_size}); "
-                            f"change train.global_batch_size or train.micro_batch_size")
-    elif num_chunks != 1:
-        raise UserError(f"{num_chunks} model chunks per rank need parallel.pp_schedule="
-                        f"interleaved")
+    check_micro_batches(num_micro, topo.pp_size, schedule)
+    if (schedule == "interleaved") != (num_chunks > 1):
+        raise ValueError(f"{num_chunks} model chunks per rank with schedule {schedule!r}: the "
+                         f"interleaved schedule runs several chunks, the others exactly one")
     return num_chunks, num_micro
 
 

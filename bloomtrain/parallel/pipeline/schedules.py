@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from bloomtrain.utils import UserError
+from bloomtrain.parallel.pipeline.partition import check_micro_batches
 
 
 class Op(NamedTuple):
@@ -46,9 +46,7 @@ def interleaved_schedule(pp_size: int, pp_rank: int, num_micro: int,
     backwards through the chunks in reverse). A forward or backward costs 1/v of a
     non-interleaved one, so the fill and drain shrink v-fold: bubble (p-1)/(v·m), for v times
     the point-to-point traffic. Needs m % pp == 0 so that every group is full."""
-    if num_micro % pp_size:
-        raise UserError(f"the interleaved schedule needs the number of micro-batches "
-                        f"({num_micro}) to be divisible by parallel.pp ({pp_size})")
+    check_micro_batches(num_micro, pp_size, "interleaved")
     group = pp_size * num_chunks
     total = num_micro * num_chunks
 

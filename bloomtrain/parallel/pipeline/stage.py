@@ -1,19 +1,13 @@
-"""Pipeline stages (Narayanan et al., arXiv 2104.04473): `build_pipeline_chunks` keeps this rank's
+"""Pipeline stages (Narayanan et al., arXiv 2104.04473): `build_pipeline_chunks` keeps a rank's
 share of a full (possibly tensor-parallel) model, with the tied embedding copied onto the last
-stage, and the helpers that name and reduce that tied copy.
+stage. With pp = 1 the one chunk is the whole model, so a training step runs through the same
+schedule runtime whatever the layout.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from bloomtrain.model.bloom import BloomForCausalLM, BloomModel
-from bloomtrain.parallel import comm
-from bloomtrain.parallel.pipeline.partition import partition_layers
-from bloomtrain.utils import UserError
-
-TIED_EMBEDDING_NAME = "transformer.word_embeddings.weight"
-TIED_HEAD_NAME = "lm_head.weight"
 
 
 class StageTransformer(nn.Module):
@@ -76,74 +70,23 @@ class PipelineChunk(nn.Module):
         self.transformer.activation_checkpointing = enabled
 
 
-def build_pipeline_chunks(model: BloomForCausalLM, topo, partition_method="uniform",
-                          num_virtual_stages: int = 1) -> list[PipelineChunk]:
-    """This rank's model chunks (one per virtual stage it runs, in chunk order) cut from `model`,
-    the full model (tensor-parallel already if tp > 1) built identically on every rank.
+def build_pipeline_chunks(model: BloomForCausalLM, layout, pp_rank: int) -> list[PipelineChunk]:
+    """Pipeline rank `pp_rank`'s model chunks (one per virtual stage it runs, in chunk order) cut
+    from `model`, the full model (tensor-parallel already if tp > 1; on the meta device, or built
+    identically on every rank), by `layout`'s partition and virtual stages.
 
     The chunks take the model's modules; drop every other reference to `model` afterwards so that
     the modules of other stages are freed. With pp > 1 the last stage's LM head gets its own
-    Parameter, a copy of the (vocab-shard of the) embedding it was tied to, and `model.lm_head` is
-    changed accordingly. See the module docstring for the parameter attributes."""
-    pp, v = topo.pp_size, num_virtual_stages
-    if v < 1 or (v > 1 and pp < 2):
-        raise UserError(f"parallel.num_virtual_stages ({v}) must be 1, or >= 2 with "
-                        f"parallel.pp >= 2")
-    num_stages = pp * v
-    ranges = partition_layers(model.shape.num_layers, num_stages, partition_method,
-                              interleaved=v > 1)
-    chunks = [PipelineChunk(model, ranges[c * pp + topo.pp_rank], c * pp + topo.pp_rank,
-                            num_stages, c) for c in range(v)]
-    for chunk in chunks:
-        for p in chunk.parameters():
-            p.tied_embedding = False
-            p.tied_embedding_copy = False
-    if pp > 1:
+    Parameter, a copy of the (vocab shard of the) embedding it was tied to: the two copies are
+    the `tied` parameters of bloomtrain.model.params, whose gradients the optimizer sums over the
+    embedding group so that they never drift apart."""
+    ranges = layout.stage_ranges(model.shape.num_layers)
+    chunks = [PipelineChunk(model, ranges[vs], vs, layout.num_stages, c)
+              for c, vs in enumerate(layout.virtual_stages(pp_rank))]
+    if layout.pp > 1:
         for chunk in chunks:
-            if chunk.is_first:
-                chunk.transformer.word_embeddings.weight.tied_embedding = True
             if chunk.is_last:
                 tied = chunk.lm_head.weight
-                copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
-                for attr in ("tp_split_dim", "tp_replicated", "grad_needs_tp_allreduce"):
-                    if hasattr(tied, attr):
-                        setattr(copy, attr, getattr(tied, attr))
-                copy.tied_embedding = True
-                copy.tied_embedding_copy = True
-                chunk.lm_head.weight = copy
+                chunk.lm_head.weight = nn.Parameter(tied.detach().clone(),
+                                                    requires_grad=tied.requires_grad)
     return chunks
-
-
-def pipeline_named_parameters(chunks) -> list[tuple[str, nn.Parameter]]:
-    """Every parameter of this rank's chunks with its HF name (unique: blocks keep their global
-    index, and the embedding and the head copy live on different virtual stages)."""
-    return [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
-
-
-def logical_name(name: str) -> str:
-    """The checkpoint name of a parameter: the last stage's LM head copy is the embedding."""
-    return TIED_EMBEDDING_NAME if name == TIED_HEAD_NAME else name
-
-
-def tied_embedding_params(chunks) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in pipeline_named_parameters(chunks)
-            if getattr(p, "tied_embedding", False)]
-
-
-@torch.no_grad()
-def allreduce_tied_embedding_grads(grads_or_params, topo) -> None:
-    """Sum the tied embedding's grads over `topo.embedding_group` (first and last stage), in place,
-    so that both copies take the same step. Pass the `tied_embedding` parameters (their .grad is
-    reduced) or their grad tensors, e.g. views into an fp32 flat buffer, in the same order on both
-    ranks. A no-op with pp = 1 and on stages that hold no copy (they pass an empty list)."""
-    grads = [t.grad if isinstance(t, nn.Parameter) else t for t in grads_or_params]
-    grads = [t for t in grads if t is not None]
-    if topo.embedding_group is None or not grads:
-        return
-    flat = torch.cat([t.reshape(-1) for t in grads]) if len(grads) > 1 else grads[0]
-    comm.all_reduce(flat, topo.embedding_group, "emb")
-    if len(grads) > 1:
-        offset = 0
-        for t in grads:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()

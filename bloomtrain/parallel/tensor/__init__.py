@@ -10,35 +10,23 @@ One module per concern, in reading order:
    head tied to the vocab-parallel embedding;
 3. `loss`: the vocab-parallel cross-entropy, which never materializes the full logits;
 4. `rng`: the dropout RNG of tensor-parallel regions;
-5. `plan`: the plan, `apply_tensor_parallel`, which swaps the model's modules in place, and the
-   mapping between full and sharded tensors (pure functions of names, for checkpoints).
+5. `plan`: the plan, `apply_tensor_parallel`, which swaps the model's modules in place.
 Everything public is re-exported here, so `from bloomtrain.parallel.tensor import X` works for
 every X of those modules.
 
 Layout: hidden states are [b, s, h], batch first, so sequence parallelism splits dim 1.
 Collectives work on dim 0, so the sequence dim is moved to the front around each of them.
 
-Parameter attributes set here, the contract with the optimizer, ZeRO and checkpoints:
-- `p.tp_split_dim`: the dim along which the full tensor is split over tp ranks (0 for column- and
-  vocab-parallel weights and column biases, 1 for row-parallel weights), or None if every tp rank
-  holds the full tensor.
-- `p.tp_replicated`: `tp_split_dim is None`. Such parameters exist once per tp group, so the
-  global grad norm counts them on one tp rank only.
-- `p.grad_needs_tp_allreduce`: under sequence parallelism, every replicated parameter (the
-  LayerNorms and the row-parallel biases) sees only this rank's part of the sequence, so its grad
-  is a partial sum that must be all-reduced over tp (`allreduce_sequence_parallel_grads`) before
-  anything else reads it (dp reduction, clipping, the step). False without sequence parallelism,
-  where the replicated region computes identical grads on every tp rank.
+How each parameter splits (its dim, or replicated) and which gradients are partial sums over tp
+under sequence parallelism (the LayerNorms and row-parallel biases, which see only this rank's
+part of the sequence) are facts of the parameter specs in bloomtrain.model.params; the optimizer
+reads them there.
 """
 from bloomtrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding, VocabParallelLMHead)
 from bloomtrain.parallel.tensor.loss import (IGNORE_INDEX, VocabParallelLMLoss,
                                              vocab_parallel_cross_entropy, vocab_parallel_lm_loss)
-from bloomtrain.parallel.tensor.plan import (allreduce_sequence_parallel_grads,
-                                             apply_tensor_parallel, gather_full_state,
-                                             gather_full_tensors, sequence_parallel_grad_params,
-                                             shard_full_state, shard_tensor, tp_split_dim_of,
-                                             validate_tensor_parallel)
+from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
 from bloomtrain.parallel.tensor.regions import (COMM_NAME, SEQUENCE_DIM, copy_to_tp_region, f, g,
                                                 gather_from_sequence_parallel_region,
                                                 reduce_from_tp_region,
@@ -56,22 +44,14 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "VocabParallelLMLoss",
-    "allreduce_sequence_parallel_grads",
     "apply_tensor_parallel",
     "copy_to_tp_region",
     "f",
     "g",
     "gather_from_sequence_parallel_region",
-    "gather_full_state",
-    "gather_full_tensors",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
-    "sequence_parallel_grad_params",
-    "shard_full_state",
-    "shard_tensor",
-    "tp_split_dim_of",
-    "validate_tensor_parallel",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_lm_loss",
 ]

@@ -1,6 +1,7 @@
 """The layers that hold one tensor-parallel shard each (Megatron-LM, arXiv 1909.08053): column-,
-row- and vocab-parallel, and the LM head tied to the vocab-parallel embedding. `_mark` sets the
-parameter attributes described in the package docstring.
+row- and vocab-parallel, and the LM head tied to the vocab-parallel embedding. How each
+parameter splits is also written in bloomtrain.model.params, the table the optimizer, ZeRO and
+checkpoints read; tests/test_tensor_parallel.py checks that the two agree.
 """
 from __future__ import annotations
 
@@ -10,12 +11,6 @@ from torch import nn
 
 from bloomtrain.parallel.tensor.regions import (f, g, gather_from_sequence_parallel_region,
                                                 reduce_scatter_to_sequence_parallel_region)
-
-
-def _mark(p: nn.Parameter, split_dim: int | None, sequence_parallel: bool) -> None:
-    p.tp_split_dim = split_dim
-    p.tp_replicated = split_dim is None
-    p.grad_needs_tp_allreduce = sequence_parallel and split_dim is None
 
 
 def _shard(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -37,8 +32,6 @@ class ColumnParallelLinear(nn.Module):
         self.input_gathered = input_gathered
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        for p in self.parameters():
-            _mark(p, 0, sequence_parallel)
 
     @classmethod
     def from_full(cls, linear: nn.Linear, tp_rank: int, tp_size: int, group,
@@ -69,9 +62,6 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        _mark(self.weight, 1, sequence_parallel)
-        if self.bias is not None:
-            _mark(self.bias, None, sequence_parallel)
 
     @classmethod
     def from_full(cls, linear: nn.Linear, tp_rank: int, tp_size: int, group,
@@ -99,7 +89,6 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = vocab_start
         self.weight = nn.Parameter(weight)
-        _mark(self.weight, 0, sequence_parallel)
 
     @classmethod
     def from_full(cls, embedding: nn.Embedding, tp_rank: int, tp_size: int, group,

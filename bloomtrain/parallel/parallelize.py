@@ -1,0 +1,134 @@
+"""`parallelize(model, topo, cfg) -> ModelParts`: the one place where tensor, pipeline and ZeRO
+data parallelism compose.
+
+The model comes in single-device and readable, normally built on the meta device so that no
+rank ever holds it whole. In order:
+1. the parameter specs (bloomtrain.model.params) for this layout: split dims, partial-over-tp
+   gradients under sequence parallelism, the tied embedding's copies when pp > 1;
+2. the tensor-parallel plan swaps modules for their tp-sharded counterparts (meta shards);
+3. the pipeline keeps this rank's model chunks (pp = 1: one chunk, the whole model, which runs
+   through the same schedule runtime);
+4. the ZeRO engine lays the local parameters out in flat buffers on the device and
+   materializes them there: each rank generates only the ranges it keeps, from the same
+   per-name seeds a single process uses, so the values never depend on the layout.
+   Without the engine (`engine=False`, for tests that drive their own optimizer) each local
+   parameter is materialized as a tensor of its own.
+Non-persistent buffers (the ALiBi slopes, cut to the local heads) are made on the device last.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bloomtrain.config import Config
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
+from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
+from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
+from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
+from bloomtrain.parallel.zero.engine import DTYPES, ZeroEngine
+from bloomtrain.topology import Topology
+
+
+@dataclass
+class ModelParts:
+    """What one rank trains: its model chunks (in virtual-stage order), the specs of their
+    parameters by name, and the ZeRO engine that owns their storage and updates them."""
+
+    topo: Topology
+    shape: BloomShape
+    chunks: list[PipelineChunk]
+    specs: dict[str, ParamSpec]
+    engine: ZeroEngine | None
+
+    @property
+    def layout(self):
+        return self.topo.layout
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters by HF name, each once (the tied head of a single stage is the
+        embedding)."""
+        seen, out = set(), []
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
+
+    def train(self, mode: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.train(mode)
+
+
+def _values(shape: BloomShape, topo: Topology, seed: int):
+    """First values of a local parameter piece: generated from the spec when the parameter is on
+    the meta device, copied when it already holds values."""
+    def values(param: nn.Parameter, spec: ParamSpec, start: int, out: torch.Tensor) -> None:
+        if not param.is_meta:
+            out.copy_(param.detach().reshape(-1)[start:start + out.numel()])
+            return
+        full = list(param.shape)
+        if spec.tp_dim is not None:
+            full[spec.tp_dim] *= topo.tp_size
+        std = init_std(spec, shape.num_layers, shape.init_method_std)
+        init_into(out, spec, tuple(full), std, seed, topo.tp_rank, topo.tp_size, start)
+    return values
+
+
+def _materialize_each(parts: ModelParts, seed: int, dtype: torch.dtype, device) -> None:
+    """Without the engine: one tensor per local parameter on `device` (ties kept)."""
+    values = _values(parts.shape, parts.topo, seed)
+    new = {}
+    for name, p in parts.named_parameters():
+        flat = torch.empty(math.prod(p.shape), dtype=torch.float32, device=device)
+        values(p, parts.specs[name], 0, flat)
+        new[id(p)] = nn.Parameter(flat.view(p.shape).to(dtype), requires_grad=p.requires_grad)
+    for chunk in parts.chunks:
+        for mod in chunk.modules():
+            for key, p in list(mod._parameters.items()):
+                if p is not None and id(p) in new:
+                    mod._parameters[key] = new[id(p)]
+
+
+def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=None,
+                engine: bool = True) -> ModelParts:
+    """This rank's parts of `model` under `topo`'s layout, set up as `cfg` says (precision,
+    seed, activation checkpointing, optimizer and ZeRO settings). `device` defaults to the
+    model's (or cpu for a meta model); with device "meta" nothing is materialized, which
+    describes any rank of any size cheaply."""
+    layout, t = topo.layout, cfg.train
+    wanted = ParallelLayout.from_config(cfg.parallel, topo.world_size)
+    if layout != wanted:
+        raise ValueError(f"the topology's layout {layout} is not cfg.parallel's {wanted}; build "
+                         f"the Topology from ParallelLayout.from_config(cfg.parallel, world)")
+    if device is None:
+        device = "cpu" if model.lm_head.weight.is_meta else model.lm_head.weight.device
+    device = torch.device(device)
+    apply_tensor_parallel(model, topo, layout.sequence_parallel, seed=t.seed, device=device)
+    chunks = build_pipeline_chunks(model, layout, topo.pp_rank)
+    specs = {}
+    for chunk in chunks:
+        chunk.set_activation_checkpointing(t.activation_checkpointing == "full")
+        for name, _ in chunk.named_parameters():
+            specs[name] = param_spec(name, tp=layout.tp, pp=layout.pp,
+                                     sequence_parallel=layout.sequence_parallel)
+    parts = ModelParts(topo, model.shape, chunks, specs, None)
+    if engine:
+        parts.engine = ZeroEngine(chunks, specs, topo, cfg.optim, t.precision,
+                                  zero_stage=layout.zero_stage,
+                                  bucket_size_mb=cfg.parallel.bucket_size_mb, device=device,
+                                  values=_values(model.shape, topo, t.seed))
+    elif device.type != "meta":
+        _materialize_each(parts, t.seed, DTYPES[t.precision], device)
+    if device.type != "meta":
+        # Not persistent: derived from the head count, and fp32 whatever the compute dtype
+        # (a non-power-of-2 slope rounded to bf16 would shift every score).
+        local = alibi_slopes(model.shape.num_heads).chunk(layout.tp)[topo.tp_rank]
+        for chunk in chunks:
+            chunk.transformer.alibi_slopes = local.clone().to(device)
+    return parts

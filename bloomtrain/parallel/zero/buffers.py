@@ -1,0 +1,147 @@
+"""ZeRO's flat buffers on one rank, the parameters as views into them, and their first values.
+
+Buffers per rank (Ψ = parameters on this rank, i.e. tp-local and of this pipeline stage; N = dp;
+c = bytes of the compute dtype, 2 for bf16):
+
+    stage  compute  master  grad   Adam m+v  ours (bf16)       ZeRO paper (fp16 grads)
+    0      cΨ       4Ψ      4Ψ     8Ψ        18Ψ               16Ψ
+    1      cΨ       4Ψ/N    4Ψ     8Ψ/N      2Ψ + 4Ψ + 12Ψ/N   4Ψ + 12Ψ/N
+    2      cΨ       4Ψ/N    4Ψ/N   8Ψ/N      2Ψ + 16Ψ/N        2Ψ + 14Ψ/N
+    3      -        4Ψ/N    4Ψ/N   8Ψ/N      16Ψ/N + W         16Ψ/N
+
+We keep gradients in fp32 where the paper counts fp16 (BLOOM's BF16Optimizer accumulates in fp32).
+Stage 3 keeps no compute copy: a unit's compute weights are cast from the fp32 master shards as
+they are gathered (W, the gathered working set, is transient).
+
+Parameters start on the meta device (the model was built there) or hold real values (a model
+built on a device). Either way `materialize` writes each rank's values straight into its own
+buffers, piece by piece: the initial value of a meta parameter is generated only for the ranges
+this rank keeps (bloomtrain.model.params.init_into), a real parameter is copied. No rank ever
+holds a full-size copy of the model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from bloomtrain.model.params import ParamSpec
+from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
+from bloomtrain.parallel.zero.stages import StageRules
+
+# values(param, spec, start, out): write elements [start, start + out.numel()) of the flattened
+# (tp-local) first value of `param` into the flat fp32 tensor `out`.
+Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
+
+
+class FlatBuffers:
+    def __init__(self, layout: SegmentLayout, rules: StageRules, dp_size: int, dp_rank: int,
+                 compute_dtype: torch.dtype, device):
+        self.layout, self.rules = layout, rules
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.compute_dtype, self.device = compute_dtype, torch.device(device)
+        full, shard = layout.full_numel, layout.shard_numel
+        state = shard if rules.shard_optimizer else full
+
+        def zeros(n, dtype=torch.float32):
+            return torch.zeros(n, dtype=dtype, device=self.device)
+        self.master, self.exp_avg, self.exp_avg_sq = zeros(state), zeros(state), zeros(state)
+        self.grad = zeros(shard if rules.shard_grads else full)
+        self.compute = None if rules.shard_params else zeros(full, compute_dtype)
+        # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use
+        # (after `bind` has made the parameters views into it).
+        self.gathered: dict[int, torch.Tensor] = {}
+        if rules.shard_params:
+            for g in layout.groups:
+                if g.segments:
+                    self.gathered[g.index] = torch.empty(g.padded, dtype=compute_dtype,
+                                                         device=self.device)
+
+    # ---- ranges ----------------------------------------------------------------------------------
+    def own(self, seg: Segment) -> tuple[int, int]:
+        """The range of `seg` whose master weights and moments this rank holds and updates."""
+        return self.partition(seg) if self.rules.shard_optimizer else (0, seg.padded)
+
+    def partition(self, seg: Segment) -> tuple[int, int]:
+        """This dp rank's 1/dp of `seg`, at every stage (what it writes to checkpoints)."""
+        return self.dp_rank * seg.shard, (self.dp_rank + 1) * seg.shard
+
+    def state_view(self, buf: torch.Tensor, seg: Segment) -> torch.Tensor:
+        lo, hi = self.own(seg)
+        off = seg.shard_off if self.rules.shard_optimizer else seg.full_off
+        return buf[off:off + hi - lo]
+
+    def grad_view(self, seg: Segment) -> torch.Tensor:
+        """fp32 gradient of the own range (valid after the dp reduction)."""
+        if self.rules.shard_grads:
+            return self.grad[seg.shard_off:seg.shard_off + seg.shard]
+        lo, hi = self.own(seg)
+        return self.grad[seg.full_off + lo:seg.full_off + hi]
+
+    def full_grad(self, seg: Segment) -> torch.Tensor:
+        return self.grad[seg.full_off:seg.full_off + seg.padded]
+
+    def param_view(self, slot: Slot) -> torch.Tensor:
+        if self.rules.shard_params:
+            group = self.layout.groups[slot.group]
+            base, off = self.gathered[group.index], slot.full_off - group.full_off
+        else:
+            base, off = self.compute, slot.full_off
+        return base[off:off + slot.numel].view(slot.shape)
+
+    # ---- first values ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def materialize(self, values: Values) -> None:
+        """Fill the compute copy (stages 0-2) and this rank's own master range from `values`,
+        one piece at a time."""
+        for seg in self.layout.segments:
+            lo, hi = self.own(seg)
+            master = self.state_view(self.master, seg)
+            for piece in seg.pieces:
+                a, b = piece.seg_start, piece.seg_start + piece.numel
+                if self.compute is not None:
+                    # Every rank keeps the whole compute copy: generate the whole piece once.
+                    tmp = torch.empty(piece.numel, dtype=torch.float32, device=self.device)
+                    values(piece.slot.param, piece.slot.spec, piece.param_start, tmp)
+                    self.compute[seg.full_off + a:seg.full_off + b].copy_(tmp)
+                    s, e = max(a, lo), min(b, hi)
+                    if s < e:
+                        master[s - lo:e - lo].copy_(tmp[s - a:e - a])
+                    continue
+                s, e = max(a, lo), min(b, hi)
+                if s < e:
+                    values(piece.slot.param, piece.slot.spec, piece.param_start + s - a,
+                           master[s - lo:e - lo])
+
+    def bind(self, modules: list[nn.Module]) -> dict[int, nn.Parameter]:
+        """Replace every parameter of `modules` by a Parameter that is a view into the flat
+        buffers, in every module that holds it (ties are kept). Returns old id -> new."""
+        new = {id(s.param): self._parameter(s) for s in self.layout.slots}
+        for m in modules:
+            for mod in m.modules():
+                for key, p in list(mod._parameters.items()):
+                    if p is not None and id(p) in new:
+                        mod._parameters[key] = new[id(p)]
+        for s in self.layout.slots:
+            s.param = new[id(s.param)]
+        if self.device.type != "meta":
+            for buf in self.gathered.values():
+                buf.untyped_storage().resize_(0)
+        return new
+
+    def _parameter(self, slot: Slot) -> nn.Parameter:
+        # Assigned through `.data`, the Parameter aliases the buffer's storage but keeps its own
+        # version counter: refilling the buffer (stage 3's gather before backward, the compute
+        # refresh after a step) must not look like an in-place change of a tensor autograd saved.
+        p = nn.Parameter(torch.empty(0, dtype=self.compute_dtype, device=self.device),
+                         requires_grad=slot.param.requires_grad)
+        p.data = self.param_view(slot)
+        return p
+
+    def nbytes(self) -> dict[str, int]:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        return {"compute_params": size(self.compute), "fp32_master": size(self.master),
+                "fp32_grads": size(self.grad), "adam_m": size(self.exp_avg),
+                "adam_v": size(self.exp_avg_sq)}

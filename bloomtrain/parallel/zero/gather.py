@@ -1,0 +1,138 @@
+"""ZeRO-3's parameter gathering: a unit's compute weights exist only while it runs.
+
+A *unit* is each BloomBlock as a whole and every other module that owns parameters directly (the
+embedding, its LayerNorm, ln_f, an untied LM head). Before a unit runs forward, the groups of
+parameters it uses are all-gathered over dp into their buffers, cast from the fp32 master shards
+on the way (so no compute-dtype copy is kept beside the master); after its forward they are
+released (storage resized to 0). Backward gathers them again from a hook on the unit's outputs,
+and they are released when their last gradient has arrived. The first forward records the order
+of units; from then on the next unit's gather is prefetched asynchronously while the current one
+computes (the previous one's in backward). Recomputation under activation checkpointing runs a
+unit's forward inside backward: its weights are kept, since its backward comes next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero.buffers import FlatBuffers
+from bloomtrain.parallel.zero.memory import Counters
+
+DP = "dp"
+
+
+@dataclass
+class Unit:
+    module: nn.Module
+    groups: list[int]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Stage3Gatherer:
+    def __init__(self, bufs: FlatBuffers, topo, counters: Counters, units: list[Unit],
+                 prefetch: bool = True):
+        self.bufs, self.topo, self.counters = bufs, topo, counters
+        self.units, self.prefetch = units, prefetch
+        self._gathered: set[int] = set()
+        self._pending: dict[int, tuple[object, list[torch.Tensor]]] = {}
+        self._forward_order: list[Unit] = []
+        self._order_done = False
+
+    def hooks(self) -> list:
+        handles = []
+        for unit in self.units:
+            handles.append(unit.module.register_forward_pre_hook(
+                lambda m, args, u=unit: self._pre_forward(u)))
+            handles.append(unit.module.register_forward_hook(
+                lambda m, args, out, u=unit: self._post_forward(u, out)))
+        return handles
+
+    # ---- gather and free -------------------------------------------------------------------------
+    def gather(self, g: int, async_op: bool = False) -> None:
+        if g in self._gathered:
+            if not async_op:
+                self._wait(g)
+            return
+        bufs = self.bufs
+        group, buf = bufs.layout.groups[g], bufs.gathered[g]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        self.counters.gathered(buf.numel() * buf.element_size())
+        handles, casts = [], []
+        for seg in group.segments:
+            # The compute-dtype shard exists only for the collective.
+            shard = bufs.state_view(bufs.master, seg).to(bufs.compute_dtype)
+            out = buf[seg.full_off - group.full_off:][:seg.padded]
+            handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
+                                                       async_op=async_op))
+            casts.append(shard)
+        self._gathered.add(g)
+        if async_op:
+            self._pending[g] = (handles, casts)
+
+    def _wait(self, g: int) -> None:
+        handles, _ = self._pending.pop(g, ((), ()))
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    def free(self, g: int) -> None:
+        if g not in self._gathered:
+            return
+        self._wait(g)
+        buf = self.bufs.gathered[g]
+        buf.untyped_storage().resize_(0)
+        self._gathered.discard(g)
+        self.counters.gathered(-buf.numel() * buf.element_size())
+
+    # ---- hooks -----------------------------------------------------------------------------------
+    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
+        if not self._order_done:
+            return None
+        i = next((k for k, u in enumerate(self._forward_order) if u is unit), None)
+        if i is None or not 0 <= i + step < len(self._forward_order):
+            return None
+        return self._forward_order[i + step]
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        if unit is None or not self.prefetch:
+            return
+        for g in unit.groups:
+            if g not in self._gathered:
+                self.counters.num_prefetches += 1
+                self.gather(g, async_op=True)
+
+    def _pre_forward(self, unit: Unit) -> None:
+        in_backward = _in_backward()
+        if not in_backward and not self._order_done:
+            # The first forward records the order of units; a unit seen twice means the pass
+            # has wrapped around.
+            if any(u is unit for u in self._forward_order):
+                self._order_done = True
+            else:
+                self._forward_order.append(unit)
+        for g in unit.groups:
+            self.gather(g)
+        if not in_backward:
+            self._prefetch(self._neighbour(unit, +1))
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if _in_backward():
+            return  # recomputation: backward needs these weights next
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        for g in unit.groups:
+            self.free(g)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        for g in unit.groups:
+            self.gather(g)
+        self._prefetch(self._neighbour(unit, -1))

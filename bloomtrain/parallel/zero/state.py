@@ -1,0 +1,107 @@
+"""The engine's state in logical coordinates: what checkpoints read and write.
+
+`fragments()` gives this dp rank's 1/dp of every parameter (at every stage, so that the ranks
+of a dp group together write each parameter once) as checkpoint Fragments: elements of the
+flattened tp-local parameter, placed in the full parameter by its spec's tp split. Fragments
+another rank also holds (a tp-replicated parameter off tp rank 0, the last stage's copy of the
+tied embedding) are left out. `load_state()` takes full tp-local tensors by name and keeps this
+rank's ranges; `master_state()` / `optim_state()` gather full tp-local tensors over dp.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from bloomtrain.checkpoint import Fragment
+from bloomtrain.model.params import tp_shard_shape
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero.buffers import FlatBuffers
+
+DP = "dp"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+CHECKPOINT_KIND = {"master": "model", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _full_shape(spec, local_shape, tp_size: int) -> tuple[int, ...]:
+    shape = list(local_shape)
+    if spec.tp_dim is not None and tp_size > 1:
+        shape[spec.tp_dim] *= tp_size
+    tp_shard_shape(spec, tuple(shape), tp_size)  # the split is exact
+    return tuple(shape)
+
+
+def fragments(bufs: FlatBuffers, topo) -> list[Fragment]:
+    """This rank's unique pieces of the fp32 masters and Adam moments; nothing is gathered.
+    The tensors are private copies, safe to write in the background."""
+    out = []
+    for seg in bufs.layout.segments:
+        plo, phi = bufs.partition(seg)
+        olo, _ = bufs.own(seg)
+        for piece in seg.pieces:
+            if not piece.counted:
+                continue  # another rank writes it
+            a, b = max(plo, piece.seg_start), min(phi, piece.seg_start + piece.numel)
+            if a >= b:
+                continue
+            slot, split = piece.slot, piece.slot.spec.tp_dim is not None and topo.tp_size > 1
+            tensors = {CHECKPOINT_KIND[k]: bufs.state_view(getattr(bufs, k), seg)
+                       [a - olo:b - olo].clone() for k in KINDS}
+            out.append(Fragment(
+                name=slot.spec.name, shape=_full_shape(slot.spec, slot.shape, topo.tp_size),
+                tp_dim=slot.spec.tp_dim if split else None,
+                tp_rank=topo.tp_rank if split else 0, tp_size=topo.tp_size if split else 1,
+                offset=piece.param_start + a - piece.seg_start, numel=b - a, tensors=tensors))
+    return out
+
+
+@torch.no_grad()
+def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> None:
+    """Take full tp-local tensors by local parameter name (`master`) and `exp_avg.NAME` /
+    `exp_avg_sq.NAME` (`optim`), keep this rank's ranges, refresh the compute copy. No
+    communication: every rank reads what it needs."""
+    sources = [(bufs.master, master, "")]
+    if optim:
+        sources += [(bufs.exp_avg, optim, "exp_avg."), (bufs.exp_avg_sq, optim, "exp_avg_sq.")]
+    for seg in bufs.layout.segments:
+        lo, hi = bufs.own(seg)
+        for buf, tensors, prefix in sources:
+            view = bufs.state_view(buf, seg)
+            for piece in seg.pieces:
+                key = prefix + piece.slot.name
+                if key not in tensors:
+                    raise KeyError(f"checkpoint has no {prefix or 'weights '}"
+                                   f"{'' if prefix else 'for parameter '}{piece.slot.name}")
+                a, b = max(lo, piece.seg_start), min(hi, piece.seg_start + piece.numel)
+                if a < b:
+                    src = piece.param_start + a - piece.seg_start
+                    view[a - lo:b - lo].copy_(tensors[key].reshape(-1)[src:src + b - a])
+        if bufs.compute is not None:
+            for piece in seg.pieces:
+                base = seg.full_off + piece.seg_start
+                src = master[piece.slot.name].reshape(-1)
+                bufs.compute[base:base + piece.numel].copy_(
+                    src[piece.param_start:piece.param_start + piece.numel])
+
+
+@torch.no_grad()
+def _full_segment(bufs: FlatBuffers, buf: torch.Tensor, seg, topo) -> torch.Tensor:
+    view = bufs.state_view(buf, seg)
+    if not bufs.rules.shard_optimizer or topo.dp_group is None:
+        return view
+    full = torch.empty(seg.padded, dtype=buf.dtype, device=buf.device)
+    comm.all_gather_into_tensor(full, view.contiguous(), topo.dp_group, DP)
+    return full
+
+
+def full_state(bufs: FlatBuffers, buf: torch.Tensor, topo, prefix: str = "") -> dict:
+    """Full tp-local tensors of `buf` by local name. A collective over dp where the state is
+    sharded: every dp rank must call it."""
+    flat = {s.name: torch.empty(s.numel, dtype=buf.dtype, device=buf.device)
+            for s in bufs.layout.slots}
+    for seg in bufs.layout.segments:
+        full = _full_segment(bufs, buf, seg, topo)
+        for p in seg.pieces:
+            flat[p.slot.name][p.param_start:p.param_start + p.numel].copy_(
+                full[p.seg_start:p.seg_start + p.numel])
+    return {prefix + s.name: flat[s.name].view(s.shape) for s in bufs.layout.slots}

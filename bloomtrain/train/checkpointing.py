@@ -1,0 +1,132 @@
+"""The trainer's side of checkpoints: what a training checkpoint holds besides the engine's
+fragments (train state, optimizer scalars, the layout that wrote it, each rank's RNG), and how a
+run resumes from one written by any layout.
+
+Resuming reads, for every local parameter, this rank's tp shard of the full parameter (only the
+fragments of that shard when the checkpoint was written with the same tp split) and hands the
+engine full tp-local tensors one at a time; the engine keeps its own ranges. RNG states (the
+default generators, which tensor parallelism's dropout streams fork from) are restored per rank
+when the rank grid is unchanged, so dropout continues exactly; otherwise every rank takes rank
+0's.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bloomtrain import checkpoint as ckpt
+from bloomtrain.config import Config, UserError
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    consumed_samples: int = 0
+    skipped_steps: int = 0
+
+
+def rng_state() -> dict:
+    s = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        s["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return s
+
+
+def set_rng_state(s: dict) -> None:
+    def dec(v):
+        return torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
+    torch.set_rng_state(dec(s["torch"]))
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(dec(s["cuda"]))
+
+
+class TrainCheckpoints:
+    def __init__(self, cfg: Config, parts, tokenizer, log=print):
+        self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
+        c = cfg.checkpoint
+        self.writer = ckpt.CheckpointWriter(c.dir, c.async_save, log=log) if c.dir else None
+
+    def topology_meta(self) -> dict:
+        layout, p = self.parts.layout, self.cfg.parallel
+        return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": p.zero_stage,
+                "sequence_parallel": p.sequence_parallel,
+                "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+                "num_virtual_stages": p.num_virtual_stages}
+
+    def save(self, state: TrainState) -> Path | None:
+        if self.writer is None:
+            return None
+        engine = self.parts.engine
+        meta = {"train_state": asdict(state), "optimizer": engine.scalar_state(),
+                "config": self.cfg.to_dict(), "topology": self.topology_meta()}
+        return self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
+                                rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
+                                keep_last=self.cfg.checkpoint.keep_last, owned=True)
+
+    def wait(self) -> None:
+        """An async save must be committed before the process ends."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def _find(self) -> Path | None:
+        c = self.cfg.checkpoint
+        if c.resume == "none":
+            return None
+        if c.resume == "auto":
+            return ckpt.find_latest_valid(c.dir, log=self.log) if c.dir else None
+        return ckpt.resolve(c.resume)
+
+    def resume(self) -> TrainState | None:
+        """Load the checkpoint `checkpoint.resume` names into the engine; the train state it
+        continues from, or None when the run starts fresh."""
+        path = self._find()
+        if path is None:
+            return None
+        reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+        if reader.shape != self.parts.shape:
+            raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
+                            f"gives {self.parts.shape}; resume with the same model settings")
+        master, optim = self._local_state(reader)
+        manifest = reader.manifest
+        self.parts.engine.load_state(master, optim, manifest.get("optimizer"))
+        reader.close()
+        state = TrainState()
+        if manifest.get("train_state"):  # an imported HF checkpoint starts from step 0
+            state = TrainState(**manifest["train_state"])
+            self._restore_rng(manifest)
+        saved = manifest.get("topology")
+        moved = "" if saved in (None, self.topology_meta()) else \
+            f" (resharded from {json.dumps(saved)})"
+        self.log(f"[checkpoint] resumed from {path} at step {state.step}, "
+                 f"{state.consumed_samples} samples consumed{moved}")
+        return state
+
+    def _local_state(self, reader):
+        """Lazy maps from local parameter name (and `exp_avg.NAME` / `exp_avg_sq.NAME`) to this
+        rank's tp shard of the full tensor, read when the engine asks for it."""
+        specs, topo = self.parts.specs, self.parts.topo
+
+        def shard(name: str, kind: str) -> torch.Tensor:
+            spec = specs[name]
+            dim = spec.tp_dim if topo.tp_size > 1 else None
+            return reader.load_tp_shard(spec.name, kind, topo.tp_rank, topo.tp_size,
+                                        dim).to(torch.float32)
+        names = list(specs)
+        master = ckpt.LazyState(names, lambda n: shard(n, "model"))
+        if not reader.has("exp_avg"):
+            return master, None
+        keys = [f"{k}.{n}" for k in ckpt.OPTIM_KINDS for n in names]
+        return master, ckpt.LazyState(keys, lambda key: shard(*reversed(key.split(".", 1))))
+
+    def _restore_rng(self, manifest: dict) -> None:
+        ranks = manifest.get("ranks", {})
+        saved = manifest.get("topology") or {}
+        here = self.topology_meta()
+        same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
+        own = ranks.get(str(self.parts.topo.rank) if same else "0", {})
+        if "rng" in own:
+            set_rng_state(own["rng"])

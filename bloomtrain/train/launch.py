@@ -1,0 +1,75 @@
+"""Starting a training job: the device, the process group, SLURM's variables and the local
+launcher. Under torchrun (or srun with the torchrun variables) every process joins the job from
+the environment; `launch_local` starts N local workers through torch's elastic launcher, the
+machinery behind torchrun.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from bloomtrain.config import Config, UserError
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("train.device=cuda but no CUDA device is visible; use train.device=cpu")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def env_from_slurm(env=os.environ) -> None:
+    """Under a plain `srun` (one task per GPU, no torchrun), translate SLURM's task variables into
+    torchrun's. MASTER_ADDR/MASTER_PORT must come from the job script (see the README)."""
+    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise UserError(f"running under srun with {env['SLURM_NTASKS']} tasks but {missing} "
+                        f"unset: export MASTER_ADDR (the first node's hostname) and MASTER_PORT "
+                        f"in the job script, or launch through torchrun")
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: Config, device: torch.device) -> None:
+    if world_size_from_env() == 1 or dist.is_initialized():
+        return
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
+
+
+def launch_local(nproc: int, entry, *args) -> None:
+    """Start `nproc` workers running `entry(*args)` (a module-level function) on this machine
+    with torch's elastic launcher (what torchrun uses), on a free localhost port."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                      run_id=f"bloomtrain-{os.getpid()}", rdzv_backend="c10d",
+                      rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.2,
+                      start_method="spawn")
+    try:
+        elastic_launch(lc, entry)(*args)
+    except ChildFailedError as e:
+        first = min(e.failures)
+        raise UserError(f"worker rank {first} failed (of {len(e.failures)} failed): "
+                        f"{e.failures[first].message}") from None

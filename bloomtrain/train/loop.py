@@ -1,0 +1,271 @@
+"""The trainer: build the parts from a validated Config, then a loop that reads top to bottom.
+
+Building, in order: validate the config for this world size (bloomtrain.layout), join the job,
+create the process groups, build the model on the meta device and `parallelize` it (each rank
+materializes only its own shards), the data (Megatron's sample order, read by a resumable
+iterator that prefetches the next global batch), the learning-rate schedule, and resume from a
+checkpoint. Every step runs through the pipeline schedule runtime, with one chunk when pp = 1.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bloomtrain.config import Config, UserError, parse_data_paths
+from bloomtrain.layout import validate
+from bloomtrain.model import BloomForCausalLM
+from bloomtrain.optim import LRSchedule
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.parallelize import parallelize
+from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
+from bloomtrain.topology import Topology
+from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
+from bloomtrain.train.control import RunControl
+from bloomtrain.train.launch import (env_from_slurm, init_distributed, resolve_device,
+                                     world_size_from_env)
+from bloomtrain.train.metrics import IntervalMeter, MetricsLog, progress_line
+from bloomtrain.utils import atomic_output
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    losses: list[float] = field(default_factory=list)
+    eval_loss: float | None = None
+    checkpoint: str | None = None
+    run_dir: str = ""
+    exit_reason: str = "finished"
+
+
+class TrainData:
+    """The train and valid splits, and this dp rank's stream of global batches."""
+
+    def __init__(self, cfg: Config, run, topo: Topology, tokenizer, device):
+        from bloomtrain.data.loader import DataIterator, build_train_valid_test_datasets
+        t, d = cfg.train, cfg.data
+        if not d.paths:
+            raise UserError("data.paths is empty: preprocess a dataset with `bloomtrain "
+                            "preprocess` and set data.paths=[PREFIX_text_document]")
+        for _, prefix in parse_data_paths(d.paths):
+            if not Path(prefix + ".idx").is_file():
+                raise UserError(f"dataset {prefix}.idx/.bin not found (data.paths); give the "
+                                f"prefix that `bloomtrain preprocess` printed")
+        self.cfg, self.topo, self.device, self.batches = cfg, topo, device, run.batches
+        self.train_samples = (t.train_samples if t.train_samples is not None
+                              else t.train_iters * t.global_batch_size)
+        upper_steps = t.train_iters or math.ceil(self.train_samples / run.batches.smallest())
+        evals = upper_steps // t.eval_interval + 1 if t.eval_interval else 1
+        self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
+            d, tokenizer, [self.train_samples, t.eval_iters * t.global_batch_size * evals, 0],
+            d.seq_length)
+        self.eod_id = tokenizer.eod_id if tokenizer else None
+        self.stream = DataIterator(self.train_ds, run.batches, topo.dp_rank, 0, self.eod_id,
+                                   d.eod_mask_loss, prefetch=True)
+
+    def _to_device(self, micro_batches):
+        return [{k: v.to(self.device) for k, v in mb.items()} for mb in micro_batches]
+
+    def next_batch(self) -> list[dict]:
+        return self._to_device(self.stream.next_global_batch())
+
+    def eval_batches(self):
+        """The micro-batches of each of the `eval_iters` global batches of the valid split."""
+        from bloomtrain.data.loader import get_micro_batches
+        t = self.cfg.train
+        if self.valid_ds is None:
+            return
+        for i in range(t.eval_iters):
+            start = i * t.global_batch_size
+            if start + t.global_batch_size > len(self.valid_ds):
+                return
+            yield self._to_device(get_micro_batches(
+                self.valid_ds, start, t.global_batch_size, t.micro_batch_size, self.topo.dp_rank,
+                self.topo.dp_size, eod_id=self.eod_id, eod_mask_loss=self.cfg.data.eod_mask_loss))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, log=print):
+        env_from_slurm()
+        world = world_size_from_env()
+        run = validate(cfg, world)  # before anything starts
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        init_distributed(cfg, self.device)
+        self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
+        self.is_logger = self.topo.rank == 0
+        self._log = log
+        from bloomtrain.data.tokenizer import load_tokenizer
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+        if self.tokenizer is not None:  # the model's vocabulary follows the tokenizer's
+            run = validate(cfg, world, self.tokenizer.vocab_size)
+        self.shape, self.batches = run.shape, run.batches
+        torch.manual_seed(cfg.train.seed)
+        with torch.device("meta"):
+            model = BloomForCausalLM(self.shape)
+        self.parts = parallelize(model, self.topo, cfg, device=self.device)
+        self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
+        o = cfg.optim
+        self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.warmup_samples,
+                                      o.decay_samples or self.data.train_samples, o.decay_style)
+        self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print)
+        resumed = self.checkpoints.resume()
+        self.resumed = resumed is not None
+        self.state = resumed or TrainState()
+        self.data.stream.load_state_dict({"consumed_samples": self.state.consumed_samples})
+        self.run_dir = Path(cfg.run_dir)
+        self.metrics = MetricsLog(self.run_dir, self.is_logger,
+                                  self.state.step if self.resumed else None, log=self.print)
+        if self.is_logger:
+            with atomic_output(self.run_dir / "config.yaml", "w") as f:
+                f.write(cfg.to_yaml())
+        self.control = RunControl(cfg.train, cfg.checkpoint)
+
+    @property
+    def engine(self):
+        return self.parts.engine
+
+    def print(self, *args) -> None:
+        if self.is_logger:
+            self._log(*args)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _schedule_kwargs(self, micro_batches) -> dict:
+        t, layout = self.cfg.train, self.topo.layout
+        return dict(recv_shape=layout.recv_shape(t.micro_batch_size, self.cfg.data.seq_length,
+                                                 self.shape.hidden_size),
+                    dtype=self.engine.compute_dtype,
+                    timeout=self.cfg.parallel.timeout_minutes * 60)
+
+    def _mean_over_dp(self, value: float) -> float:
+        t = torch.tensor(value, dtype=torch.float32, device=self.device)
+        comm.all_reduce(t, self.topo.dp_group, "dp")
+        return float(t / self.topo.dp_size)
+
+    def train_step(self, micro_batches: list[dict]):
+        """Forward and backward of every micro-batch through the schedule, then the optimizer
+        step. Returns (loss averaged over the global batch, the step result, lr)."""
+        self.parts.train(True)
+        timeline = self._timeline()
+        loss = pipeline_train_step(self.cfg.parallel.pp_schedule, self.parts.chunks, micro_batches,
+                                   self.topo, scale_loss=self.engine.scale_loss, timeline=timeline,
+                                   **self._schedule_kwargs(micro_batches))
+        if timeline is not None:
+            timeline.save(self.run_dir, self.state.step + 1)
+        lr = self.lr_schedule(self.state.consumed_samples)
+        result = self.engine.step(lr)
+        return self._mean_over_dp(loss), result, lr
+
+    def _timeline(self) -> Timeline | None:
+        p, t = self.cfg.parallel, self.cfg.train
+        due = p.pp_timeline and p.pp > 1 and (self.state.step + 1) % t.log_interval == 0
+        return Timeline() if due else None
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        self.parts.train(False)
+        total, count = 0.0, 0
+        for mbs in self.data.eval_batches():
+            loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks, mbs,
+                                      self.topo, **self._schedule_kwargs(mbs))
+            total += loss * len(mbs)
+            count += len(mbs)
+        return self._mean_over_dp(total / count) if count else None
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        cfg, t, state = self.cfg, self.cfg.train, self.state
+        result = TrainResult(state=state, run_dir=str(self.run_dir))
+        self._announce()
+        meter = IntervalMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
+                              t.activation_checkpointing == "full")
+        saved_step = state.step if self.resumed else None  # a resumed step needs no new save
+        with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats:
+            while state.consumed_samples < self.data.train_samples:
+                gbs = self.batches.global_batch_size_at(state.consumed_samples)
+                t0 = time.time()
+                loss, res, lr = self.train_step(self.data.next_batch())
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                state.step += 1
+                state.consumed_samples += gbs
+                state.skipped_steps += res.skipped
+                result.losses.append(loss)
+                meter.add(loss, res.skipped, time.time() - t0, gbs)
+                if res.skipped:
+                    self._warn_skipped(res)
+                if state.step % t.log_interval == 0 or res.skipped:
+                    self._log_record(meter, loss, lr, res, gbs, stats)
+                if t.eval_interval and state.step % t.eval_interval == 0:
+                    self._eval_and_log(result)
+                stop = self.control.should_stop()
+                if stop:
+                    self.print(f"[train] stopping at step {state.step}: {stop}; saving")
+                if stop or self.control.time_to_save(state.step):
+                    result.checkpoint = str(self.checkpoints.save(state))
+                    saved_step = state.step
+                    self.control.saved()
+                if stop:
+                    result.exit_reason = stop
+                    return result
+            if not (t.eval_interval and state.step % t.eval_interval == 0):
+                self._eval_and_log(result)
+            if cfg.checkpoint.dir and saved_step != state.step:
+                result.checkpoint = str(self.checkpoints.save(state))
+        return result
+
+    # ---- reporting ------------------------------------------------------------------------------
+    def _layout_text(self) -> str:
+        p, layout = self.cfg.parallel, self.topo.layout
+        return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} zero={p.zero_stage}"
+                f"{' schedule=' + p.pp_schedule if layout.pp > 1 else ''}"
+                f"{' sp' if p.sequence_parallel else ''} precision={self.cfg.train.precision}")
+
+    def _announce(self) -> None:
+        s = self.shape
+        self.print(f"[train] model {s.num_parameters():,} parameters (L={s.num_layers}, "
+                   f"h={s.hidden_size}, heads={s.num_heads}, vocab={s.vocab_size}); "
+                   f"{self._layout_text()}; {self.data.train_samples:,} samples, run dir "
+                   f"{self.run_dir}")
+
+    def _warn_skipped(self, res) -> None:
+        scale = (f"; loss scale {res.loss_scale:g} -> {self.engine.loss_scale:g}"
+                 if res.loss_scale is not None else "")
+        self.print(f"[train] WARNING step {self.state.step}: non-finite gradient norm "
+                   f"({res.grad_norm}), step skipped{scale} ({self.state.skipped_steps} skipped "
+                   f"so far)")
+
+    def _log_record(self, meter, loss, lr, res, gbs, stats) -> None:
+        rec = meter.record(self.state, loss, lr, res, gbs)
+        rec["layout"] = self._layout_text()
+        if res.loss_scale is not None:
+            rec["loss_scale"] = self.engine.loss_scale
+        if stats.enabled:
+            # This rank's collective traffic since the last record, per kind and group.
+            rec["comm"] = {f"{k}/{g}": v for (k, g), v in stats.snapshot().items()}
+            stats.reset()
+        if res.skipped:
+            rec["skipped"] = True
+        self.metrics.record(rec)
+        self.metrics.print(progress_line(rec))
+
+    def _eval_and_log(self, result: TrainResult) -> None:
+        loss = self.evaluate()
+        if loss is not None:
+            result.eval_loss = loss
+            self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
+
+
+def train(cfg: Config, log=print) -> TrainResult:
+    trainer = Trainer(cfg, log=log)
+    try:
+        return trainer.run()
+    finally:
+        trainer.data.stream.close()
+        trainer.checkpoints.wait()  # an async save must be committed before the process ends
+        if dist.is_initialized():
+            dist.barrier()

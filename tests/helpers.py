@@ -1,0 +1,93 @@
+"""Helpers shared by tests (bloomtrain never imports them): configs for the tiny model, a rank's
+parts built through `parallelize`, and the tp gathers and sums tests use to compare a
+parallel run with one process."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from bloomtrain.config import Config
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model import BloomForCausalLM
+from bloomtrain.model.params import base_spec, tp_shard
+from bloomtrain.model.presets import BloomShape, resolve_model_config
+from bloomtrain.parallel.parallelize import ModelParts, parallelize
+from bloomtrain.topology import Topology
+
+TINY = dict(hidden_size=64, num_layers=4, num_heads=4, vocab_size=256)
+
+
+def config(shape: BloomShape | None = None, parallel: dict | None = None, optim: dict | None = None,
+           **train) -> Config:
+    """A Config for the tiny model (or `shape`): `train` keys go to the train section."""
+    model = TINY if shape is None else dict(hidden_size=shape.hidden_size,
+                                            num_layers=shape.num_layers,
+                                            num_heads=shape.num_heads,
+                                            vocab_size=shape.vocab_size)
+    init_std = {} if shape is None else {"init_method_std": shape.init_method_std}
+    return Config.from_dict({
+        "model": {"preset": None, **model, **init_std},
+        "parallel": parallel or {},
+        "optim": optim or {},
+        "train": {"train_iters": 1, **train}})
+
+
+def topology(cfg: Config, base: Topology | None = None) -> Topology:
+    """cfg.parallel's Topology over the current job (one process without one). With `base`, its
+    process groups are reused for a layout of the same sizes (building groups is collective and
+    slow)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = ParallelLayout.from_config(cfg.parallel, world)
+    if base is not None:
+        b = base.layout
+        assert (b.tp, b.pp, b.dp) == (layout.tp, layout.pp, layout.dp)
+        return dataclasses.replace(base, layout=layout)
+    if not dist.is_initialized():
+        return Topology.describe_rank(layout, 0)
+    return Topology.build(layout=layout)
+
+
+def build(cfg: Config, topo: Topology | None = None, *, engine: bool = True,
+          device=None) -> ModelParts:
+    """This rank's parts of cfg's model, built on meta and parallelized."""
+    with torch.device("meta"):
+        model = BloomForCausalLM(resolve_model_config(cfg.model))
+    return parallelize(model, topo or topology(cfg), cfg, engine=engine, device=device or "cpu")
+
+
+@torch.no_grad()
+def gather_full_tensors(tensors: dict[str, torch.Tensor], topo) -> dict[str, torch.Tensor]:
+    """Full (tp = 1) tensors from this rank's tp shards, named like parameters (weights, grads,
+    moments): all-gathered along each one's split dim. Collective over tp."""
+    out = {}
+    for name, t in tensors.items():
+        key = name.split(".", 1)[1] if name.startswith(("exp_avg.", "exp_avg_sq.")) else name
+        dim = base_spec(key).tp_dim
+        t = t.detach()
+        if dim is None or topo.tp_size == 1:
+            out[name] = t.clone()
+            continue
+        parts = [torch.empty_like(t) for _ in range(topo.tp_size)]
+        dist.all_gather(parts, t.contiguous(), group=topo.tp_group)
+        out[name] = torch.cat(parts, dim)
+    return out
+
+
+def shard_full(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    return tp_shard(base_spec(name), full, tp_rank, tp_size).clone()
+
+
+@torch.no_grad()
+def sum_partial_grads(parts: ModelParts) -> None:
+    """What the engine does before a step, for tests that step a torch optimizer on .grad:
+    sum sequence-parallel partial grads over tp and the tied embedding's copies over the
+    embedding group."""
+    named = parts.named_parameters()
+    for flag, group in (("tp_partial_grad", parts.topo.tp_group),
+                        ("tied", parts.topo.embedding_group)):
+        grads = [p.grad for n, p in named if getattr(parts.specs[n], flag) and p.grad is not None]
+        if group is not None:
+            for g in grads:
+                dist.all_reduce(g, group=group)

@@ -1,0 +1,62 @@
+"""A checkpoint written before the parallelize() restructuring (tests/fixtures/old_checkpoint: a
+bf16 tp2·pp2·dp2 ZeRO-1 run with dropout, saved at step 3 by commit b59f811) still loads and
+resumes exactly: today's code continues it to step 5 with the same losses and gradient norms that
+code logged and the same bits in every tensor it saved (tests/fixtures/make_old_checkpoint.py
+wrote both)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bloomtrain import checkpoint as ckpt
+from bloomtrain.config import Config
+from bloomtrain.train import Trainer
+from tests.dist import run_ranks
+from tests.test_train import dataset  # noqa: F401  (fixture)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "old_checkpoint"
+
+
+def _config(dataset, tmp):
+    # As make_old_checkpoint.config, resuming from the fixture into a fresh directory.
+    return Config.from_dict({
+        "model": {"preset": None, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
+                  "vocab_size": 256, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+        "parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "pp_partition": "uniform"},
+        "data": {"paths": [dataset], "seq_length": 32, "split": "90,10,0"},
+        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_samples": 16, "decay_samples": 400},
+        "train": {"micro_batch_size": 1, "global_batch_size": 8, "train_iters": 5,
+                  "precision": "bf16", "log_interval": 1, "device": "cpu"},
+        "checkpoint": {"dir": f"{tmp}/ck", "save_interval": 3, "async_save": False,
+                       "resume": str(FIXTURE / ckpt.step_dir_name(3))},
+        "run_dir": f"{tmp}/run"})
+
+
+def _worker(rank, world, dataset, tmp):
+    res = Trainer(_config(dataset, tmp), log=lambda *a: None).run()
+    return res.checkpoint
+
+
+def test_old_checkpoint_resumes_exactly(dataset, tmp_path):
+    expected = json.loads((FIXTURE / "expected.json").read_text())
+    final = run_ranks(8, _worker, dataset, str(tmp_path))[0]
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    got = [r for r in records if "loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in expected["records"]] == [4, 5]
+    for mine, old in zip(got, expected["records"]):
+        assert mine["loss"] == old["loss"] and mine["lr"] == old["lr"]
+        assert mine["consumed_samples"] == old["consumed_samples"]
+        # The norm's fp64 sum of squares follows the bucket layout, which changed: last bits.
+        assert mine["grad_norm"] == pytest.approx(old["grad_norm"], rel=1e-12)
+    reader = ckpt.CheckpointReader(final, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+    digests = {f"{k}/{n}": hashlib.sha256(reader.load(n, k).numpy().tobytes()).hexdigest()
+               for n in sorted(reader.names()) for k in ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS}
+    assert digests == expected["final_tensors_sha256"]
+    manifest = reader.manifest
+    for key, value in expected["final_manifest"].items():
+        assert manifest[key] == value, key
+    assert math.isfinite(got[-1]["loss"])
