@@ -65,27 +65,16 @@ def demo_layout() -> tuple[int, dict]:
     if gpus >= 2:
         return 2, {"tp": 2, "pp": 1}
     return 1, {"tp": 1, "pp": 1}
+
+
 DEMO_PROMPT = "for i in range("
 
 
-def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = None,
-             max_docs: int | None = None, log=print) -> dict:
-    from bloomtrain.config import Config, apply_override
+def _prepare_data(data_dir: Path, max_docs: int | None, log) -> tuple[Path, Path, Path]:
+    """Steps 1-3: corpus, tokenizer, .bin/.idx (each skipped when already there)."""
     from bloomtrain.data.corpus import build_demo_corpus
     from bloomtrain.data.preprocess import preprocess
-    from bloomtrain.data.tokenizer import load_tokenizer, train_tokenizer
-    from bloomtrain.generate import generate
-    from bloomtrain.hf import export_hf
-    from bloomtrain import checkpoint as ckpt
-    from bloomtrain.layout import validate
-    from bloomtrain.train import launch_local, train
-    from bloomtrain.train.cli import worker_entry
-    from bloomtrain.utils import atomic_output
-
-    t_start = time.time()
-    root = Path(run_dir).resolve()
-    data_dir = root / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
+    from bloomtrain.data.tokenizer import train_tokenizer
 
     corpus = data_dir / "stdlib.jsonl"
     if not corpus.exists():
@@ -93,19 +82,27 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
         build_demo_corpus(corpus, max_docs=max_docs)
     else:
         log(f"[demo] 1/6 corpus exists: {corpus}")
-
     tok_dir = data_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
         log(f"[demo] 2/6 training a byte-level BPE tokenizer (vocab {DEMO_VOCAB}) -> {tok_dir}")
         train_tokenizer([str(corpus)], DEMO_VOCAB, str(tok_dir))
-    tokenizer = load_tokenizer(tok_dir)
-
     prefix = data_dir / "stdlib"
     dataset = Path(f"{prefix}_text_document")
     if not Path(f"{dataset}.idx").exists():
         log(f"[demo] 3/6 preprocessing to Megatron .bin/.idx -> {dataset}.bin/.idx")
         preprocess([str(corpus)], str(tok_dir), str(prefix), append_eod=True, workers=2,
                    progress=False, log=log)
+    return corpus, tok_dir, dataset
+
+
+def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
+    """Step 4: the demo config with the layout fitted to this machine, trained on as many
+    processes as that layout needs. Returns (config, metrics records)."""
+    from bloomtrain.config import Config, apply_override
+    from bloomtrain.layout import validate
+    from bloomtrain.train import launch_local, train
+    from bloomtrain.train.cli import worker_entry
+    from bloomtrain.utils import atomic_output
 
     data = yaml.safe_load(DEMO_CONFIG)
     data["run_dir"] = str(root / "run")
@@ -131,6 +128,26 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     else:
         train(cfg, log=log)
     records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    return cfg, records
+
+
+def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = None,
+             max_docs: int | None = None, log=print) -> dict:
+    import torch
+
+    from bloomtrain import checkpoint as ckpt
+    from bloomtrain import load_model
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.generate import generate
+    from bloomtrain.hf import export_hf
+
+    t_start = time.time()
+    root = Path(run_dir).resolve()
+    data_dir = root / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    corpus, tok_dir, dataset = _prepare_data(data_dir, max_docs, log)
+    tokenizer = load_tokenizer(tok_dir)
+    cfg, records = _train(root, dataset, tok_dir, overrides, log)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     if len(losses) >= 2:
@@ -143,9 +160,6 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     export_hf(checkpoint, str(export_dir))
 
     log(f"[demo] 6/6 greedy continuation of {DEMO_PROMPT!r}")
-    import torch
-
-    from bloomtrain import load_model
     model = load_model(checkpoint)
     ids = torch.tensor([tokenizer.encode(DEMO_PROMPT)])
     out = generate(model, ids, max_new_tokens=40, vocab_limit=tokenizer.vocab_size)
@@ -153,8 +167,7 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     log("-" * 60)
     log(text)
     log("-" * 60)
-    elapsed = time.time() - t_start
-    log(f"[demo] done in {elapsed / 60:.1f} min. Written:")
+    log(f"[demo] done in {(time.time() - t_start) / 60:.1f} min. Written:")
     log(f"  corpus        {corpus}")
     log(f"  tokenizer     {tok_dir}/tokenizer.json")
     log(f"  dataset       {dataset}.bin / .idx")

@@ -237,10 +237,6 @@ class BatchSchedule:
         steps = int(consumed_samples / (ramp_samples / num_increments))
         return min(start + steps * increment, self.global_batch_size)
 
-    def num_micro_batches_at(self, consumed_samples: int) -> int:
-        return self.layout.num_micro_batches(self.global_batch_size_at(consumed_samples),
-                                             self.micro_batch_size)
-
     def smallest(self) -> int:
         return self.rampup[0] if self.rampup else self.global_batch_size
 

@@ -1,5 +1,6 @@
-"""Optimizer pieces that do not depend on parallelism: AdamW parameter groups, the learning-rate
-schedule and the fp16 loss scaler, each with Megatron-DeepSpeed's semantics.
+"""Optimizer pieces that do not depend on parallelism: the learning-rate schedule, the fp16 loss
+scaler and Megatron's TFLOPs formula, each with Megatron-DeepSpeed's semantics. (Which
+parameters get weight decay is a fact of their spec, bloomtrain.model.params.)
 
 The learning rate is a function of *consumed samples*, not of steps, as in Megatron
 (`megatron/learning_rates.py`): that keeps the schedule right through batch-size ramp-up and across
@@ -9,12 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-
-def no_weight_decay(name: str, ndim: int) -> bool:
-    """Biases and LayerNorm parameters get no weight decay (Megatron's
-    `_get_params_for_weight_decay_optimization`). All of them, and only they, are 1-D here."""
-    return ndim < 2 or name.endswith(".bias") or "layernorm" in name or "ln_f" in name
 
 
 @dataclass

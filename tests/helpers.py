@@ -11,7 +11,7 @@ import torch.distributed as dist
 from bloomtrain.config import Config
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import BloomForCausalLM
-from bloomtrain.model.params import base_spec, tp_shard
+from bloomtrain.model.params import ParamSpec, base_spec, tp_shard_shape
 from bloomtrain.model.presets import BloomShape, resolve_model_config
 from bloomtrain.parallel.parallelize import ModelParts, parallelize
 from bloomtrain.topology import Topology
@@ -73,6 +73,14 @@ def gather_full_tensors(tensors: dict[str, torch.Tensor], topo) -> dict[str, tor
         dist.all_gather(parts, t.contiguous(), group=topo.tp_group)
         out[name] = torch.cat(parts, dim)
     return out
+
+
+def tp_shard(spec: ParamSpec, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The tp_rank-th shard of a full tensor by its spec (the tensor itself if replicated)."""
+    if spec.tp_dim is None or tp_size == 1:
+        return full
+    tp_shard_shape(spec, tuple(full.shape), tp_size)  # the split is exact
+    return full.chunk(tp_size, spec.tp_dim)[tp_rank]
 
 
 def shard_full(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

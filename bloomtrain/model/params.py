@@ -107,14 +107,6 @@ def tp_shard_shape(spec: ParamSpec, full_shape: tuple[int, ...], tp_size: int) -
     return tuple(shape)
 
 
-def tp_shard(spec: ParamSpec, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The tp_rank-th shard of the full tensor (a view; the tensor itself if replicated)."""
-    if spec.tp_dim is None or tp_size == 1:
-        return full
-    tp_shard_shape(spec, tuple(full.shape), tp_size)
-    return full.chunk(tp_size, spec.tp_dim)[tp_rank]
-
-
 # ---- initialization ----------------------------------------------------------------------------
 
 def init_std(spec: ParamSpec, num_layers: int, std: float) -> float:

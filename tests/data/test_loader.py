@@ -155,7 +155,7 @@ def test_rampup_matches_megatron(rampup, gbs):
                      ramp + 1, 10 * ramp):
         expected = _megatron_rampup(*rampup, gbs, consumed)
         assert s.global_batch_size_at(consumed) == expected
-        assert s.num_micro_batches_at(consumed) == expected // 8
+        assert s.layout.num_micro_batches(s.global_batch_size_at(consumed), s.micro_batch_size) == expected // 8
 
 
 def test_rampup_values_bloom_like():
@@ -166,7 +166,7 @@ def test_rampup_values_bloom_like():
     assert s.global_batch_size_at(int(per_increment)) == 192
     assert s.global_batch_size_at(math.ceil(per_increment)) == 208
     assert s.global_batch_size_at(9_765_625) == 2048
-    assert s.num_micro_batches_at(0) == 12
+    assert s.layout.num_micro_batches(s.global_batch_size_at(0), s.micro_batch_size) == 12
     assert BatchSizeSchedule(64, 2, 2).global_batch_size_at(12345) == 64
     assert BatchSizeSchedule(64, 2, 2, [64, 8, 100]).global_batch_size_at(0) == 64
     with pytest.raises(UserError, match="divisible by the increment"):

@@ -1,0 +1,185 @@
+"""Static facts about a bloomtrain source tree: class and function sizes, the import graph
+between its modules (function-local imports included: they fail at call time just the same when
+two modules need each other), and where tensor, pipeline and ZeRO parallelism are composed.
+
+    python tests/structure.py [REPO_ROOT]     # prints the figures, then one JSON line
+
+tests/test_structure.py asserts on the same functions.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+# The calls that apply one parallelism each; composing them is parallelize()'s job alone.
+COMPOSERS = ("apply_tensor_parallel", "build_pipeline_chunks", "ZeroEngine",
+             "MixedPrecisionOptimizer")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(repo: Path) -> dict[str, Path]:
+    return {_module_name(p, repo): p for p in sorted((repo / "bloomtrain").rglob("*.py"))}
+
+
+def _trees(files) -> dict:
+    return {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in files.items()}
+
+
+def sizes(repo: Path) -> dict[str, list[tuple[str, int]]]:
+    """Every class and function (nested ones too) with its length in lines, largest first."""
+    out = {"classes": [], "functions": []}
+    for name, tree in _trees(modules(repo)).items():
+        for node in ast.walk(tree):
+            kind = ("classes" if isinstance(node, ast.ClassDef) else
+                    "functions" if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    else None)
+            if kind:
+                out[kind].append((f"{name}.{node.name}", node.end_lineno - node.lineno + 1))
+    return {k: sorted(v, key=lambda x: -x[1]) for k, v in out.items()}
+
+
+def _resolve(importer: str, node, known: set[str], is_package: bool) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    if node.level:  # relative: from the importer's package
+        base = importer.split(".")
+        base = base[:len(base) - node.level + (1 if is_package else 0)]
+        module = ".".join(base + ([node.module] if node.module else []))
+    else:
+        module = node.module or ""
+    out = set()
+    for a in node.names:
+        if f"{module}.{a.name}" in known:
+            out.add(f"{module}.{a.name}")  # a submodule
+        elif module in known:
+            out.add(module)
+    return out
+
+
+def import_graph(repo: Path) -> dict[str, set[str]]:
+    files = modules(repo)
+    known = set(files)
+    graph = {}
+    for name, tree in _trees(files).items():
+        is_package = files[name].name == "__init__.py"
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets |= _resolve(name, node, known, is_package)
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def composition_sites(repo: Path) -> dict[str, list[str]]:
+    """Files (package, tests, benches) that call more than one of the per-parallelism builders."""
+    out = {}
+    for folder in ("bloomtrain", "tests", "bench"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            called = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+                    if name in COMPOSERS:
+                        called.add(name)
+            if len(called) > 1:
+                out[str(path.relative_to(repo))] = sorted(called)
+    return out
+
+
+def calls_outside(repo: Path, name: str, allowed: str) -> list[str]:
+    """Package files other than `allowed` that call `name`."""
+    hits = []
+    for path in sorted((repo / "bloomtrain").rglob("*.py")):
+        rel = str(path.relative_to(repo))
+        if rel == allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)) == name:
+                    hits.append(rel)
+                    break
+    return hits
+
+
+def parameter_flag_writes(repo: Path) -> list[str]:
+    """Places in the package that set attributes on objects named like parameters
+    (`p.x = ...`, `param.x = ...`, `setattr(p, ...)`), other than `.data` and `.grad`."""
+    hits = []
+    names = {"p", "param", "parameter", "tied", "copy", "w", "weight"}
+    for name, path in modules(repo).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                        and t.value.id in names and t.attr not in ("data", "grad")):
+                    hits.append(f"{name}:{node.lineno} {t.value.id}.{t.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "setattr" and isinstance(node.args[0], ast.Name)
+                    and node.args[0].id in names):
+                hits.append(f"{name}:{node.lineno} setattr({node.args[0].id}, ...)")
+    return hits
+
+
+def summary(repo: Path) -> dict:
+    s = sizes(repo)
+    graph = import_graph(repo)
+    return {
+        "largest_class": s["classes"][0],
+        "largest_function": s["functions"][0],
+        "classes_over_300": [c for c in s["classes"] if c[1] > 300],
+        "functions_over_80": [f for f in s["functions"] if f[1] > 80],
+        "import_cycles": cycles(graph),
+        "config_imports": sorted(graph.get("bloomtrain.config", ())),
+        "composition_sites": composition_sites(repo),
+        "parameter_attribute_writes": parameter_flag_writes(repo),
+    }
+
+
+if __name__ == "__main__":
+    repo = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1])
+    result = summary(repo)
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    print(json.dumps(result))

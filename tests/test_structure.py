@@ -1,0 +1,65 @@
+"""The package's structure, as its contracts say: small units, no import cycles (function-local
+imports included), config.py a leaf, no attribute flags on Parameters, and one place where
+tensor, pipeline and ZeRO parallelism compose (bloomtrain/parallel/parallelize.py). The figures
+come from tests/structure.py, which prints them for any checkout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import helpers
+from tests.structure import (calls_outside, composition_sites, cycles, import_graph,
+                             parameter_flag_writes, sizes)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_no_class_over_300_lines_and_no_function_over_80():
+    s = sizes(REPO)
+    assert [c for c in s["classes"] if c[1] > 300] == []
+    assert [f for f in s["functions"] if f[1] > 80] == []
+    # The ZeRO engine in parts: no class of it over 250 lines.
+    assert [c for c in s["classes"] if c[0].startswith("bloomtrain.parallel.zero")
+            and c[1] > 250] == []
+
+
+def test_no_import_cycle_and_config_is_a_leaf():
+    graph = import_graph(REPO)
+    assert cycles(graph) == []
+    assert graph["bloomtrain.config"] == set()
+    # The input readers serve both the tokenizer trainer and the preprocessor.
+    assert graph["bloomtrain.data.sources"] <= {"bloomtrain.utils", "bloomtrain.data.indexed"}
+
+
+def test_one_place_composes_tensor_pipeline_and_zero():
+    assert composition_sites(REPO) == {
+        "bloomtrain/parallel/parallelize.py": ["ZeroEngine", "apply_tensor_parallel",
+                                               "build_pipeline_chunks"]}
+    for builder in ("apply_tensor_parallel", "build_pipeline_chunks", "ZeroEngine"):
+        assert calls_outside(REPO, builder, "bloomtrain/parallel/parallelize.py") == [], builder
+
+
+def test_no_attribute_flags_on_parameters():
+    assert parameter_flag_writes(REPO) == []
+
+
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2, "pp": 2, "zero_stage": 1, "sequence_parallel": True},
+    {"pp": 2, "zero_stage": 3, "pp_schedule": "interleaved", "num_virtual_stages": 2,
+     "pp_partition": "uniform"},
+])
+def test_parameters_carry_nothing_but_their_values(parallel):
+    """Whatever the layout, a rank's Parameters have no instance attributes: what they are is
+    in the specs, held beside them."""
+    from bloomtrain.layout import ParallelLayout
+    from bloomtrain.topology import Topology
+    cfg = helpers.config(parallel=parallel)
+    layout = ParallelLayout.from_config(cfg.parallel, 8)
+    for rank in (0, 7):
+        parts = helpers.build(cfg, Topology.describe_rank(layout, rank), device="meta")
+        named = parts.named_parameters()
+        assert named and all(vars(p) == {} for _, p in named)
+        assert {n for n, _ in named} == set(parts.specs)
+        assert all(isinstance(p, torch.nn.Parameter) for _, p in named)
