@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, shape_from_args  # noqa: E402
+from bench.common import add_shape_args, alternate_rounds, shape_from_args  # noqa: E402
 from bloomtrain.config import ModelConfig  # noqa: E402
 from bloomtrain.model import resolve_model_config  # noqa: E402
 from bloomtrain.model.params import base_spec  # noqa: E402
@@ -173,15 +173,9 @@ def main():
     sides = {"bloomtrain": make_bloomtrain(shape, ids, device, args)}
     if not args.skip_hf:
         sides["hf"] = make_hf(shape, ids, device, args)
-    for step, _ in sides.values():
-        for _ in range(args.warmup):
-            step()
-    times = {name: [] for name in sides}
-    order = list(sides)
-    for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            step = sides[name][0]
-            times[name] += [timed(step, device) for _ in range(args.steps)]
+    times = alternate_rounds({name: step for name, (step, _) in sides.items()},
+                             lambda step: timed(step, device), args.warmup, args.rounds,
+                             args.steps)
 
     out = {"bench": "step_throughput", "device": str(device), "cpu": platform.processor(),
            "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, shape_from_args  # noqa: E402
+from bench.common import add_shape_args, alternate_rounds, shape_from_args  # noqa: E402
 
 from bloomtrain.model import build_model  # noqa: E402
 from bloomtrain.model.params import base_spec  # noqa: E402
@@ -145,14 +145,8 @@ def fsdp2_side(shape, ids, args):
 
 def run_sides(sides, args) -> dict:
     """Warm up every side, then alternate them over rounds; median step time per side."""
-    for step, _, _ in sides.values():
-        for _ in range(args.warmup):
-            step()
-    times = {name: [] for name in sides}
-    order = list(sides)
-    for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            times[name] += [_timed(sides[name][0]) for _ in range(args.steps)]
+    times = alternate_rounds({name: side[0] for name, side in sides.items()}, _timed,
+                             args.warmup, args.rounds, args.steps)
     return {name: {"ran": ran, "step_time_s": statistics.median(times[name]),
                    "step_times_s": times[name], **memory()}
             for name, (_, memory, ran) in sides.items()}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from bloomtrain import checkpoint as ckpt
-from bloomtrain.config import Config
 from bloomtrain.train import Trainer
+from tests.fixtures.make_old_checkpoint import config
 from tests.dist import run_ranks
 from tests.test_train import dataset  # noqa: F401  (fixture)
 
@@ -22,18 +22,10 @@ FIXTURE = Path(__file__).parent / "fixtures" / "old_checkpoint"
 
 
 def _config(dataset, tmp):
-    # As make_old_checkpoint.config, resuming from the fixture into a fresh directory.
-    return Config.from_dict({
-        "model": {"preset": None, "hidden_size": 32, "num_layers": 4, "num_heads": 4,
-                  "vocab_size": 256, "hidden_dropout": 0.1, "attention_dropout": 0.1},
-        "parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "pp_partition": "uniform"},
-        "data": {"paths": [dataset], "seq_length": 32, "split": "90,10,0"},
-        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_samples": 16, "decay_samples": 400},
-        "train": {"micro_batch_size": 1, "global_batch_size": 8, "train_iters": 5,
-                  "precision": "bf16", "log_interval": 1, "device": "cpu"},
-        "checkpoint": {"dir": f"{tmp}/ck", "save_interval": 3, "async_save": False,
-                       "resume": str(FIXTURE / ckpt.step_dir_name(3))},
-        "run_dir": f"{tmp}/run"})
+    # The config that wrote the fixture, resuming from it into a fresh directory.
+    cfg = config(dataset, tmp, 5)
+    cfg.checkpoint.resume = str(FIXTURE / ckpt.step_dir_name(3))
+    return cfg
 
 
 def _worker(rank, world, dataset, tmp):
