@@ -224,6 +224,11 @@ class BatchSchedule:
             if b % per_step:
                 raise UserError(f"rampup batch size {b} must be divisible by micro_batch_size * "
                                 f"dp ({per_step})")
+        for b in range(start, self.global_batch_size, increment):
+            try:  # every size of the ramp must run under the pipeline schedule too
+                self.layout.num_micro_batches(b, self.micro_batch_size)
+            except UserError as e:
+                raise UserError(f"train.rampup_batch_size: at global batch {b}: {e}") from None
         if t.train_samples is None:
             raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
 

@@ -105,10 +105,12 @@ class Topology:
         """Create every group of the grid (of `layout`, or of tp x pp over the world). All ranks
         must call this together (new_group is collective), after init_process_group."""
         if not dist.is_initialized():
-            if (layout.world_size if layout else tp * pp) != 1:
-                raise UserError(f"parallel.tp={tp} and parallel.pp={pp} need {tp * pp} or more "
-                                f"processes; launch with --nproc or torchrun")
-            return cls.single()
+            layout = layout or ParallelLayout(tp=tp, pp=pp)
+            if layout.world_size != 1:
+                raise UserError(f"parallel.tp={layout.tp} and parallel.pp={layout.pp} need "
+                                f"{layout.tp * layout.pp} or more processes; launch with --nproc "
+                                f"or torchrun")
+            return cls(layout=layout)  # one process: the config's ZeRO stage, schedule, ...
         world = dist.get_world_size()
         layout = layout or ParallelLayout.for_world(world, tp, pp)
         if layout.world_size != world:

@@ -58,3 +58,13 @@ def test_batch_must_split_over_data_parallel():
     validate(cfg, 2)
     with pytest.raises(UserError, match=r"micro_batch_size \* dp \(4 \* 3 = 12\)"):
         validate(cfg, 3)
+
+
+def test_rampup_sizes_must_fit_the_interleaved_schedule():
+    cfg = base(**{"parallel.pp": 2, "parallel.pp_schedule": "interleaved",
+                  "parallel.num_virtual_stages": 2, "parallel.pp_partition": "uniform",
+                  "train.global_batch_size": 8, "train.rampup_batch_size": "[3,1,30]",
+                  "train.train_samples": 100, "train.train_iters": "null"})
+    with pytest.raises(UserError, match=r"rampup_batch_size: at global batch 3: the interleaved "
+                                        r"schedule needs the number of micro-batches \(3"):
+        validate(cfg, 2)

@@ -144,3 +144,15 @@ def test_exit_duration_saves_and_stops(dataset, tmp_path):
     assert res.exit_reason == "exit_duration_minutes" and res.state.step == 1
     from bloomtrain import checkpoint
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
+
+
+@pytest.mark.parametrize("parallel", [{"zero_stage": 1}, {"zero_stage": 3},
+                                      {"pp_schedule": "gpipe", "zero_stage": 2}],
+                         ids=["z1", "z3", "gpipe-z2"])
+def test_one_process_takes_any_zero_stage_and_schedule(dataset, tmp_path, parallel):
+    # One process, one dp rank: every ZeRO stage holds the same numbers as stage 0 and a
+    # schedule of one stage is plain accumulation, so the runs match bit for bit.
+    ref = train(make_cfg(dataset, tmp_path / "ref", train__precision="bf16"), log=lambda *a: None)
+    got = train(make_cfg(dataset, tmp_path / "got", train__precision="bf16", parallel=parallel),
+                log=lambda *a: None)
+    assert got.losses == ref.losses

@@ -361,3 +361,40 @@ def test_segments_cover_every_parameter_once(dp, bucket):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     # Backward order: the last parameter of the forward comes first.
     assert layout.segments[0].pieces[0].slot.name.endswith(".3")
+
+
+class _Counting(dict):
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.reads = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_load_state_reads_each_tensor_once(stage):
+    """A resume hands the engine lazy tensors read from disk on access: however the parameters
+    are cut into segments (here: thousands of tiny ones), each is asked for once."""
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "bucket_size_mb": 0.001}, seed=1)
+    parts = helpers.build(cfg, Topology.describe_rank(ParallelLayout.from_config(cfg.parallel, 1),
+                                                      0))
+    eng = parts.engine
+    assert len(eng.bufs.layout.segments) > 100
+    master, optim = _Counting(eng.master_state()), _Counting(eng.optim_state())
+    eng.load_state(master, optim, None)
+    assert set(master.reads.values()) == {1} and len(master.reads) == len(master)
+    assert set(optim.reads.values()) == {1} and len(optim.reads) == len(optim)
+
+
+def test_frozen_parameters_are_refused():
+    from bloomtrain.config import UserError
+    from bloomtrain.model.params import ParamSpec
+    from bloomtrain.parallel.zero.engine import ZeroEngine
+    m = nn.Linear(4, 4)
+    m.bias.requires_grad_(False)
+    spec = ParamSpec(name="x", tp_dim=None, weight_decay=False, init="zeros")
+    with pytest.raises(UserError, match=r"\['bias'\] do not require grad"):
+        ZeroEngine([m], {"weight": spec, "bias": spec}, Topology.single(), helpers.config().optim,
+                   "fp32")

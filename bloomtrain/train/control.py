@@ -22,8 +22,11 @@ STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minute
 
 
 class RunControl:
-    def __init__(self, train_cfg, checkpoint_cfg):
+    def __init__(self, train_cfg, checkpoint_cfg, device):
         self.t, self.c = train_cfg, checkpoint_cfg
+        # The flags travel on the training device, which every backend of the job serves (NCCL
+        # has no CPU tensors).
+        self.device = device
         self.signal: int | None = None
         self.started = self.last_save = time.time()
 
@@ -43,7 +46,9 @@ class RunControl:
             yield self
         finally:
             for sig, old in saved.items():
-                signal.signal(sig, old)
+                # None: the previous handler was not installed from Python; the default is the
+                # closest Python can put back.
+                signal.signal(sig, signal.SIG_DFL if old is None else old)
 
     def should_stop(self) -> str | None:
         """Operator and scheduler controls, agreed across ranks so every rank saves together."""
@@ -56,7 +61,7 @@ class RunControl:
         elif t.exit_duration_minutes and (time.time() - self.started) / 60 >= \
                 t.exit_duration_minutes:
             reason = 3
-        flag = torch.tensor([reason], dtype=torch.int32)
+        flag = torch.tensor([reason], dtype=torch.int32, device=self.device)
         comm.all_reduce(flag, comm.world_group(), "control", op=comm.ReduceOp.MAX)
         return STOP_REASONS[int(flag)]
 
@@ -64,7 +69,8 @@ class RunControl:
         c = self.c
         due = bool(c.save_interval and step % c.save_interval == 0)
         if c.save_interval_minutes and not due:
-            flag = torch.tensor([int(time.time() - self.last_save >= 60 * c.save_interval_minutes)])
+            due_here = time.time() - self.last_save >= 60 * c.save_interval_minutes
+            flag = torch.tensor([int(due_here)], dtype=torch.int32, device=self.device)
             comm.broadcast(flag, 0, comm.world_group(), "control")  # rank clocks differ
             due = bool(flag)
         return due

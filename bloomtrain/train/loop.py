@@ -8,6 +8,7 @@ checkpoint. Every step runs through the pipeline schedule runtime, with one chun
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ class Trainer:
         if self.is_logger:
             with atomic_output(self.run_dir / "config.yaml", "w") as f:
                 f.write(cfg.to_yaml())
-        self.control = RunControl(cfg.train, cfg.checkpoint)
+        self.control = RunControl(cfg.train, cfg.checkpoint, self.device)
 
     @property
     def engine(self):
@@ -184,7 +185,8 @@ class Trainer:
         meter = IntervalMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
                               t.activation_checkpointing == "full")
         saved_step = state.step if self.resumed else None  # a resumed step needs no new save
-        with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats:
+        with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats, \
+                contextlib.closing(self.data.stream):
             while state.consumed_samples < self.data.train_samples:
                 gbs = self.batches.global_batch_size_at(state.consumed_samples)
                 t0 = time.time()
@@ -265,7 +267,6 @@ def train(cfg: Config, log=print) -> TrainResult:
     try:
         return trainer.run()
     finally:
-        trainer.data.stream.close()
         trainer.checkpoints.wait()  # an async save must be committed before the process ends
         if dist.is_initialized():
             dist.barrier()

@@ -49,14 +49,9 @@ class FlatBuffers:
         self.master, self.exp_avg, self.exp_avg_sq = zeros(state), zeros(state), zeros(state)
         self.grad = zeros(shard if rules.shard_grads else full)
         self.compute = None if rules.shard_params else zeros(full, compute_dtype)
-        # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use
-        # (after `bind` has made the parameters views into it).
+        # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use;
+        # made by `bind`, one group at a time.
         self.gathered: dict[int, torch.Tensor] = {}
-        if rules.shard_params:
-            for g in layout.groups:
-                if g.segments:
-                    self.gathered[g.index] = torch.empty(g.padded, dtype=compute_dtype,
-                                                         device=self.device)
 
     # ---- ranges ----------------------------------------------------------------------------------
     def own(self, seg: Segment) -> tuple[int, int]:
@@ -117,7 +112,17 @@ class FlatBuffers:
     def bind(self, modules: list[nn.Module]) -> dict[int, nn.Parameter]:
         """Replace every parameter of `modules` by a Parameter that is a view into the flat
         buffers, in every module that holds it (ties are kept). Returns old id -> new."""
-        new = {id(s.param): self._parameter(s) for s in self.layout.slots}
+        new = {}
+        for group in self.layout.groups:
+            if self.rules.shard_params and group.segments:
+                # A view needs its storage to exist when it is made; it is released right
+                # after, so at most one unit's compute copy is ever allocated here.
+                self.gathered[group.index] = torch.empty(group.padded, dtype=self.compute_dtype,
+                                                         device=self.device)
+            for s in group.slots:
+                new[id(s.param)] = self._parameter(s)
+            if self.rules.shard_params and group.segments and self.device.type != "meta":
+                self.gathered[group.index].untyped_storage().resize_(0)
         for m in modules:
             for mod in m.modules():
                 for key, p in list(mod._parameters.items()):
@@ -125,9 +130,6 @@ class FlatBuffers:
                         mod._parameters[key] = new[id(p)]
         for s in self.layout.slots:
             s.param = new[id(s.param)]
-        if self.device.type != "meta":
-            for buf in self.gathered.values():
-                buf.untyped_storage().resize_(0)
         return new
 
     def _parameter(self, slot: Slot) -> nn.Parameter:

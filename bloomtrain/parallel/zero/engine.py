@@ -88,6 +88,10 @@ class ZeroEngine:
         self.scaler = (DynamicLossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
                                          optim_cfg.hysteresis, optim_cfg.min_loss_scale)
                        if precision == "fp16" else None)
+        frozen = [n for m in modules for n, p in m.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise UserError(f"parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} do not "
+                            f"require grad; the engine trains every parameter of the model")
         groups, units = _group_units(modules, specs, unit_types)
         if not groups:
             raise UserError("the optimizer got no trainable parameters")
@@ -102,10 +106,12 @@ class ZeroEngine:
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)
         self.counters = Counters()
-        self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch)
+        self.reducer = GradReducer(self.bufs, topo, self.counters)
+        self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch,
+                                        on_backward=self.reducer.queue_end_of_backward)
                          if self.rules.shard_params else None)
-        self.reducer = GradReducer(self.bufs, topo, self.counters,
-                                   self.gatherer.free if self.gatherer else None)
+        if self.gatherer is not None:
+            self.reducer.on_group_done = self.gatherer.free
         self._hooks: list = []
         self.install_hooks()
 

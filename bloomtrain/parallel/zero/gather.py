@@ -37,8 +37,11 @@ def _in_backward() -> bool:
 
 class Stage3Gatherer:
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, units: list[Unit],
-                 prefetch: bool = True):
+                 prefetch: bool = True, on_backward=None):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        # Called when backward reaches a unit: the end of that backward frees what it gathered,
+        # even if no parameter gradient arrives in it.
+        self.on_backward = on_backward
         self.units, self.prefetch = units, prefetch
         self._gathered: set[int] = set()
         self._pending: dict[int, tuple[object, list[torch.Tensor]]] = {}
@@ -133,6 +136,8 @@ class Stage3Gatherer:
             self.free(g)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if self.on_backward is not None:
+            self.on_backward()
         for g in unit.groups:
             self.gather(g)
         self._prefetch(self._neighbour(unit, -1))

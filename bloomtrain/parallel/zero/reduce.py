@@ -68,12 +68,15 @@ class GradReducer:
         pieces = self._pieces[id(slot)]
 
         def hook(p):
-            self._queue_end_of_backward()
+            self.queue_end_of_backward()
             flat = p.grad.reshape(-1)
             for seg, piece in pieces:
                 staging = self._staging.get(seg.index)
                 if staging is None:
                     # Zeros: padding, and parameters that get no gradient this pass, add nothing.
+                    # (Every dp rank must produce the same set of gradients in a backward, as
+                    # every BLOOM parameter does, or the ranks would launch different
+                    # reduce-scatters.)
                     staging = torch.zeros(seg.padded, dtype=torch.float32, device=flat.device)
                     self._staging[seg.index] = staging
                     self.counters.staged(seg.padded * 4)
@@ -107,7 +110,8 @@ class GradReducer:
         self.bufs.grad[seg.shard_off:seg.shard_off + seg.shard].add_(out)
         self.counters.staged(-staging.numel() * 4)
 
-    def _queue_end_of_backward(self) -> None:
+    def queue_end_of_backward(self) -> None:
+        """Run `_end_of_backward` when the current backward pass ends (once per pass)."""
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -59,29 +59,32 @@ def fragments(bufs: FlatBuffers, topo) -> list[Fragment]:
 def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> None:
     """Take full tp-local tensors by local parameter name (`master`) and `exp_avg.NAME` /
     `exp_avg_sq.NAME` (`optim`), keep this rank's ranges, refresh the compute copy. No
-    communication: every rank reads what it needs."""
+    communication: every rank reads what it needs. Each tensor is asked for once, parameter by
+    parameter, so a lazy source (a checkpoint reader) reads every tensor from disk once."""
     sources = [(bufs.master, master, "")]
     if optim:
         sources += [(bufs.exp_avg, optim, "exp_avg."), (bufs.exp_avg_sq, optim, "exp_avg_sq.")]
+    pieces = {id(s): [] for s in bufs.layout.slots}
     for seg in bufs.layout.segments:
-        lo, hi = bufs.own(seg)
+        for piece in seg.pieces:
+            pieces[id(piece.slot)].append((seg, piece))
+    for slot in bufs.layout.slots:
         for buf, tensors, prefix in sources:
-            view = bufs.state_view(buf, seg)
-            for piece in seg.pieces:
-                key = prefix + piece.slot.name
-                if key not in tensors:
-                    raise KeyError(f"checkpoint has no {prefix or 'weights '}"
-                                   f"{'' if prefix else 'for parameter '}{piece.slot.name}")
+            key = prefix + slot.name
+            if key not in tensors:
+                raise KeyError(f"checkpoint has no {prefix or 'weights '}"
+                               f"{'' if prefix else 'for parameter '}{slot.name}")
+            flat = tensors[key].reshape(-1)
+            for seg, piece in pieces[id(slot)]:
+                lo, hi = bufs.own(seg)
                 a, b = max(lo, piece.seg_start), min(hi, piece.seg_start + piece.numel)
                 if a < b:
                     src = piece.param_start + a - piece.seg_start
-                    view[a - lo:b - lo].copy_(tensors[key].reshape(-1)[src:src + b - a])
-        if bufs.compute is not None:
-            for piece in seg.pieces:
-                base = seg.full_off + piece.seg_start
-                src = master[piece.slot.name].reshape(-1)
-                bufs.compute[base:base + piece.numel].copy_(
-                    src[piece.param_start:piece.param_start + piece.numel])
+                    bufs.state_view(buf, seg)[a - lo:b - lo].copy_(flat[src:src + b - a])
+                if buf is bufs.master and bufs.compute is not None:
+                    base = seg.full_off + piece.seg_start
+                    bufs.compute[base:base + piece.numel].copy_(
+                        flat[piece.param_start:piece.param_start + piece.numel])
 
 
 @torch.no_grad()
