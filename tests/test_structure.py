@@ -63,3 +63,11 @@ def test_parameters_carry_nothing_but_their_values(parallel):
         assert named and all(vars(p) == {} for _, p in named)
         assert {n for n, _ in named} == set(parts.specs)
         assert all(isinstance(p, torch.nn.Parameter) for _, p in named)
+
+
+def test_every_package_directory_is_a_package():
+    # setuptools' find_packages ships only directories with an __init__.py: a non-editable
+    # `pip install` would lose any other.
+    missing = [str(d.relative_to(REPO)) for d in (REPO / "bloomtrain").rglob("*")
+               if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()]
+    assert missing == []
