@@ -156,3 +156,16 @@ def test_one_process_takes_any_zero_stage_and_schedule(dataset, tmp_path, parall
     got = train(make_cfg(dataset, tmp_path / "got", train__precision="bf16", parallel=parallel),
                 log=lambda *a: None)
     assert got.losses == ref.losses
+
+
+def test_a_run_leaves_no_global_state_behind(dataset, tmp_path):
+    import signal
+
+    from bloomtrain.parallel import comm
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    enabled = comm.STATS.enabled
+    records = train(make_cfg(dataset, tmp_path, train__train_iters=2,
+                             parallel={"comm_stats": True}), log=lambda *a: None)
+    assert {s: signal.getsignal(s) for s in before} == before
+    assert comm.STATS.enabled == enabled
+    assert len(records.losses) == 2

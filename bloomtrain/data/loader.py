@@ -93,9 +93,9 @@ def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int,
     mask 0, as Megatron's get_ltor_masks_and_position_ids (`loss_mask[tokens == eod] = 0`): the
     token after an end of document starts an unrelated document and cannot be predicted."""
     per_step = micro_batch_size * dp_size
-    if global_batch_size % per_step:
-        raise UserError(f"global batch size {global_batch_size} is not divisible by "
-                        f"micro_batch_size * dp ({micro_batch_size} * {dp_size})")
+    if global_batch_size % per_step:  # bloomtrain.layout tells the user; this is a caller's bug
+        raise ValueError(f"global batch size {global_batch_size} is not divisible by "
+                         f"micro_batch_size * dp ({micro_batch_size} * {dp_size})")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
     if eod_mask_loss and eod_id is None:

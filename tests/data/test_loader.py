@@ -110,7 +110,7 @@ def test_iterator_resume_across_dp_change_with_rampup():
 def test_dataset_too_short_is_an_error():
     with pytest.raises(UserError, match="samples"):
         get_micro_batches(_Ids(10), 8, 4, 1, 0, 1)
-    with pytest.raises(UserError, match="divisible"):
+    with pytest.raises(ValueError, match="divisible"):  # validated before: a caller's bug
         get_micro_batches(_Ids(10), 0, 6, 4, 0, 1)
 
 
