@@ -113,14 +113,16 @@ def fsdp2_side(shape, ids, args):
         return step
 
     # Every rank must agree on the choice: rank 0's timings decide, broadcast.
-    timings = {}
+    timings, unavailable = {}, {}
     for kind in ("fused", "foreach"):
         try:
             opt = make_opt(kind)
             step_with(opt)()
             timings[kind] = statistics.median(_timed(step_with(opt)) for _ in range(2))
-        except (RuntimeError, TypeError, NotImplementedError):
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            # torch has no such implementation for DTensors on this device: say so, use the other
             timings[kind] = float("inf")
+            unavailable[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     choice = [min(timings, key=timings.get)]
     dist.broadcast_object_list(choice, src=0)
     kind = choice[0]
@@ -139,7 +141,7 @@ def fsdp2_side(shape, ids, args):
                 "adam_m": _storage_bytes(m), "adam_v": _storage_bytes(v)}
         opt.zero_grad(set_to_none=True)
         return {"model_state_bytes": sum(cats.values()), "by_category": cats,
-                "optimizer_timings_s": timings}
+                "optimizer_timings_s": timings, "optimizer_unavailable": unavailable}
     return step_with(opt), memory, f"FSDP2 + torch.optim.AdamW({kind}=True)"
 
 

@@ -36,6 +36,17 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
         raise
 
 
+def replace_parameters(modules, new: dict) -> None:
+    """Put new[id(p)] in place of every parameter p of `modules` that `new` names, in every
+    module that holds p, so that parameters shared between modules (a tied LM head) stay
+    shared."""
+    for m in modules:
+        for mod in m.modules():
+            for key, p in list(mod._parameters.items()):
+                if p is not None and id(p) in new:
+                    mod._parameters[key] = new[id(p)]
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside `path` durable."""
     with contextlib.suppress(OSError):

@@ -13,6 +13,7 @@ from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import BloomForCausalLM
 from bloomtrain.model.params import ParamSpec, base_spec, tp_shard_shape
 from bloomtrain.model.presets import BloomShape, resolve_model_config
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import ModelParts, parallelize
 from bloomtrain.topology import Topology
 
@@ -69,9 +70,10 @@ def gather_full_tensors(tensors: dict[str, torch.Tensor], topo) -> dict[str, tor
         if dim is None or topo.tp_size == 1:
             out[name] = t.clone()
             continue
-        parts = [torch.empty_like(t) for _ in range(topo.tp_size)]
-        dist.all_gather(parts, t.contiguous(), group=topo.tp_group)
-        out[name] = torch.cat(parts, dim)
+        front = t.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
+        full = front.new_empty((topo.tp_size * front.shape[0],) + tuple(front.shape[1:]))
+        comm.all_gather_into_tensor(full, front, topo.tp_group, "tp")
+        out[name] = full.movedim(0, dim).contiguous()
     return out
 
 
@@ -96,6 +98,4 @@ def sum_partial_grads(parts: ModelParts) -> None:
     for flag, group in (("tp_partial_grad", parts.topo.tp_group),
                         ("tied", parts.topo.embedding_group)):
         grads = [p.grad for n, p in named if getattr(parts.specs[n], flag) and p.grad is not None]
-        if group is not None:
-            for g in grads:
-                dist.all_reduce(g, group=group)
+        comm.all_reduce_coalesced(grads, group, "test")

@@ -151,11 +151,15 @@ def test_exit_duration_saves_and_stops(dataset, tmp_path):
                          ids=["z1", "z3", "gpipe-z2"])
 def test_one_process_takes_any_zero_stage_and_schedule(dataset, tmp_path, parallel):
     # One process, one dp rank: every ZeRO stage holds the same numbers as stage 0 and a
-    # schedule of one stage is plain accumulation, so the runs match bit for bit.
-    ref = train(make_cfg(dataset, tmp_path / "ref", train__precision="bf16"), log=lambda *a: None)
+    # schedule of one stage is plain accumulation, so the runs match bit for bit; and both follow
+    # the plain bf16 loop of tests/reference.py (the bound of test_train_reference.py).
+    from tests.reference import reference_train
+    ref_cfg = make_cfg(dataset, tmp_path / "ref", train__precision="bf16")
+    ref = train(ref_cfg, log=lambda *a: None)
     got = train(make_cfg(dataset, tmp_path / "got", train__precision="bf16", parallel=parallel),
                 log=lambda *a: None)
     assert got.losses == ref.losses
+    np.testing.assert_allclose(got.losses, reference_train(ref_cfg).losses, rtol=1e-4)
 
 
 def test_a_run_leaves_no_global_state_behind(dataset, tmp_path):

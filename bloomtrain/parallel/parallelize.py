@@ -32,6 +32,7 @@ from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chu
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
 from bloomtrain.parallel.zero.engine import DTYPES, ZeroEngine
 from bloomtrain.topology import Topology
+from bloomtrain.utils import replace_parameters
 
 
 @dataclass
@@ -88,11 +89,7 @@ def _materialize_each(parts: ModelParts, seed: int, dtype: torch.dtype, device) 
         flat = torch.empty(math.prod(p.shape), dtype=torch.float32, device=device)
         values(p, parts.specs[name], 0, flat)
         new[id(p)] = nn.Parameter(flat.view(p.shape).to(dtype), requires_grad=p.requires_grad)
-    for chunk in parts.chunks:
-        for mod in chunk.modules():
-            for key, p in list(mod._parameters.items()):
-                if p is not None and id(p) in new:
-                    mod._parameters[key] = new[id(p)]
+    replace_parameters(parts.chunks, new)
 
 
 def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=None,

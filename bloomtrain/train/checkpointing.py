@@ -115,12 +115,15 @@ class TrainCheckpoints:
             dim = spec.tp_dim if topo.tp_size > 1 else None
             return reader.load_tp_shard(spec.name, kind, topo.tp_rank, topo.tp_size,
                                         dim).to(torch.float32)
+        def moment(key: str) -> torch.Tensor:  # "exp_avg.NAME" / "exp_avg_sq.NAME"
+            kind, name = key.split(".", 1)
+            return shard(name, kind)
         names = list(specs)
         master = ckpt.LazyState(names, lambda n: shard(n, "model"))
         if not reader.has("exp_avg"):
             return master, None
         keys = [f"{k}.{n}" for k in ckpt.OPTIM_KINDS for n in names]
-        return master, ckpt.LazyState(keys, lambda key: shard(*reversed(key.split(".", 1))))
+        return master, ckpt.LazyState(keys, moment)
 
     def _restore_rng(self, manifest: dict) -> None:
         ranks = manifest.get("ranks", {})

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from bloomtrain.model.params import ParamSpec
+from bloomtrain.utils import replace_parameters
 from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
 from bloomtrain.parallel.zero.stages import StageRules
 
@@ -123,11 +124,7 @@ class FlatBuffers:
                 new[id(s.param)] = self._parameter(s)
             if self.rules.shard_params and group.segments and self.device.type != "meta":
                 self.gathered[group.index].untyped_storage().resize_(0)
-        for m in modules:
-            for mod in m.modules():
-                for key, p in list(mod._parameters.items()):
-                    if p is not None and id(p) in new:
-                        mod._parameters[key] = new[id(p)]
+        replace_parameters(modules, new)
         for s in self.layout.slots:
             s.param = new[id(s.param)]
         return new
