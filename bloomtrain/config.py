@@ -74,6 +74,9 @@ class ParallelConfig:
     backend: str = "auto"
     # A collective that waits longer than this fails with an error instead of hanging.
     timeout_minutes: float = 10.0
+    # ZeRO-Offload (arXiv 2101.06840): keep this rank's fp32 masters and Adam moments in host
+    # memory (pinned on CUDA) and run the optimizer step there.
+    offload_optimizer: bool = False
 
 
 @dataclass
@@ -125,7 +128,15 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = None
     precision: str = "bf16"
     seed: int = 1234
+    # none; selective: recompute only the attention core (softmax, dropout, the matmuls with K
+    # and V), Korthikanti et al. (arXiv 2205.05198); full: recompute every block, as BLOOM did.
     activation_checkpointing: str = "none"
+    # Regional torch.compile of each transformer block (inductor fuses LayerNorm, bias-GeLU and
+    # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).
+    compile: bool = False
+    # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available, else
+    # SDPA with the ALiBi bias as a float mask), sdpa or flex.
+    attention: str = "auto"
     log_interval: int = 10
     eval_interval: int | None = None
     eval_iters: int = 10
@@ -237,7 +248,8 @@ class Config:
                 _require_positive(f"train.{key}", getattr(t, key))
         _require_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
         _require_choice("train.activation_checkpointing", t.activation_checkpointing,
-                        ("none", "full"))
+                        ("none", "selective", "full"))
+        _require_choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
         _require_choice("train.device", t.device, ("auto", "cpu", "cuda"))
         _require_positive("train.log_interval", t.log_interval)
         if t.eval_interval is not None:
