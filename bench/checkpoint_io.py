@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +35,7 @@ from bench.common import add_shape_args  # noqa: E402
 
 from bloomtrain import checkpoint as ckpt  # noqa: E402
 from bloomtrain.config import Config  # noqa: E402
+from bloomtrain.parallel import comm  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 MB = 1e6
@@ -57,7 +57,7 @@ def _config(args, data, root, run_dir, tp, zero) -> Config:
 
 def _slowest(seconds: list[float]) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce(t, comm.world_group(), "bench", op=comm.ReduceOp.MAX)
     return t.tolist()
 
 
@@ -66,28 +66,28 @@ def _rank_fn(rank, world, args, data, root, run_dir, tp, zero):
     trainer = Trainer(_config(args, data, root, run_dir, tp, zero), log=lambda *a: None)
     writer = trainer.checkpoints.writer
 
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     trainer.state.step = 1
     t0 = time.perf_counter()
     trainer.checkpoints.save(trainer.state)
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     sync_s = time.perf_counter() - t0
 
     writer.async_save = True
     trainer.state.step = 2
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     t0 = time.perf_counter()
     trainer.checkpoints.save(trainer.state)
     blocked_s = time.perf_counter() - t0
     writer.wait()
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     async_total_s = time.perf_counter() - t0
 
     trainer.cfg.checkpoint.resume = str(Path(root) / ckpt.step_dir_name(1))
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     t0 = time.perf_counter()
     trainer.checkpoints.resume()
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     resume_s = time.perf_counter() - t0
     sync_s, blocked_s, async_total_s, resume_s = _slowest(
         [sync_s, blocked_s, async_total_s, resume_s])

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import BloomShape, build_model
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline import (
     Timeline,
     build_pipeline_chunks,
@@ -72,7 +73,7 @@ def _rank(rank: int, port: int, args, out_dir: str) -> None:
                 summaries = []
                 for step in range(args.steps + 1):
                     timeline = Timeline()
-                    dist.barrier()  # start every rank's step (and clock) together
+                    comm.barrier(comm.world_group(), "bench")  # start every rank's step (and clock) together
                     pipeline_train_step(schedule, chunks, batches, topo,
                                         recv_shape=(args.micro_batch, args.seq, shape.hidden_size),
                                         timeline=timeline, timeout=120.0)

@@ -40,6 +40,7 @@ from bench.common import add_shape_args, alternate_rounds, shape_from_args  # no
 
 from bloomtrain.model import build_model  # noqa: E402
 from bloomtrain.model.params import base_spec  # noqa: E402
+from bloomtrain.parallel import comm  # noqa: E402
 from tests import helpers  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -47,10 +48,10 @@ LR = 1e-4
 
 
 def _timed(step) -> float:
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     t0 = time.perf_counter()
     step()
-    dist.barrier()
+    comm.barrier(comm.world_group(), "bench")
     return time.perf_counter() - t0
 
 
@@ -123,9 +124,7 @@ def fsdp2_side(shape, ids, args):
             # torch has no such implementation for DTensors on this device: say so, use the other
             timings[kind] = float("inf")
             unavailable[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    choice = [min(timings, key=timings.get)]
-    dist.broadcast_object_list(choice, src=0)
-    kind = choice[0]
+    kind = comm.broadcast_object(min(timings, key=timings.get), 0, comm.world_group(), "bench")
     opt = make_opt(kind)
 
     def memory():

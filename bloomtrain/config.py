@@ -70,7 +70,8 @@ class ParallelConfig:
     bucket_size_mb: float = 25.0
     # Count bytes and calls per collective per group (also BLOOMTRAIN_COMM_STATS=1).
     comm_stats: bool = False
-    # auto: nccl when CUDA is available, else gloo.
+    # auto: on CUDA the per-device "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU
+    # ones), else gloo. nccl: the same, insisting on CUDA; gloo: CPU only.
     backend: str = "auto"
     # A collective that waits longer than this fails with an error instead of hanging.
     timeout_minutes: float = 10.0

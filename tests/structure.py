@@ -143,6 +143,60 @@ def calls_outside(repo: Path, name: str, allowed: str) -> list[str]:
     return hits
 
 
+# torch.distributed's communicating calls: only bloomtrain/parallel/comm.py makes them, after its
+# device check (a CPU tensor on an NCCL group fails on a cluster, never on a laptop).
+COLLECTIVES = {
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "broadcast", "broadcast_object_list", "reduce", "gather",
+    "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "send_object_list", "recv_object_list",
+}
+COMM_MODULE = "bloomtrain/parallel/comm.py"
+
+
+def _dist_aliases(tree) -> tuple[set[str], set[str]]:
+    """Names bound to torch.distributed, and collectives imported from it by name."""
+    aliases, direct = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed" and a.asname:
+                    aliases.add(a.asname)
+        elif isinstance(node, ast.ImportFrom):
+            if node.module == "torch":
+                aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+            elif node.module == "torch.distributed":
+                direct |= {a.asname or a.name for a in node.names if a.name in COLLECTIVES}
+    return aliases, direct
+
+
+def direct_collective_calls(repo: Path) -> list[str]:
+    """Calls of torch.distributed collectives or p2p outside comm.py, in the package, the tests
+    and the benches: `dist.all_reduce(...)`, `torch.distributed.barrier(...)`, or a collective
+    imported by name."""
+    hits = []
+    for folder in ("bloomtrain", "tests", "bench"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            rel = str(path.relative_to(repo))
+            if rel == COMM_MODULE:
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            aliases, direct = _dist_aliases(tree)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                if isinstance(f, ast.Name) and f.id in direct:
+                    hits.append(f"{rel}:{node.lineno} {f.id}")
+                elif isinstance(f, ast.Attribute) and f.attr in COLLECTIVES and (
+                        (isinstance(f.value, ast.Name) and f.value.id in aliases)
+                        or ast.unparse(f.value) == "torch.distributed"):
+                    hits.append(f"{rel}:{node.lineno} {ast.unparse(f)}")
+    return hits
+
+
 def parameter_flag_writes(repo: Path) -> list[str]:
     """Places in the package that set attributes on objects named like parameters
     (`p.x = ...`, `param.x = ...`, `setattr(p, ...)`), other than `.data` and `.grad`."""
@@ -174,6 +228,7 @@ def summary(repo: Path) -> dict:
         "config_imports": sorted(graph.get("bloomtrain.config", ())),
         "composition_sites": composition_sites(repo),
         "parameter_attribute_writes": parameter_flag_writes(repo),
+        "direct_collective_calls": direct_collective_calls(repo),
     }
 
 

@@ -14,6 +14,7 @@ from bloomtrain import cli
 from bloomtrain.layout import ParallelLayout, validate
 from bloomtrain.model import BloomShape, build_model
 from bloomtrain.model.params import logical_name
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline import (
     SCHEDULES,
     PipelineCommError,
@@ -137,7 +138,8 @@ def _train_case(case, base, tmp_dir):
     opt = torch.optim.AdamW([p for _, p in params], lr=LR, weight_decay=0.1)
     recv_shape = topo.layout.recv_shape(MBS, SEQ, cfg.model.hidden_size)
     out = dict(losses=[], grads={}, names=[n for n, _ in params],
-               ranges=[c.block_range for c in chunks])
+               ranges=[c.block_range for c in chunks], rank=topo.rank)
+    comm.STATS.trace_p2p()
     for step in range(case["steps"]):
         opt.zero_grad(set_to_none=True)
         timeline = Timeline() if case.get("timeline") else None
@@ -152,6 +154,7 @@ def _train_case(case, base, tmp_dir):
         out["losses"].append(loss)
         if timeline is not None:
             timeline.save(tmp_dir, step)
+    out["p2p"], _ = comm.STATS.p2p_log, comm.STATS.trace_p2p(False)
     tied = {n: p.detach() for n, p in params if specs[n].tied}
     weights = helpers.gather_full_tensors(tied, topo)
     out["tied_weights"] = weights if topo.tp_rank == 0 else None
@@ -272,6 +275,27 @@ def _merge_grads(ranks, name, step):
                 tied.append((merged[n], g))
             merged[n] = g
     return merged, tied
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")
+def test_messages_match_by_order_alone(spawn, world):
+    """NCCL ignores tags: the n-th message a rank sends to a peer is the n-th that peer posts a
+    receive for. gloo matches tags, so the CPU runs would not notice a schedule that posts a
+    pair's messages in different orders on the two sides; this checks the order itself, for
+    every schedule and layout: each pair's sends, as posted, equal the peer's receives, as
+    posted, in tag (what and which micro-batch) and shape."""
+    ranks = spawn(world)
+    for name in WORLDS[world]:
+        sent, received = {}, {}
+        for r in ranks:
+            me = r[name]["rank"]
+            for kind, peer, tag, shape in r[name]["p2p"]:
+                log = sent if kind == "send" else received
+                log.setdefault((me, peer) if kind == "send" else (peer, me), []).append(
+                    (tag, shape))
+        assert sent and sent.keys() == received.keys(), name
+        for pair, messages in sent.items():
+            assert messages == received[pair], (name, pair)
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")

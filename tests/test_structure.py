@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.structure import (calls_outside, composition_sites, cycles, import_graph,
-                             parameter_flag_writes, sizes)
+from tests.structure import (calls_outside, composition_sites, cycles,
+                             direct_collective_calls, import_graph, parameter_flag_writes, sizes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,27 @@ def test_one_place_composes_tensor_pipeline_and_zero():
                                                "build_pipeline_chunks"]}
     for builder in ("apply_tensor_parallel", "build_pipeline_chunks", "ZeroEngine"):
         assert calls_outside(REPO, builder, "bloomtrain/parallel/parallelize.py") == [], builder
+
+
+def test_every_collective_goes_through_comm():
+    """The package, the tests and the benches communicate only through parallel/comm.py, whose
+    wrappers check each tensor's device against the group's backend (checkpoint commit and
+    barriers included)."""
+    assert direct_collective_calls(REPO) == []
+
+
+def test_the_collective_scan_finds_direct_calls(tmp_path):
+    (tmp_path / "bloomtrain" / "train").mkdir(parents=True)
+    (tmp_path / "bloomtrain" / "train" / "loop.py").write_text(
+        "import torch\nimport torch.distributed as dist\n"
+        "from torch.distributed import all_reduce as ar\n"
+        "dist.barrier()\ntorch.distributed.broadcast(t, 0)\nar(t)\n"
+        "dist.P2POp(dist.isend, t, 1)\ndist.get_rank()\n")
+    for folder in ("tests", "bench"):
+        (tmp_path / folder).mkdir()
+    assert direct_collective_calls(tmp_path) == [
+        "bloomtrain/train/loop.py:4 dist.barrier", "bloomtrain/train/loop.py:5 "
+        "torch.distributed.broadcast", "bloomtrain/train/loop.py:6 ar"]
 
 
 def test_no_attribute_flags_on_parameters():

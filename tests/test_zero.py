@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.params import param_spec
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline import pipeline_train_step
 from bloomtrain.parallel.zero.memory import formula
 from bloomtrain.parallel.zero.segments import build_layout
@@ -87,9 +87,8 @@ def train(parts, batches, mbs, inject_nonfinite_at=None):
                                    dtype=eng.compute_dtype, timeout=120)
         res = eng.step(LR)
         mean = torch.tensor(loss)
-        if topo.dp_group is not None:
-            dist.all_reduce(mean, group=topo.dp_group)
-            mean /= topo.dp_size
+        comm.all_reduce(mean, topo.dp_group, "dp")
+        mean /= topo.dp_size
         losses.append(float(mean))
         norms.append(res.grad_norm)
         skipped.append(res.skipped)

@@ -21,6 +21,7 @@ from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, O
                                           verify)
 from bloomtrain.checkpoint.fragments import Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel import comm
 from bloomtrain.safetensors_io import write_safetensors_streaming
 from bloomtrain.utils import atomic_output, fsync_dir
 
@@ -82,26 +83,18 @@ class CheckpointWriter:
         self.world = dist.get_world_size() if distributed else 1
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._thread: threading.Thread | None = None
+        self._pinned: dict = {}  # reused pinned host buffers of async saves from CUDA
         self._error: BaseException | None = None
 
-    # Collective helpers on the checkpoint group.
+    # Collectives of the commit, on the checkpoint group, through comm like every other.
     def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
+        comm.barrier(self.group, "checkpoint")
 
     def _gather(self, obj) -> list | None:
-        if self.group is None:
-            return [obj]
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+        return comm.gather_object(obj, 0, self.group, "checkpoint")
 
     def _broadcast(self, obj):
-        if self.group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return comm.broadcast_object(obj, 0, self.group, "checkpoint")
 
     def wait(self) -> None:
         """Wait for an in-flight async save; re-raise its error."""
@@ -122,15 +115,16 @@ class CheckpointWriter:
         self.wait()
         final = self.root / step_dir_name(step)
         use_async = self.async_save if async_save is None else async_save
+        copied = None
         if use_async:
             # Snapshot now: training goes on changing the parameters while the thread writes.
-            fragments = [dataclasses.replace(f, tensors={k: t.detach().to("cpu", copy=not owned)
-                                                         for k, t in f.tensors.items()})
-                         for f in fragments]
+            fragments, copied = self._snapshot(fragments, owned)
         args = (step, fragments, shape, meta, rank_meta or {}, tokenizer, keep_last)
         if use_async:
             def run():
                 try:
+                    if copied is not None:
+                        copied.synchronize()  # the device->host copies have landed
                     self._save(*args)
                 except BaseException as e:  # surfaced by the next wait()
                     self._error = e
@@ -139,6 +133,33 @@ class CheckpointWriter:
         else:
             self._save(*args)
         return final
+
+    def _snapshot(self, fragments: list[Fragment], owned: bool):
+        """Host copies of `fragments` for an async save, and a CUDA event that marks them done
+        (None on CPU). From CUDA the copies go into pinned buffers kept from one save to the next
+        (the previous save has finished: save() waits first) with non_blocking copies, so the
+        step does not stall on them; later kernels on the stream cannot overtake the copies, and
+        the writing thread waits for the event before it reads."""
+        on_cuda = any(t.is_cuda for f in fragments for t in f.tensors.values())
+        if not on_cuda:
+            return [dataclasses.replace(f, tensors={k: t.detach().to("cpu", copy=not owned)
+                                                    for k, t in f.tensors.items()})
+                    for f in fragments], None
+        pinned, out = {}, []
+        for i, f in enumerate(fragments):
+            tensors = {}
+            for k, t in f.tensors.items():
+                key = (i, f.name, k)
+                buf = self._pinned.get(key)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t.detach(), non_blocking=True)
+                tensors[k] = pinned[key] = buf
+            out.append(dataclasses.replace(f, tensors=tensors))
+        self._pinned = pinned
+        event = torch.cuda.Event()
+        event.record()
+        return out, event
 
     def _save(self, step, fragments, shape, meta, rank_meta, tokenizer, keep_last) -> None:
         root = self.root

@@ -180,12 +180,8 @@ def _dist_rank() -> int | None:
 
 
 def _barrier() -> None:
-    import torch
-    import torch.distributed as dist
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
+    from bloomtrain.parallel import comm
+    comm.barrier(comm.world_group(), "data")
 
 
 class GPTDataset:

@@ -22,6 +22,20 @@ and it spares threading a counter through every autograd function and layer (who
 passes run where no argument can reach them). When disabled, the cost of a call is one bool test.
 A run turns it on only inside `stats_scope`, which restores the previous setting when the run
 ends, so one run's setting never leaks into the next in the same process.
+
+Device checks. NCCL serves only CUDA tensors and gloo (as we use it) only CPU tensors; a
+collective on a tensor its backend does not serve fails on a cluster, never on a laptop. So
+every wrapper checks, before calling torch.distributed, that each tensor's device type is one
+its group serves, and raises `CommDeviceError` naming the op, the group and the device. What a
+group serves is read once from its backend string ("nccl", "gloo", or per-device
+"cpu:gloo,cuda:nccl") and cached; the check is then a dict lookup and a set test per call.
+`declare_devices` overrides it, which is how a CPU-only test stands in for an NCCL group.
+
+The job's process group (train/launch.py) is per-device, `cpu:gloo,cuda:nccl`, on CUDA: CPU
+tensors (object collectives, a user's CPU-side control value) are then legal on every group by
+construction, while the training collectives and the per-step control flags still run on the
+training device through NCCL (a 4-byte NCCL all-reduce is faster than a gloo TCP round across
+hundreds of ranks, and needs no host copy).
 """
 from __future__ import annotations
 
@@ -44,12 +58,19 @@ class CommStats:
             enabled = os.environ.get("BLOOMTRAIN_COMM_STATS", "0") not in ("", "0")
         self.enabled = enabled
         self._counts: dict[tuple[str, str], dict[str, int]] = {}
+        self.p2p_log: list | None = None
 
     def enable(self, enabled: bool = True) -> None:
         self.enabled = enabled
 
     def reset(self) -> None:
         self._counts = {}
+
+    def trace_p2p(self, enabled: bool = True) -> None:
+        """Keep every point-to-point op, in posting order, as (kind, peer, tag, shape). NCCL
+        ignores tags and matches a pair's messages by order alone, so the order is what a test
+        must check (gloo, which matches tags, would hide a mismatch)."""
+        self.p2p_log = [] if enabled else None
 
     def record(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         entry = self._counts.setdefault((kind, name), {"calls": 0, "bytes": 0})
@@ -76,6 +97,54 @@ def stats_scope(enabled: bool):
         STATS.enabled, STATS._counts = saved
 
 
+class CommDeviceError(RuntimeError):
+    """A collective was given a tensor on a device its group's backend does not serve."""
+
+
+# Device types served, per backend name; a backend we do not know is trusted with both.
+_BACKEND_DEVICES = {"nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu"}),
+                    "mpi": frozenset({"cpu", "cuda"}), "ucc": frozenset({"cpu", "cuda"})}
+# What each group serves: a fact about the group that never changes, cached on first use (the
+# same reasoning as STATS: it cannot make two runs differ).
+_GROUP_DEVICES: dict = {}
+
+
+def backend_devices(backend: str) -> frozenset[str]:
+    """`"nccl"` -> {"cuda"}; `"cpu:gloo,cuda:nccl"` -> {"cpu", "cuda"}."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return frozenset(part.split(":")[0].strip() for part in backend.split(","))
+    return _BACKEND_DEVICES.get(backend, frozenset({"cpu", "cuda"}))
+
+
+def declare_devices(group, device_types) -> None:
+    """Record the device types `group` serves (None: forget, read the backend again)."""
+    key = dist.group.WORLD if group is None else group
+    if device_types is None:
+        _GROUP_DEVICES.pop(key, None)
+    else:
+        _GROUP_DEVICES[key] = frozenset(device_types)
+
+
+def group_devices(group) -> frozenset[str]:
+    key = dist.group.WORLD if group is None else group
+    served = _GROUP_DEVICES.get(key)
+    if served is None:
+        served = _GROUP_DEVICES[key] = backend_devices(dist.get_backend(key))
+    return served
+
+
+def check_devices(op: str, name: str, group, *tensors: torch.Tensor) -> None:
+    served = group_devices(group)
+    for t in tensors:
+        if t.device.type not in served:
+            raise CommDeviceError(
+                f"{op} on group '{name}' got a tensor on {t.device}, but the group's backend "
+                f"serves only {'/'.join(sorted(served))} tensors: move the tensor to the "
+                f"training device (NCCL has no CPU tensors), or run that collective on a "
+                f"group whose backend serves {t.device.type}")
+
+
 def world_group():
     """The group of every rank, or None (a group of one) without a multi-process job."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -94,6 +163,7 @@ def group_rank(group) -> int:
 def all_reduce(tensor, group, name: str, op=ReduceOp.SUM, async_op: bool = False):
     if group is None:
         return None
+    check_devices("all_reduce", name, group, tensor)
     if STATS.enabled:
         STATS.record("all_reduce", name, tensor)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
@@ -104,6 +174,7 @@ def all_gather_into_tensor(output, input_, group, name: str, async_op: bool = Fa
     if group is None:
         output.copy_(input_)
         return None
+    check_devices("all_gather", name, group, output, input_)
     if STATS.enabled:
         STATS.record("all_gather", name, output)
     return _all_gather_single(output, input_, group=group, async_op=async_op)
@@ -115,6 +186,7 @@ def reduce_scatter_tensor(output, input_, group, name: str, op=ReduceOp.SUM,
     if group is None:
         output.copy_(input_)
         return None
+    check_devices("reduce_scatter", name, group, output, input_)
     if STATS.enabled:
         STATS.record("reduce_scatter", name, input_)
     return _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
@@ -124,30 +196,35 @@ def broadcast(tensor, src: int, group, name: str, async_op: bool = False):
     """`src` is a global rank, as in torch.distributed."""
     if group is None:
         return None
+    check_devices("broadcast", name, group, tensor)
     if STATS.enabled:
         STATS.record("broadcast", name, tensor)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def send(tensor, dst: int, name: str, group=None) -> None:
+    check_devices("send", name, group, tensor)
     if STATS.enabled:
         STATS.record("send", name, tensor)
     dist.send(tensor, dst=dst, group=group)
 
 
 def recv(tensor, src: int, name: str, group=None):
+    check_devices("recv", name, group, tensor)
     if STATS.enabled:
         STATS.record("recv", name, tensor)
     return dist.recv(tensor, src=src, group=group)
 
 
 def isend(tensor, dst: int, name: str, group=None):
+    check_devices("send", name, group, tensor)
     if STATS.enabled:
         STATS.record("send", name, tensor)
     return dist.isend(tensor, dst=dst, group=group)
 
 
 def irecv(tensor, src: int, name: str, group=None):
+    check_devices("recv", name, group, tensor)
     if STATS.enabled:
         STATS.record("recv", name, tensor)
     return dist.irecv(tensor, src=src, group=group)
@@ -155,6 +232,11 @@ def irecv(tensor, src: int, name: str, group=None):
 
 def batch_isend_irecv(ops: list, name: str) -> list:
     """`ops` are torch.distributed.P2POp; each is counted as a send or a recv."""
+    for op in ops:
+        check_devices("batch_isend_irecv", name, op.group, op.tensor)
+    if STATS.p2p_log is not None:
+        STATS.p2p_log += [("send" if op.op in (dist.isend, dist.send) else "recv", op.peer,
+                           op.tag, tuple(op.tensor.shape)) for op in ops]
     if STATS.enabled:
         for op in ops:
             STATS.record("send" if op.op in (dist.isend, dist.send) else "recv", name, op.tensor)
@@ -176,3 +258,38 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group, name: str) -> None:
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+# ---- control plane: barriers and small Python objects ----------------------------------------
+
+def barrier(group, name: str) -> None:
+    """Wait for every rank of `group` (None: a group of one, nothing to wait for). On a group
+    that serves CUDA, name this rank's device: NCCL otherwise guesses it from the rank, which is
+    wrong when ranks and devices are not numbered alike, and hangs."""
+    if group is None:
+        return
+    if STATS.enabled:
+        STATS.record("barrier", name, torch.empty(0))
+    if "cuda" in group_devices(group) and torch.cuda.is_available():
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
+
+
+def gather_object(obj, dst: int, group, name: str) -> list | None:
+    """Every rank's picklable `obj`, as a list on global rank `dst` (None elsewhere). For small
+    control messages (a checkpoint's file list), never for tensors."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def broadcast_object(obj, src: int, group, name: str):
+    """Global rank `src`'s picklable `obj` on every rank of `group`."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

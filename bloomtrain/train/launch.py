@@ -45,13 +45,36 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def process_group_backend(setting: str, device: torch.device) -> str:
+    """The backend string for `parallel.backend` on `device`. On CUDA it is per-device,
+    `cpu:gloo,cuda:nccl`: training collectives run on NCCL, and a collective on a CPU tensor
+    (object collectives, a control value computed on the host) is served by gloo instead of
+    failing, so the control plane is NCCL-safe by construction rather than by care at every call
+    site (bloomtrain.parallel.comm checks each tensor's device against this)."""
+    if setting == "gloo":
+        if device.type == "cuda":
+            raise UserError("parallel.backend=gloo cannot carry the CUDA training tensors; use "
+                            "parallel.backend=auto (NCCL for CUDA tensors, gloo for CPU ones) or "
+                            "train.device=cpu")
+        return "gloo"
+    if device.type == "cuda":  # auto or nccl
+        return "cpu:gloo,cuda:nccl"
+    if setting == "nccl":
+        raise UserError("parallel.backend=nccl needs CUDA devices (train.device=cuda); use "
+                        "parallel.backend=auto on CPU")
+    return "gloo"
+
+
 def init_distributed(cfg: Config, device: torch.device) -> None:
+    """Join the job. resolve_device has already called torch.cuda.set_device, so every NCCL
+    communicator is created on this rank's own GPU; `device_id` binds the group to it (eager
+    NCCL init, and barriers and object collectives know the device instead of guessing it from
+    the rank)."""
     if world_size_from_env() == 1 or dist.is_initialized():
         return
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
+    backend = process_group_backend(cfg.parallel.backend, device)
+    kw = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes), **kw)
 
 
 def launch_local(nproc: int, entry, *args) -> None:

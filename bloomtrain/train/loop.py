@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from bloomtrain.config import Config, UserError, parse_data_paths
 from bloomtrain.layout import validate
@@ -268,5 +267,4 @@ def train(cfg: Config, log=print) -> TrainResult:
         return trainer.run()
     finally:
         trainer.checkpoints.wait()  # an async save must be committed before the process ends
-        if dist.is_initialized():
-            dist.barrier()
+        comm.barrier(comm.world_group(), "end")
