@@ -14,6 +14,11 @@ Two independent views of the same step:
   holds. Their sum is the accounted peak (`peak`), an upper bound of the live one (the terms'
   peaks need not coincide).
 
+Each stage runs again with `parallel.offload_optimizer` (ZeRO-Offload, arXiv 2101.06840; rows
+"N+off"): the engine's device bytes drop by the masters and moments (12Ψ/N), which it reports as
+host bytes beside the fp32 gradient copy there (4Ψ/N). On a CPU run host and device are the same
+memory, so the live tracker sees both (its "optimizer" holds the host states and gradient copy).
+
 Prints a table, then one JSON line. Measures; asserts nothing.
 
     python bench/zero_memory.py
@@ -39,8 +44,9 @@ from tests.dist import run_ranks  # noqa: E402
 STATE_CATEGORIES = ("compute_params", "fp32_master", "fp32_grads", "adam_m", "adam_v")
 
 
-def one_stage(stage, shape, ids, topo, bucket_mb):
-    cfg = helpers.config(shape, parallel={"zero_stage": stage, "bucket_size_mb": bucket_mb},
+def one_stage(stage, shape, ids, topo, bucket_mb, offload=False):
+    cfg = helpers.config(shape, parallel={"zero_stage": stage, "bucket_size_mb": bucket_mb,
+                                          "offload_optimizer": offload},
                          precision="bf16", seed=1)
     parts = helpers.build(cfg, helpers.topology(cfg, topo))
     model, opt = parts.chunks[0], parts.engine
@@ -51,9 +57,11 @@ def one_stage(stage, shape, ids, topo, bucket_mb):
     opt.install_hooks()
     mem.close_grad_window(model)
     bufs = opt.bufs
-    if bufs.compute is not None:
-        mem.register(bufs.compute, "parameters")
-    mem.register([bufs.master, bufs.exp_avg, bufs.exp_avg_sq], "optimizer")
+    for t in (bufs.compute, bufs.compute_shard):
+        if t is not None:
+            mem.register(t, "parameters")
+    mem.register([t for t in (bufs.master, bufs.exp_avg, bufs.exp_avg_sq, bufs.host_grad)
+                  if t is not None], "optimizer")
     mem.register(bufs.grad, "gradients")
 
     def step():
@@ -77,7 +85,10 @@ def measure(rank, world, shape, seq, micro_batch, bucket_mb):
     torch.manual_seed(rank)
     ids = torch.randint(0, shape.vocab_size, (micro_batch, seq + 1))
     topo = helpers.topology(helpers.config(shape))
-    return {stage: one_stage(stage, shape, ids, topo, bucket_mb) for stage in range(4)}
+    out = {str(stage): one_stage(stage, shape, ids, topo, bucket_mb) for stage in range(4)}
+    out.update({f"{stage}+off": one_stage(stage, shape, ids, topo, bucket_mb, offload=True)
+                for stage in range(4)})
+    return out
 
 
 def mb(n: float) -> str:
@@ -109,7 +120,7 @@ def main():
     print("\nengine accounting (flat buffers) vs formula")
     print(f"{'stage':>5} " + " ".join(f"{c:>14}" for c in STATE_CATEGORIES)
           + f" {'measured':>10} {'formula':>10} {'diff %':>7} {'paper':>10} {'gathered':>9}"
-          f" {'staging':>9} {'grads16':>9} {'peak':>9}")
+          f" {'staging':>9} {'grads16':>9} {'peak':>9} {'host':>9} {'host f.':>9}")
     rows, worst = [], 0.0
     for stage, rep in reports.items():
         m, f, live = rep["measured"], rep["formula"], rep["live"]
@@ -120,8 +131,10 @@ def main():
         print(f"{stage:>5} " + " ".join(f"{mb(m[c]):>14}" for c in STATE_CATEGORIES)
               + f" {mb(m['total']):>10} {mb(f['ours']):>10} {diff:>7.3f} {mb(f['paper']):>10}"
               f" {mb(m['gathered_peak']):>9} {mb(m['grad_staging_peak']):>9}"
-              f" {mb(m['compute_grads_held']):>9} {mb(peak):>9}")
-        rows.append({"stage": stage, "measured": {c: m[c] for c in STATE_CATEGORIES},
+              f" {mb(m['compute_grads_held']):>9} {mb(peak):>9}"
+              f" {mb(m['host']['total']):>9} {mb(f['host']['total']):>9}")
+        rows.append({"stage": int(stage[0]), "offload": rep["offload"],
+                     "measured": {c: m[c] for c in STATE_CATEGORIES},
                      "measured_total": m["total"], "formula_total": f["ours"],
                      "diff_pct": diff, "paper_total": f["paper"],
                      "gathered_peak": m["gathered_peak"],
@@ -129,15 +142,24 @@ def main():
                      "compute_grads_held": m["compute_grads_held"], "peak": peak,
                      "live_peak": live["peak"], "live_peak_phase": live["peak_phase"],
                      "live_at_peak": live["at_peak"],
-                     "live_category_peaks": live["category_peaks"]})
-    s3 = reports[3]["measured"]
+                     "live_category_peaks": live["category_peaks"],
+                     "host_measured": m["host"], "host_formula_total": f["host"]["total"]})
+    s3 = reports["3"]["measured"]
     print("formulas (ours | paper, fp16 grads): 0: 18Ψ | 16Ψ;  1: 2Ψ+4Ψ+12Ψ/N | 4Ψ+12Ψ/N;  "
-          "2: 2Ψ+16Ψ/N | 2Ψ+14Ψ/N;  3: 16Ψ/N + W | 16Ψ/N")
+          "2: 2Ψ+16Ψ/N | 2Ψ+14Ψ/N;  3: 16Ψ/N + W | 16Ψ/N;  offload: less 12Ψ/N (3: plus "
+          "2Ψ/N), host 16Ψ/N")
     print(f"stage 3 working set W: gathered peak {s3['gathered_peak']:,} B "
-          f"(bound: two blocks + tied embedding = {reports[3]['working_bound']:,} B)")
+          f"(bound: two blocks + tied embedding = {reports['3']['working_bound']:,} B)")
     print(f"largest |buffers - formula| = {worst:.3f}% (segments are padded to a multiple of dp)")
-    peaks = [r["peak"] for r in rows]
-    live = [r["live_peak"] for r in rows]
+    peaks = [r["peak"] for r in rows if not r["offload"]]
+    live = [r["live_peak"] for r in rows if not r["offload"]]
+    moved = {r["stage"]: r["measured_total"] for r in rows if not r["offload"]}
+    for r in rows:
+        if r["offload"]:
+            r["device_drop"] = moved[r["stage"]] - r["measured_total"]
+    print("offload: device model states drop by "
+          + ", ".join(f"{mb(r['device_drop']).strip()} MiB (stage {r['stage']})"
+                      for r in rows if r["offload"]))
     falls = all(a > b for a, b in zip(peaks, peaks[1:]))
     live_falls = all(a > b for a, b in zip(live, live[1:]))
     print(f"peak per stage (accounted): {' > '.join(mb(p).strip() for p in peaks)} MiB; "

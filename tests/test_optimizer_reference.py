@@ -48,7 +48,7 @@ def torch_reference(model: nn.Module, **adamw_kw):
     return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, **adamw_kw)
 
 
-def test_adamw_clipping_and_norm_match_torch():
+def test_adamw_clipping_and_norm_match_torch(device):
     """24 fp32 steps of a tiny BLOOM: our single-process optimizer vs torch AdamW +
     clip_grad_norm_ on an fp32 copy of the model, each side with its own forward and backward.
 
@@ -64,16 +64,16 @@ def test_adamw_clipping_and_norm_match_torch():
     cfg = helpers.config(SHAPE, optim=dict(lr=LR, min_lr=MIN_LR, clip_grad=CLIP,
                                            weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8),
                          precision="fp32", seed=1)
-    parts = helpers.build(cfg)
+    parts = helpers.build(cfg, device=device)
     ours, opt = parts.chunks[0], parts.engine
-    ref = build_model(SHAPE, seed=1)
+    ref = build_model(SHAPE, seed=1, device=device)
     topt = torch_reference(ref, foreach=False)
     ref_params = dict(ref.named_parameters())
     g = torch.Generator().manual_seed(0)
     clipped = []
     for step in range(STEPS):
         lr = megatron_lr(step * 8, LR, MIN_LR, WARMUP, DECAY, "cosine")
-        batch = torch.randint(0, SHAPE.vocab_size, (8, SEQ + 1), generator=g)
+        batch = torch.randint(0, SHAPE.vocab_size, (8, SEQ + 1), generator=g).to(device)
         scale = LOSS_SCALES[step % len(LOSS_SCALES)]
         for mb in batch.split(4):  # two micro-batches: the accumulation path too
             (ours(mb[:, :-1], labels=mb[:, 1:]) * scale / 2).backward()
@@ -93,10 +93,10 @@ def test_adamw_clipping_and_norm_match_torch():
         assert master.keys() == {n for n in ref_params if n != "lm_head.weight"}
         for name, w in master.items():
             p = ref_params[name]
-            assert (w - p.detach()).abs().max().item() <= 1e-6, (step, name)
+            assert (w.to(device) - p.detach()).abs().max().item() <= 1e-6, (step, name)
             st = topt.state[p]
             for kind in ("exp_avg", "exp_avg_sq"):
-                mine, theirs = moments[f"{kind}.{name}"], st[kind]
+                mine, theirs = moments[f"{kind}.{name}"].to(device), st[kind]
                 err = (mine - theirs).abs().max().item()
                 assert err <= 1e-6, (step, name, kind)
                 assert err <= MOMENT_RTOL * theirs.abs().max().item(), (step, name, kind)
@@ -126,32 +126,32 @@ def _optimizer(module, stage, **kw):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gradient_accumulator_is_fp32(stage):
+def test_gradient_accumulator_is_fp32(stage, device):
     """One micro-batch of gradient 1 and 200 of 2^-10: the step's gradient is 1 + 200·2^-10 =
     1.1953125 in fp32. Summed in bf16, whose ulp at 1 is 2^-7, every 2^-10 rounds away and the sum
     stays 1. The first Adam moment after one step is (1 - beta1)·g, so it shows which sum the
     optimizer took."""
-    m = Scalar(0.5)
+    m = Scalar(0.5).to(device)
     opt = _optimizer(m, stage, beta1=0.9)
     coeffs = [1.0] + [2.0 ** -10] * 200
     assert torch.tensor(1.0, dtype=torch.bfloat16) + 2.0 ** -10 == 1.0  # the premise
     for c in coeffs:
         m(c).backward()
     opt.step(1e-3)
-    exp_avg = opt.optim_state()["exp_avg.w"]
+    exp_avg = opt.optim_state()["exp_avg.w"].cpu()
     torch.testing.assert_close(exp_avg, torch.full((4,), 0.1 * 1.1953125), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_masters_accumulate_updates_below_a_bf16_ulp(stage):
+def test_masters_accumulate_updates_below_a_bf16_ulp(stage, device):
     """A weight at 1.0 and Adam steps of lr = 1e-4 (Adam's update is ~lr whatever the gradient):
     each step is 1/39 of the bf16 spacing below 1 (2^-8), so a bf16 weight updated in place
     would never move. The fp32 master must follow torch AdamW on an fp32 weight step for step,
     and the compute copy must be that master rounded to bf16 after every step: 1.0 until the
     master has fallen past the midpoint 1 - 2^-9, then 1 - 2^-8."""
-    m = Scalar(1.0)
+    m = Scalar(1.0).to(device)
     opt = _optimizer(m, stage)
-    ref_w = nn.Parameter(torch.full((4,), 1.0))
+    ref_w = nn.Parameter(torch.full((4,), 1.0))  # torch's update on the CPU: the reference
     ref = torch.optim.AdamW([ref_w], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                             foreach=False)
     seen = set()
@@ -160,9 +160,9 @@ def test_masters_accumulate_updates_below_a_bf16_ulp(stage):
         opt.step(1e-4)
         ref_w.grad = torch.ones(4)
         ref.step()
-        master = opt.master_state()["w"]
+        master = opt.master_state()["w"].cpu()
         torch.testing.assert_close(master, ref_w.detach(), rtol=0, atol=1e-7)
-        compute = _compute_copy(m, opt)["w"]
+        compute = _compute_copy(m, opt)["w"].cpu()
         assert compute.dtype == torch.bfloat16
         assert torch.equal(compute, master.to(torch.bfloat16))
         seen.add(float(compute[0]))
@@ -186,20 +186,22 @@ def _compute_copy(module: nn.Module, opt) -> dict[str, torch.Tensor]:
         if isinstance(module, Scalar):
             module(1.0)
         else:
-            module(torch.zeros(1, 4, dtype=torch.long))
+            module(torch.zeros(1, 4, dtype=torch.long,
+                               device=module.transformer.alibi_slopes.device))
     for h in hooks:
         h.remove()
     return seen
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_compute_copy_is_the_rounded_master_after_every_step(stage):
+def test_compute_copy_is_the_rounded_master_after_every_step(stage, device):
     parts = helpers.build(helpers.config(SHAPE, parallel={"zero_stage": stage},
-                                         optim={"lr": 1e-3, "clip_grad": 1.0}, seed=1))
+                                         optim={"lr": 1e-3, "clip_grad": 1.0}, seed=1),
+                          device=device)
     model, opt = parts.chunks[0], parts.engine
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
-        ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)
+        ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g).to(device)
         model(ids[:, :-1], labels=ids[:, 1:]).backward()
         opt.step(1e-3)
         master = opt.master_state()
@@ -208,5 +210,5 @@ def test_compute_copy_is_the_rounded_master_after_every_step(stage):
         assert compute.keys() == master.keys()
         for name, w in master.items():
             assert compute[name].dtype == torch.bfloat16
-            assert torch.equal(compute[name], w.to(torch.bfloat16)), name
+            assert torch.equal(compute[name].cpu(), w.cpu().to(torch.bfloat16)), name
         assert all(math.isfinite(float(v.abs().max())) for v in master.values())

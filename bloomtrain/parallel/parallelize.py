@@ -14,6 +14,8 @@ rank ever holds it whole. In order:
    Without the engine (`engine=False`, for tests that drive their own optimizer) each local
    parameter is materialized as a tensor of its own.
 Non-persistent buffers (the ALiBi slopes, cut to the local heads) are made on the device last.
+With `train.compile`, each transformer block's forward is then compiled
+(bloomtrain.parallel.compile).
 """
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ from torch import nn
 
 from bloomtrain.config import Config
 from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.attention import resolve_attention
 from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
 from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel.compile import compile_blocks
 from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
 from bloomtrain.parallel.zero.engine import DTYPES, ZeroEngine
@@ -110,7 +114,9 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=
     chunks = build_pipeline_chunks(model, layout, topo.pp_rank)
     specs = {}
     for chunk in chunks:
-        chunk.set_activation_checkpointing(t.activation_checkpointing == "full")
+        chunk.set_activation_checkpointing(t.activation_checkpointing)
+        chunk.transformer.attention_impl = resolve_attention(
+            t.attention, model.shape.attention_dropout, device)
         for name, _ in chunk.named_parameters():
             specs[name] = param_spec(name, tp=layout.tp, pp=layout.pp,
                                      sequence_parallel=layout.sequence_parallel)
@@ -119,7 +125,8 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=
         parts.engine = ZeroEngine(chunks, specs, topo, cfg.optim, t.precision,
                                   zero_stage=layout.zero_stage,
                                   bucket_size_mb=cfg.parallel.bucket_size_mb, device=device,
-                                  values=_values(model.shape, topo, t.seed))
+                                  values=_values(model.shape, topo, t.seed),
+                                  offload=cfg.parallel.offload_optimizer)
     elif device.type != "meta":
         _materialize_each(parts, t.seed, DTYPES[t.precision], device)
     if device.type != "meta":
@@ -128,4 +135,6 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=
         local = alibi_slopes(model.shape.num_heads).chunk(layout.tp)[topo.tp_rank]
         for chunk in chunks:
             chunk.transformer.alibi_slopes = local.clone().to(device)
+    if t.compile:
+        compile_blocks(chunks)
     return parts

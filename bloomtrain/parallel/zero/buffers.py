@@ -13,6 +13,17 @@ We keep gradients in fp32 where the paper counts fp16 (BLOOM's BF16Optimizer acc
 Stage 3 keeps no compute copy: a unit's compute weights are cast from the fp32 master shards as
 they are gathered (W, the gathered working set, is transient).
 
+ZeRO-Offload (arXiv 2101.06840, `offload`): the master and Adam columns (12Ψ/N; 12Ψ at stage 0)
+live in host memory, pinned when the device is CUDA, where the step runs (offload.py). Host memory
+also gets a copy of the own fp32 gradient range (4Ψ/N), the step's input; after the step the same
+bytes hold the compute-dtype cast of the updated masters on their way back. On the device, stage 3
+then keeps the compute-dtype copy of its own shard (cΨ/N) that its gathers read, since the masters
+they would cast from are on the host:
+
+    stage  device (bf16)           host
+    0-2    as above, less 12Ψ/N    12Ψ/N + 4Ψ/N     (stage 0: 12Ψ + 4Ψ)
+    3      4Ψ/N + 2Ψ/N + W         12Ψ/N + 4Ψ/N
+
 Parameters start on the meta device (the model was built there) or hold real values (a model
 built on a device). Either way `materialize` writes each rank's values straight into its own
 buffers, piece by piece: the initial value of a meta parameter is generated only for the ranges
@@ -21,15 +32,15 @@ holds a full-size copy of the model.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from bloomtrain.model.params import ParamSpec
-from bloomtrain.utils import replace_parameters
 from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
 from bloomtrain.parallel.zero.stages import StageRules
+from bloomtrain.utils import replace_parameters
 
 # values(param, spec, start, out): write elements [start, start + out.numel()) of the flattened
 # (tp-local) first value of `param` into the flat fp32 tensor `out`.
@@ -38,18 +49,33 @@ Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
 
 class FlatBuffers:
     def __init__(self, layout: SegmentLayout, rules: StageRules, dp_size: int, dp_rank: int,
-                 compute_dtype: torch.dtype, device):
+                 compute_dtype: torch.dtype, device, offload: bool = False):
         self.layout, self.rules = layout, rules
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.compute_dtype, self.device = compute_dtype, torch.device(device)
+        self.offload = offload
+        # Where the optimizer states live: the host under offload (meta stays meta, so that any
+        # rank can still be described without memory).
+        self.host = (self.device if not offload or self.device.type == "meta"
+                     else torch.device("cpu"))
         full, shard = layout.full_numel, layout.shard_numel
         state = shard if rules.shard_optimizer else full
 
-        def zeros(n, dtype=torch.float32):
-            return torch.zeros(n, dtype=dtype, device=self.device)
-        self.master, self.exp_avg, self.exp_avg_sq = zeros(state), zeros(state), zeros(state)
+        def zeros(n, dtype=torch.float32, device=self.device):
+            # Pinned host memory: the device copies to and from it asynchronously (a pageable
+            # buffer would make every non_blocking copy a synchronous staged one).
+            pin = device.type == "cpu" and self.device.type == "cuda"
+            return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
+        self.master, self.exp_avg, self.exp_avg_sq = (zeros(state, device=self.host)
+                                                      for _ in range(3))
         self.grad = zeros(shard if rules.shard_grads else full)
         self.compute = None if rules.shard_params else zeros(full, compute_dtype)
+        # Offload: the own fp32 gradient range on the host (laid out like the masters), the
+        # step's input; then the cast masters on their way back (offload.py).
+        self.host_grad = zeros(state, device=self.host) if offload else None
+        # Offload, stage 3: the compute-dtype copy of the own shard that gathers read.
+        self.compute_shard = (zeros(shard, compute_dtype) if offload and rules.shard_params
+                              else None)
         # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use;
         # made by `bind`, one group at a time.
         self.gathered: dict[int, torch.Tensor] = {}
@@ -109,6 +135,14 @@ class FlatBuffers:
                 if s < e:
                     values(piece.slot.param, piece.slot.spec, piece.param_start + s - a,
                            master[s - lo:e - lo])
+        self.refresh_compute_shard()
+
+    @torch.no_grad()
+    def refresh_compute_shard(self) -> None:
+        """Offload, stage 3: the device's compute-dtype shard from the host masters, after they
+        were written outside the step (first values, a checkpoint)."""
+        if self.compute_shard is not None:
+            self.compute_shard.copy_(self.master)
 
     def bind(self, modules: list[nn.Module]) -> dict[int, nn.Parameter]:
         """Replace every parameter of `modules` by a Parameter that is a view into the flat
@@ -139,8 +173,20 @@ class FlatBuffers:
         return p
 
     def nbytes(self) -> dict[str, int]:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        return {"compute_params": size(self.compute), "fp32_master": size(self.master),
-                "fp32_grads": size(self.grad), "adam_m": size(self.exp_avg),
-                "adam_v": size(self.exp_avg_sq)}
+        """Model-state bytes on the training device, by category."""
+        on_device = not self.offload
+        return {"compute_params": _size(self.compute) + _size(self.compute_shard),
+                "fp32_master": _size(self.master) * on_device,
+                "fp32_grads": _size(self.grad),
+                "adam_m": _size(self.exp_avg) * on_device,
+                "adam_v": _size(self.exp_avg_sq) * on_device}
+
+    def host_nbytes(self) -> dict[str, int]:
+        """Offload: the bytes held in host memory, by category (all 0 without offload)."""
+        off = self.offload
+        return {"fp32_master": _size(self.master) * off, "adam_m": _size(self.exp_avg) * off,
+                "adam_v": _size(self.exp_avg_sq) * off, "fp32_grads": _size(self.host_grad)}
+
+
+def _size(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

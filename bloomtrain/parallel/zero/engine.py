@@ -5,10 +5,10 @@ with ZeRO data parallelism over dp (Rajbhandari et al., arXiv 1910.02054), stage
 The engine composes one piece per concern, each in its own module of this package: the stage
 table (stages.py), the layout of parameters in flat buffers (segments.py), the buffers and the
 parameters as views into them (buffers.py), gradient reduction (reduce.py), stage 3's gathers
-(gather.py), the step (step.py), state in logical coordinates (state.py) and memory accounting
-(memory.py). Tensor and pipeline parallelism reach it only through the parameters' specs
-(bloomtrain.model.params): partial-over-tp gradients, the tied embedding's copies, which
-parameters the global norm counts.
+(gather.py), the step (step.py; offload.py runs it in host memory under ZeRO-Offload), state in
+logical coordinates (state.py) and memory accounting (memory.py). Tensor and pipeline parallelism
+reach it only through the parameters' specs (bloomtrain.model.params): partial-over-tp
+gradients, the tied embedding's copies, which parameters the global norm counts.
 
 Usage: `step(lr)` once per global batch, after every micro-batch's backward of
 `scale_loss(loss)` (the fp16 loss scale; identity otherwise).
@@ -28,6 +28,7 @@ from bloomtrain.parallel.zero import state
 from bloomtrain.parallel.zero.buffers import FlatBuffers, Values
 from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit
 from bloomtrain.parallel.zero.memory import Counters, formula
+from bloomtrain.parallel.zero.offload import HostOptimizer
 from bloomtrain.parallel.zero.reduce import GradReducer
 from bloomtrain.parallel.zero.segments import build_layout
 from bloomtrain.parallel.zero.stages import stage_rules
@@ -80,7 +81,7 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], specs: dict, topo, optim_cfg, precision: str,
                  zero_stage: int = 0, bucket_size_mb: float = 25, device=None,
                  values: Values | None = None, prefetch: bool = True,
-                 unit_types: tuple = (BloomBlock,)):
+                 unit_types: tuple = (BloomBlock,), offload: bool = False):
         self.cfg, self.topo, self.precision = optim_cfg, topo, precision
         self.rules = stage_rules(zero_stage)
         self.compute_dtype = DTYPES[precision]
@@ -101,7 +102,8 @@ class ZeroEngine:
         if device is None:
             device = groups[0][0][1].device
         self.bufs = FlatBuffers(layout, self.rules, topo.dp_size, topo.dp_rank,
-                                self.compute_dtype, device)
+                                self.compute_dtype, device, offload=offload)
+        self.host = HostOptimizer(self.bufs, topo) if offload else None
         if self.bufs.device.type != "meta":
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)
@@ -137,6 +139,8 @@ class ZeroEngine:
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         self.reducer.reduce_for_step()
+        if self.host:
+            self.host.grads_to_host()  # in flight while the norm is computed
         norm = float(self.grad_norm())
         scale = self.scaler.scale if self.scaler else None
         if self.scaler:
@@ -145,12 +149,18 @@ class ZeroEngine:
         if self.scaler:
             self.scaler.update(found_inf)
         if found_inf:
+            if self.host:
+                self.host.wait()  # the copies still read the gradients about to be zeroed
             self.zero_grad()
             return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
         self.step_count += 1
-        adamw(self.bufs, self.cfg, lr, self.step_count,
-              clip_coefficient(norm, self.cfg.clip_grad, scale))
-        refresh_compute(self.bufs, self.topo)
+        coeff = clip_coefficient(norm, self.cfg.clip_grad, scale)
+        if self.host:
+            self.host.step(self.cfg, lr, self.step_count, coeff)
+        else:
+            adamw(self.bufs, self.bufs.layout.segments, None, self.cfg, lr, self.step_count,
+                  coeff)
+            refresh_compute(self.bufs, self.topo)
         self.zero_grad()
         return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
 
@@ -183,17 +193,21 @@ class ZeroEngine:
         return sum(s.numel for s in self.bufs.layout.slots)
 
     def memory_report(self) -> dict:
-        """Model-state bytes by category from the buffers, next to formula(); plus the transient
-        terms of the step's peak (memory.py)."""
+        """Model-state bytes on the training device by category from the buffers, next to
+        formula(); plus the transient terms of the step's peak (memory.py). Under offload,
+        `measured["host"]` holds the host's bytes by category (formula: `["host"]`)."""
         measured = self.bufs.nbytes()
         measured["total"] = sum(measured.values())
+        host = self.bufs.host_nbytes()
+        measured["host"] = {**host, "total": sum(host.values())}
         measured["gathered_peak"] = self.counters.gathered_peak
         measured["grad_staging_peak"] = self.counters.staging_peak
         measured["compute_grads_held"] = self.compute_grads_held()
         c = torch.empty(0, dtype=self.compute_dtype).element_size()
-        return {"stage": self.stage, "dp": self.topo.dp_size,
+        return {"stage": self.stage, "dp": self.topo.dp_size, "offload": self.bufs.offload,
                 "psi": self.num_local_parameters(), "measured": measured,
-                "formula": formula(self.stage, self.num_local_parameters(), self.topo.dp_size, c)}
+                "formula": formula(self.stage, self.num_local_parameters(), self.topo.dp_size, c,
+                                   offload=self.bufs.offload)}
 
     def compute_grads_held(self) -> int:
         """Bound on the compute-dtype parameter gradients alive at once before the engine takes

@@ -4,11 +4,13 @@ A *unit* is each BloomBlock as a whole and every other module that owns paramete
 embedding, its LayerNorm, ln_f, an untied LM head). Before a unit runs forward, the groups of
 parameters it uses are all-gathered over dp into their buffers, cast from the fp32 master shards
 on the way (so no compute-dtype copy is kept beside the master); after its forward they are
-released (storage resized to 0). Backward gathers them again from a hook on the unit's outputs,
-and they are released when their last gradient has arrived. The first forward records the order
-of units; from then on the next unit's gather is prefetched asynchronously while the current one
-computes (the previous one's in backward). Recomputation under activation checkpointing runs a
-unit's forward inside backward: its weights are kept, since its backward comes next.
+released (storage resized to 0); under ZeRO-Offload, whose masters are in host memory, they are
+gathered from a compute-dtype copy of the own shard that the device keeps instead. Backward
+gathers them again from a hook on the unit's outputs, and they are released when their last
+gradient has arrived. The first forward records the order of units; from then on the next unit's
+gather is prefetched asynchronously while the current one computes (the previous one's in
+backward). Recomputation under activation checkpointing runs a unit's forward inside backward:
+its weights are kept, since its backward comes next.
 """
 from __future__ import annotations
 
@@ -68,9 +70,12 @@ class Stage3Gatherer:
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.counters.gathered(buf.numel() * buf.element_size())
         handles, casts = [], []
+        # Under offload the masters are in host memory; the device keeps their compute-dtype
+        # cast (offload.py refreshes it after every step), so a gather never reads the host.
+        source = bufs.master if bufs.compute_shard is None else bufs.compute_shard
         for seg in group.segments:
-            # The compute-dtype shard exists only for the collective.
-            shard = bufs.state_view(bufs.master, seg).to(bufs.compute_dtype)
+            # Without offload the compute-dtype shard exists only for the collective.
+            shard = bufs.state_view(source, seg).to(bufs.compute_dtype)
             out = buf[seg.full_off - group.full_off:][:seg.padded]
             handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
                                                        async_op=async_op))

@@ -33,19 +33,32 @@ class Counters:
 
 
 def formula(stage: int, psi: int, dp: int, compute_bytes: int = 2,
-            working: int = 0) -> dict[str, float]:
+            working: int = 0, offload: bool = False) -> dict:
     """Model-state bytes per rank for `psi` parameters on this rank: our layout (by category and
-    total) and the ZeRO paper's figure (fp16 params and grads, K = 12). `working` is stage 3's
-    gathered working set in bytes, reported beside ours."""
+    total, on the training device) and the ZeRO paper's figure (fp16 params and grads, K = 12).
+    `working` is stage 3's gathered working set in bytes, reported beside ours.
+
+    `offload` (ZeRO-Offload, arXiv 2101.06840): the masters and moments (K = 12 bytes per
+    parameter, over N where sharded) leave the device for the host, which also holds a copy of
+    the own fp32 gradient range; stage 3 then keeps its own shard in the compute dtype on the
+    device (cΨ/N), which its gathers read. `host` holds the host's bytes by category; the
+    paper's figure is its own less the same 12Ψ/N."""
     rules = stage_rules(stage)
     n = dp
+    state = 4 * psi / (n if rules.shard_optimizer else 1)
+    on_device = 0.0 if offload else 1.0
     ours = {
-        "compute_params": 0.0 if rules.shard_params else compute_bytes * psi,
-        "fp32_master": 4 * psi / (n if rules.shard_optimizer else 1),
+        "compute_params": (compute_bytes * psi if not rules.shard_params
+                           else compute_bytes * psi / n if offload else 0.0),
+        "fp32_master": state * on_device,
         "fp32_grads": 4 * psi / (n if rules.shard_grads else 1),
-        "adam_m": 4 * psi / (n if rules.shard_optimizer else 1),
-        "adam_v": 4 * psi / (n if rules.shard_optimizer else 1),
+        "adam_m": state * on_device,
+        "adam_v": state * on_device,
     }
+    host = {k: state * (1.0 - on_device) for k in ("fp32_master", "adam_m", "adam_v",
+                                                    "fp32_grads")}
+    host["total"] = sum(host.values())
     paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
-             3: 16 * psi / n}[stage]
-    return {**ours, "ours": sum(ours.values()), "working": float(working), "paper": paper}
+             3: 16 * psi / n}[stage] - 3 * state * (1.0 - on_device)
+    return {**ours, "ours": sum(ours.values()), "working": float(working), "paper": paper,
+            "host": host}

@@ -5,7 +5,10 @@ of a dp group together write each parameter once) as checkpoint Fragments: eleme
 flattened tp-local parameter, placed in the full parameter by its spec's tp split. Fragments
 another rank also holds (a tp-replicated parameter off tp rank 0, the last stage's copy of the
 tied embedding) are left out. `load_state()` takes full tp-local tensors by name and keeps this
-rank's ranges; `master_state()` / `optim_state()` gather full tp-local tensors over dp.
+rank's ranges; `master_state()` / `optim_state()` gather full tp-local tensors over dp, on the
+training device. Under ZeRO-Offload the states are read from and written to host memory, in the
+same coordinates: a checkpoint does not know whether the run that wrote it offloaded, nor need the
+run that reads it.
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
                     base = seg.full_off + piece.seg_start
                     bufs.compute[base:base + piece.numel].copy_(
                         flat[piece.param_start:piece.param_start + piece.numel])
+    bufs.refresh_compute_shard()
 
 
 @torch.no_grad()
@@ -92,15 +96,17 @@ def _full_segment(bufs: FlatBuffers, buf: torch.Tensor, seg, topo) -> torch.Tens
     view = bufs.state_view(buf, seg)
     if not bufs.rules.shard_optimizer or topo.dp_group is None:
         return view
-    full = torch.empty(seg.padded, dtype=buf.dtype, device=buf.device)
-    comm.all_gather_into_tensor(full, view.contiguous(), topo.dp_group, DP)
+    # Gathered on the training device: the dp group's backend may not take host tensors (the
+    # offloaded states are there).
+    full = torch.empty(seg.padded, dtype=buf.dtype, device=bufs.device)
+    comm.all_gather_into_tensor(full, view.to(bufs.device).contiguous(), topo.dp_group, DP)
     return full
 
 
 def full_state(bufs: FlatBuffers, buf: torch.Tensor, topo, prefix: str = "") -> dict:
     """Full tp-local tensors of `buf` by local name. A collective over dp where the state is
     sharded: every dp rank must call it."""
-    flat = {s.name: torch.empty(s.numel, dtype=buf.dtype, device=buf.device)
+    flat = {s.name: torch.empty(s.numel, dtype=buf.dtype, device=bufs.device)
             for s in bufs.layout.slots}
     for seg in bufs.layout.segments:
         full = _full_segment(bufs, buf, seg, topo)

@@ -1,0 +1,297 @@
+"""ZeRO-Offload of the optimizer (`parallel.offload_optimizer`, arXiv 2101.06840) against the same
+runs without it, on CPU/gloo.
+
+Offload moves the fp32 masters and Adam moments to host memory and runs the step there, with the
+same torch AdamW kernel on the same views of the flat buffers (bloomtrain/parallel/zero/step.py),
+so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
+steps, the gathered fp32 masters and moments, the compute copies, and checkpoints, which must not
+depend on whether the run that wrote or reads them offloads. The memory accounting must show the
+12 bytes per owned parameter leaving the device for the host.
+
+One 2-rank spawn runs the dp=2 layouts (ZeRO 0-3, bf16; fp16 with skipped steps) and then the
+trainer, with checkpoints saved under one setting and resumed under the other; one 4-rank spawn
+runs pp2·dp2 ZeRO-3 (the tied embedding's two copies, stage 3's device shard). The memory
+accounting is checked on meta, without processes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bloomtrain import checkpoint as ckpt
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model import build_model
+from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel.zero.memory import formula
+from bloomtrain.topology import Topology
+from bloomtrain.train import Trainer
+from tests import helpers
+from tests.dist import run_ranks
+from tests.synthetic import write_synthetic_dataset
+from tests.test_optimizer_reference import is_no_decay
+from tests.test_train import make_cfg
+from tests.test_zero import global_batches, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=256)
+STEPS = 3
+MBS = 2
+BUCKET_MB = 0.05  # several segments at this size: the per-segment copies and steps are exercised
+
+
+def _parts(stage, offload, precision="bf16", base=None, optim=None, **parallel):
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "bucket_size_mb": BUCKET_MB,
+                                          "offload_optimizer": offload, **parallel},
+                         optim={"lr": 1e-3, "clip_grad": 0.5, "weight_decay": 0.1,
+                                **(optim or {})},
+                         precision=precision, seed=1)
+    return helpers.build(cfg, helpers.topology(cfg, base))
+
+
+def _run(stage, offload, precision, base, optim=None, **parallel):
+    parts = _parts(stage, offload, precision, base, optim, **parallel)
+    topo = parts.topo
+    out = train(parts, global_batches(STEPS, 2 * topo.dp_size * MBS, seed=2), MBS)
+    eng = parts.engine
+    states = {**eng.master_state(), **eng.optim_state()}
+    bufs = eng.bufs
+    # What the next forward computes with: the compute copy (stages 0-2), or what stage 3 gathers
+    # from (the masters cast, or under offload the device's compute-dtype shard).
+    compute = (bufs.compute if bufs.compute is not None else bufs.compute_shard
+               if bufs.compute_shard is not None else bufs.master.to(bufs.compute_dtype))
+    return out, states, compute.clone()
+
+
+def _parity(stage, precision, base, optim=None, **parallel) -> dict:
+    (l0, n0, s0), states0, compute0 = _run(stage, False, precision, base, optim, **parallel)
+    (l1, n1, s1), states1, compute1 = _run(stage, True, precision, base, optim, **parallel)
+    assert states0.keys() == states1.keys()
+    return {"losses": (l0, l1), "norms": (n0, n1), "skipped": (s0, s1),
+            "states_differ": [k for k in states0 if not torch.equal(states0[k], states1[k])],
+            "compute_equal": torch.equal(compute0, compute1)}
+
+
+def _pp_worker(rank, world):
+    base = _parts(3, False, pp=2, pp_partition="uniform").topo
+    return {"pp2.dp2-z3": _parity(3, "bf16", base, pp=2, pp_partition="uniform")}
+
+
+@pytest.fixture(scope="module")
+def dp2(dataset, tmp_path_factory):
+    """Every 2-rank check in one spawn: the parity runs, then the trainer's checkpoints."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    return run_ranks(2, _dp2_worker, dataset, str(tmp)), tmp
+
+
+@pytest.fixture(scope="module")
+def parity(dp2):
+    per_rank = [r["parity"] for r in dp2[0]], run_ranks(4, _pp_worker)
+    return {f"{name}@rank{rank}": d for ranks in per_rank for rank, out in enumerate(ranks)
+            for name, d in out.items()}
+
+
+def test_offload_is_bitwise_equal_to_no_offload(parity):
+    assert len(parity) == 5 * 2 + 1 * 4  # every case from every rank
+    for name, d in parity.items():
+        assert d["losses"][0] == d["losses"][1], name
+        # repr: a skipped step's norm is nan, which equals nothing, but its repr does.
+        assert list(map(repr, d["norms"][0])) == list(map(repr, d["norms"][1])), name
+        assert d["skipped"][0] == d["skipped"][1], name
+        assert d["states_differ"] == [], name
+        assert d["compute_equal"], name
+        if "fp16" in name:
+            assert any(d["skipped"][0]) and not all(d["skipped"][0]), d["skipped"]
+        else:
+            assert not any(d["skipped"][0]), name
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_report_moves_the_optimizer_to_the_host(stage):
+    """dp=2, bf16, described on meta (no memory, no process group): the device's model states
+    drop by the masters and moments, 12 bytes per owned element (over dp where sharded); the
+    host holds them and the fp32 gradient copy; stage 3 keeps its own shard in bf16 on the
+    device instead."""
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "bucket_size_mb": BUCKET_MB})
+    layout = ParallelLayout.from_config(cfg.parallel, 2)
+    topo = Topology.describe_rank(layout, 1)
+    reports = {}
+    for offload in (False, True):
+        cfg.parallel.offload_optimizer = offload
+        eng = helpers.build(cfg, topo, device="meta").engine
+        reports[offload] = eng.memory_report()
+    layout_ = eng.bufs.layout
+    owned = layout_.shard_numel if stage else layout_.full_numel
+    plain, off = reports[False]["measured"], reports[True]["measured"]
+    drop = plain["total"] - off["total"]
+    assert drop == 12 * owned - (2 * owned if stage == 3 else 0)
+    assert off["fp32_master"] == off["adam_m"] == off["adam_v"] == 0
+    assert off["host"] == {"fp32_master": 4 * owned, "adam_m": 4 * owned, "adam_v": 4 * owned,
+                           "fp32_grads": 4 * owned, "total": 16 * owned}
+    assert plain["host"]["total"] == 0
+    for key in ("compute_params", "fp32_grads"):
+        assert off[key] == plain[key] + (2 * owned if stage == 3 and key == "compute_params"
+                                         else 0), key
+    # The formula says the same in Ψ: the masters and moments, 12Ψ/N, move to the host.
+    psi, n = reports[True]["psi"], 2 if stage else 1
+    f0, f1 = formula(stage, psi, 2), formula(stage, psi, 2, offload=True)
+    assert f0["ours"] - f1["ours"] == pytest.approx(12 * psi / n - (2 * psi / n if stage == 3
+                                                                    else 0))
+    assert f1["host"]["total"] == pytest.approx(16 * psi / n)
+    assert f0["paper"] - f1["paper"] == pytest.approx(12 * psi / n)
+    assert reports[True]["formula"]["host"]["total"] == pytest.approx(off["host"]["total"],
+                                                                      rel=0.02)
+
+
+# ---- the optimizer against torch's ---------------------------------------------------------------
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_step_is_torch_fused_adamw_bitwise(offload):
+    """Without clipping (whose global norm we sum in fp64 where clip_grad_norm_ uses fp32, see
+    test_optimizer_reference.py), the engine's update is torch.optim.AdamW(fused=True) to the
+    bit, weight decay on the 2-D weights only, with or without offload: it is the same kernel."""
+    cfg = helpers.config(SHAPE, optim={"lr": 1e-3, "clip_grad": 0.0, "weight_decay": 0.1,
+                                       "beta1": 0.9, "beta2": 0.95, "eps": 1e-8},
+                         parallel={"offload_optimizer": offload}, precision="fp32", seed=1)
+    parts = helpers.build(cfg)
+    ours, eng = parts.chunks[0], parts.engine
+    ref = build_model(SHAPE, seed=1)
+    named = list(ref.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for n, p in named if not is_no_decay(n, p)], "weight_decay": 0.1},
+         {"params": [p for n, p in named if is_no_decay(n, p)], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    params = dict(named)
+    for ids in global_batches(4, 4, seed=3):
+        ours(ids[:, :-1], labels=ids[:, 1:]).backward()
+        ref(ids[:, :-1], labels=ids[:, 1:]).backward()
+        eng.step(1e-3)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    moments = eng.optim_state()
+    for name, w in eng.master_state().items():
+        assert torch.equal(w, params[name].detach()), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(moments[f"{kind}.{name}"], opt.state[params[name]][kind]), name
+
+
+def test_offload_on_device_matches_no_offload(device):
+    """The same 4 fp32 steps with and without offload on the test device. On the CPU it is the
+    same kernel on the same values: bitwise. On CUDA the offloaded step runs torch's CPU AdamW
+    kernel while the plain one runs the CUDA kernel; they round differently by at most an ulp of
+    each update (~lr·2^-24), and forward/backward on the weights that differ by that much move
+    the next gradients by as little, so 4 steps stay well inside 1e-6 absolute on weights of
+    size ~0.02-1. A copy raced (a gradient read before it landed, a compute copy not refreshed)
+    moves weights by ~lr = 1e-3."""
+    runs = []
+    for offload in (False, True):
+        cfg = helpers.config(SHAPE, optim={"lr": 1e-3, "clip_grad": 0.5, "weight_decay": 0.1},
+                             parallel={"zero_stage": 1, "offload_optimizer": offload},
+                             precision="fp32", seed=1)
+        parts = helpers.build(cfg, device=device)
+        model, eng = parts.chunks[0], parts.engine
+        losses = []
+        for ids in global_batches(4, 4, seed=4):
+            ids = ids.to(device)
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.backward()
+            losses.append(float(loss.detach()))
+            eng.step(1e-3)
+        runs.append((losses, {k: v.cpu() for k, v in eng.master_state().items()},
+                     {k: v.cpu() for k, v in eng.optim_state().items()},
+                     {n: p.detach().cpu() for n, p in model.named_parameters()}))
+    (l0, m0, o0, c0), (l1, m1, o1, c1) = runs
+    exact = device.type == "cpu"
+    for a, b in ((m0, m1), (o0, o1), (c0, c1)):
+        assert a.keys() == b.keys()
+        for k in a:
+            if exact:
+                assert torch.equal(a[k], b[k]), k
+            else:
+                assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
+    assert l0 == l1 if exact else l0 == pytest.approx(l1, rel=1e-6)
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
+
+
+def _trainer_cfg(prefix, tmp, offload, resume="auto"):
+    return make_cfg(prefix, Path(tmp), parallel={"zero_stage": 3,
+                                                  "offload_optimizer": offload},
+                    model={"preset": "tiny", "vocab_size": 256, "num_layers": 2},
+                    train__precision="bf16", train__micro_batch_size=2, train__train_iters=4,
+                    train__eval_iters=1,
+                    checkpoint={"dir": f"{tmp}/ck", "save_interval": 2, "keep_last": None,
+                                "async_save": False, "resume": resume})
+
+
+def _dp2_worker(rank, world, prefix, tmp):
+    base = _parts(0, False).topo
+    parity = {f"dp2-z{stage}": _parity(stage, "bf16", base) for stage in (0, 1, 2, 3)}
+    # fp16 from a loss scale that overflows: the first two steps are skipped (the host copies in
+    # flight are waited for before the gradients are zeroed), then the scale fits.
+    parity["dp2-z2-fp16"] = _parity(2, "fp16", base, optim={"initial_loss_scale": 2.0 ** 21,
+                                                            "hysteresis": 1})
+    return {"parity": parity, "checkpoint": _checkpoint_runs(prefix, tmp)}
+
+
+def _checkpoint_runs(prefix, tmp):
+    """Straight runs with and without offload, saving at steps 2 and 4; then each direction of
+    resuming the other's step-2 checkpoint."""
+    out = {}
+    for name, offload in (("plain", False), ("offload", True)):
+        res = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload), log=lambda *a: None).run()
+        out[name] = {"losses": res.losses, "checkpoint": res.checkpoint}
+    for name, offload, source in (("offload->plain", False, "offload"),
+                                  ("plain->offload", True, "plain")):
+        step2 = str(dict(ckpt.list_checkpoints(f"{tmp}/{source}/ck"))[2])
+        trainer = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload, resume=step2),
+                          log=lambda *a: None)
+        start = trainer.state.step
+        res = trainer.run()
+        eng = trainer.engine
+        out[name] = {"start": start, "losses": res.losses, "checkpoint": res.checkpoint,
+                     "state": {**eng.master_state(), **eng.optim_state()}}
+    return out
+
+
+def _checkpoint_tensors(path):
+    reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+    return {(k, n): reader.load(n, k) for n in reader.names()
+            for k in ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS}
+
+
+def _assert_same_checkpoint(a, b):
+    ta, tb = _checkpoint_tensors(a), _checkpoint_tensors(b)
+    assert ta.keys() == tb.keys()
+    for key in tb:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def test_checkpoints_do_not_depend_on_offload(dp2):
+    """Saved with offload, resumed without, and the reverse: the same checkpoints and the same
+    bits as a run that never offloaded."""
+    ranks, tmp = dp2
+    out = ranks[0]["checkpoint"]
+    plain, offload = out["plain"], out["offload"]
+    assert plain["losses"] == offload["losses"]  # the trainer too: offload changes no bit
+    for step in (2, 4):
+        a, b = (dict(ckpt.list_checkpoints(tmp / n / "ck"))[step] for n in ("plain", "offload"))
+        _assert_same_checkpoint(a, b)
+    for name in ("offload->plain", "plain->offload"):
+        resumed = out[name]
+        assert resumed["start"] == 2, name
+        assert resumed["losses"] == plain["losses"][2:], name
+        _assert_same_checkpoint(resumed["checkpoint"], plain["checkpoint"])
+    for r in ranks:  # each rank's engine ends where the other direction's does
+        a, b = (r["checkpoint"][n]["state"] for n in ("offload->plain", "plain->offload"))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
