@@ -1,3 +1,4 @@
+import contextlib
 import math
 
 import pytest
@@ -62,11 +63,11 @@ def test_alibi_112_heads_values():
     assert math.isclose(s[111], 2 ** (-95 / 16), rel_tol=1e-6)
 
 
-def test_init_is_megatron_style():
+def test_init_is_megatron_style(device):
     shape = BloomShape(vocab_size=512, hidden_size=256, num_layers=8, num_heads=4,
                        ffn_hidden_size=1024, init_method_std=0.02)
-    model = build_model(shape, seed=3)
-    sd = dict(model.named_parameters())
+    model = build_model(shape, seed=3, device=device)
+    sd = {n: p.cpu() for n, p in model.named_parameters()}
     qkv = sd["transformer.h.0.self_attention.query_key_value.weight"]
     out = sd["transformer.h.0.mlp.dense_4h_to_h.weight"]
     assert abs(qkv.std().item() - 0.02) < 0.001
@@ -74,35 +75,75 @@ def test_init_is_megatron_style():
     assert torch.all(sd["transformer.h.0.input_layernorm.weight"] == 1)
     assert torch.all(sd["transformer.h.0.self_attention.dense.bias"] == 0)
     assert model.lm_head.weight is model.transformer.word_embeddings.weight
-    # Same seed, same weights; different seed, different weights.
+    # Same seed, same weights (on the CPU too); different seed, different weights.
     again = build_model(shape, seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert all(torch.equal(sd[n], p) for n, p in again.named_parameters())
     other = build_model(shape, seed=4)
     assert not torch.equal(other.transformer.word_embeddings.weight,
-                           model.transformer.word_embeddings.weight)
+                           sd["transformer.word_embeddings.weight"])
 
 
-def test_activation_checkpointing_same_gradients():
+# Dropout 0 runs the fused SDPA kernel; dropout > 0 the unfused one, which also draws masks that
+# recomputation must replay.
+RECOMPUTE_SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                             ffn_hidden_size=256)
+
+
+def _recompute_run(mode: str, dropout: float, ids, count_saved: bool = False):
+    """Loss, gradients and (optionally) the bytes autograd saved in forward, each storage once.
+    The hooks also see what torch.utils.checkpoint keeps of a recomputed region: its inputs."""
+    shape = RECOMPUTE_SHAPE.replace(hidden_dropout=dropout, attention_dropout=dropout)
+    model = build_model(shape, seed=1).train()
+    model.set_activation_checkpointing(mode)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(7)
+    hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved
+             else contextlib.nullcontext())
+    with hooks:
+        loss = model(ids[:, :-1], labels=ids[:, 1:])
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()], sum(storages.values())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activation_checkpointing_same_gradients(dropout):
+    # Bitwise: recomputation runs the same deterministic CPU kernels on bit-identical inputs, and
+    # torch.utils.checkpoint restores the RNG state, so dropout draws the same masks.
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss, grads, _ = _recompute_run("none", dropout, ids)
+    for mode in ("selective", "full"):
+        loss_r, grads_r, _ = _recompute_run(mode, dropout, ids)
+        assert loss_r == loss, mode
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_r)), mode
+    with pytest.raises(ValueError, match="one of"):
+        build_model(RECOMPUTE_SHAPE).set_activation_checkpointing(True)
+
+
+def test_selective_recompute_saves_less_than_none_more_than_full():
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    saved = {mode: _recompute_run(mode, 0.1, ids, count_saved=True)[2]
+             for mode in ("none", "selective", "full")}
+    assert saved["none"] > saved["selective"] > saved["full"]
+    # What selective drops is at least Korthikanti et al.'s 5as² per layer (softmax output,
+    # dropout mask, dropped probabilities; here fp32 + bool + fp32 = 9 bytes per score).
+    s = RECOMPUTE_SHAPE
+    scores = ids.shape[0] * s.num_heads * (ids.shape[1] - 1) ** 2
+    assert saved["none"] - saved["selective"] >= s.num_layers * 9 * scores
+
+
+def test_kv_cache_matches_full_forward(device):
     shape = resolve_model_config(ModelConfig(preset="tiny"))
-    ids = torch.randint(0, 256, (2, 16))
-    grads = []
-    for ckpt in (False, True):
-        model = build_model(shape, seed=1)
-        model.set_activation_checkpointing(ckpt)
-        model.train()
-        model(ids[:, :-1], labels=ids[:, 1:]).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
-
-
-def test_kv_cache_matches_full_forward():
-    shape = resolve_model_config(ModelConfig(preset="tiny"))
-    model = build_model(shape, seed=2).eval()
-    ids = torch.randint(0, 256, (2, 12))
+    model = build_model(shape, seed=2, device=device).eval()
+    ids = torch.randint(0, 256, (2, 12)).to(device)
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).cpu()
         logits, past = model(ids[:, :8], return_presents=True)
         step, _ = model(ids[:, 8:], past_kvs=past, return_presents=True)
+        logits, step = logits.cpu(), step.cpu()
     assert torch.allclose(full[:, :8], logits, atol=1e-5)
     assert torch.allclose(full[:, 8:], step, atol=1e-5)

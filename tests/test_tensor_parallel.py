@@ -160,9 +160,10 @@ def _dropout_checks(topo, sequence_parallel):
         return loss.item(), grads, model
 
     hidden = []
-    loss_a, grads_a, model = run(False, capture=hidden)
-    loss_b, grads_b, _ = run(False)
-    loss_c, grads_c, _ = run(True)
+    loss_a, grads_a, model = run("none", capture=hidden)
+    loss_b, grads_b, _ = run("none")
+    loss_c, grads_c, _ = run("full")
+    loss_d, grads_d, _ = run("selective")
 
     # Without sequence parallelism the hidden states are replicated: the hidden dropout must
     # have dropped the same elements on every tp rank.
@@ -175,9 +176,10 @@ def _dropout_checks(topo, sequence_parallel):
     default = torch.rand(16)
     streams = torch.empty(topo.tp_size, 2, 16)
     comm.all_gather_into_tensor(streams, torch.stack([forked, default])[None], group, "tp")
-    return dict(losses=(loss_a, loss_b, loss_c),
+    return dict(losses=(loss_a, loss_b, loss_c, loss_d),
                 grads_equal_rerun=all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a),
                 grads_equal_recompute=all(torch.equal(grads_a[n], grads_c[n]) for n in grads_a),
+                grads_equal_selective=all(torch.equal(grads_a[n], grads_d[n]) for n in grads_a),
                 hidden_replicated=all(torch.equal(gathered_hidden[0], h) for h in gathered_hidden),
                 streams=streams)
 
@@ -296,12 +298,14 @@ def test_dropout_rng(tp_run, reference, sp):
     tp, ranks = tp_run
     for r in ranks:
         d = r[sp]["dropout"]
-        loss_a, loss_b, loss_c = d["losses"]
+        loss_a, loss_b, loss_c, loss_d = d["losses"]
         assert loss_a == loss_b, "same seed must give the same dropout masks"
         assert d["grads_equal_rerun"]
-        # Recomputation (activation checkpointing) replays the same masks, so the gradients are
-        # bitwise those of the run that kept its activations.
+        # Recomputation (full: every block; selective: the attention core, inside the forked
+        # per-rank RNG) replays the same masks, so the gradients are bitwise those of the run
+        # that kept its activations.
         assert loss_c == loss_a and d["grads_equal_recompute"]
+        assert loss_d == loss_a and d["grads_equal_selective"]
         assert abs(loss_a - reference["loss"]) > 1e-4, "dropout had no effect"
         if not sp:
             assert d["hidden_replicated"]

@@ -13,14 +13,21 @@ from outside (bloomtrain.parallel), which is why a few things are derived at run
 being fixed at construction: the number of local heads comes from the width of `query_key_value`,
 and the ALiBi slopes live in a buffer that a tensor-parallel plan slices to its own heads.
 
-Attention runs through `torch.nn.functional.scaled_dot_product_attention` with the ALiBi+causal
-bias as a float mask, so the fused CPU kernel or CUDA's memory-efficient kernel can run (flash
-kernels take no arbitrary bias). Softmax precision: in fp32 it is fp32; in bf16/fp16 the fused
-kernels accumulate the softmax (max, exp-sum) in fp32 and round the probabilities to the input
-dtype, which is what HF's `softmax(..., dtype=float32).to(dtype)` does too. The bias itself is built
-in fp32 from *relative* key positions (k - q <= 0), so the entries nearest the diagonal, which carry
-most of the weight, are exact even after rounding to bf16; HF uses absolute key positions, which
-is mathematically the same (softmax is shift-invariant) but rounds the larger values more coarsely.
+Attention runs through bloomtrain.model.attention: SDPA with the ALiBi+causal bias as a float mask
+(the default, and the fastest correct kernel on CPU), or FlexAttention with ALiBi as a score_mod
+(`transformer.attention_impl = "flex"`, set from `train.attention`). Softmax precision: in fp32 it
+is fp32; in bf16/fp16 the fused kernels accumulate the softmax (max, exp-sum) in fp32 and round the
+probabilities to the input dtype, which is what HF's `softmax(..., dtype=float32).to(dtype)` does
+too. The SDPA bias is built in fp32 from *relative* key positions (k - q <= 0), so the entries
+nearest the diagonal, which carry most of the weight, are exact even after rounding to bf16; HF
+uses absolute key positions, which is mathematically the same (softmax is shift-invariant) but
+rounds the larger values more coarsely.
+
+Activation checkpointing (`set_activation_checkpointing`): "full" recomputes every block in
+backward, as BLOOM did; "selective" recomputes only the attention core (Korthikanti et al.,
+arXiv 2205.05198), whose activations grow with s² but whose FLOPs are a small share of a block's.
+Fused attention kernels already keep no s² tensors (only the output and the log-sum-exp), so
+selective saves most where the core runs unfused: SDPA with dropout on CPU.
 """
 from __future__ import annotations
 
@@ -32,8 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from bloomtrain.model.attention import ATTENTION_IMPLS, attention_core, flex_alibi
 from bloomtrain.model.params import base_spec, init_full, init_std
 from bloomtrain.model.presets import BloomShape
+
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -74,7 +84,7 @@ class BloomAttention(nn.Module):
         # dropout on different heads differs across ranks (see parallel/tensor/rng.py).
         self.rng_context = contextlib.nullcontext
 
-    def forward(self, x, bias, past_kv=None):
+    def forward(self, x, bias, past_kv=None, recompute_core=False):
         b, s, _ = x.shape
         qkv = self.query_key_value(x)
         # The fused projection is laid out per head, so a tensor-parallel shard of its rows is a
@@ -87,7 +97,12 @@ class BloomAttention(nn.Module):
             v = torch.cat([past_kv[1], v], dim=2)
         p = self.attention_dropout if self.training else 0.0
         with self.rng_context():
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p)
+            if recompute_core:
+                # Selective recomputation: keep q, k, v (views of the qkv output) and recompute
+                # the core in backward, restoring the RNG state so that dropout replays its mask.
+                ctx = checkpoint(attention_core, q, k, v, bias, p, use_reentrant=False)
+            else:
+                ctx = attention_core(q, k, v, bias, p)
         ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)  # [b, s, h_local]
         return self.dense(ctx), (k, v)
 
@@ -113,10 +128,11 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(shape)
         self.hidden_dropout = shape.hidden_dropout
 
-    def forward(self, x, bias, past_kv=None):
+    def forward(self, x, bias, past_kv=None, recompute_core=False):
         # Pre-LN; the residual is the un-normalized input (apply_residual_connection_post_layernorm
         # = False in every BLOOM config).
-        attn, present = self.self_attention(self.input_layernorm(x), bias, past_kv)
+        attn, present = self.self_attention(self.input_layernorm(x), bias, past_kv,
+                                            recompute_core)
         x = x + F.dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.post_attention_layernorm(x))
         x = x + F.dropout(mlp, self.hidden_dropout, self.training)
@@ -136,7 +152,9 @@ class BloomModel(nn.Module):
         self.ln_f = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_epsilon)
         # Not persistent: derived from the head count, and a tensor-parallel plan slices it.
         self.register_buffer("alibi_slopes", alibi_slopes(shape.num_heads), persistent=False)
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"
+        # "sdpa" or "flex" (bloomtrain.model.attention); training sets it from train.attention.
+        self.attention_impl = "sdpa"
         # With sequence parallelism each rank holds 1/sequence_parallel_size of the sequence
         # between blocks; the attention bias is for the full sequence.
         self.sequence_parallel_size = 1
@@ -145,21 +163,38 @@ class BloomModel(nn.Module):
         return self.word_embeddings_layernorm(self.word_embeddings(input_ids))
 
     def attention_bias(self, q_len: int, k_len: int, dtype: torch.dtype):
+        """The ALiBi+causal bias in the form `attention_impl` takes."""
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                             f"got {self.attention_impl!r}")
+        if self.attention_impl == "flex":
+            return flex_alibi(self.alibi_slopes, q_len, k_len)
         return alibi_causal_bias(self.alibi_slopes, q_len, k_len, dtype)
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"activation checkpointing must be one of "
+                             f"{ACTIVATION_CHECKPOINTING}, got {mode!r}")
+        self.activation_checkpointing = mode
 
     def run_blocks(self, x, blocks, past_kvs=None):
         """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents)."""
         past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
         q_len = x.shape[1] * self.sequence_parallel_size
         bias = self.attention_bias(q_len, past_len + q_len, x.dtype)
+        training = self.training and torch.is_grad_enabled()
+        recompute = self.activation_checkpointing if training else "none"
         presents = []
         for i, block in enumerate(blocks):
             past = past_kvs[i] if past_kvs else None
-            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if recompute == "full":
                 # Recompute every block in backward, as BLOOM did (--checkpoint-activations).
-                x, present = checkpoint(block, x, bias, past, use_reentrant=False)
+                # Training has no use for the KV cache, and keeping each layer's k and v (the
+                # block's qkv output) until the forward ends would undo most of the saving.
+                x, _ = checkpoint(block, x, bias, past, use_reentrant=False)
+                present = None
             else:
-                x, present = block(x, bias, past)
+                x, present = block(x, bias, past, recompute_core=recompute == "selective")
             presents.append(present)
         return x, presents
 
@@ -189,8 +224,9 @@ class BloomForCausalLM(nn.Module):
             return logits, presents
         return logits
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.transformer.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """none, selective (the attention core) or full (every block)."""
+        self.transformer.set_activation_checkpointing(mode)
 
 
 def lm_loss(logits, labels, loss_mask=None):

@@ -11,13 +11,14 @@ from bloomtrain.model.bloom import BloomForCausalLM, BloomModel
 
 
 class StageTransformer(nn.Module):
-    """This stage's share of BloomModel: the same methods (embed, attention_bias, run_blocks),
-    only the modules the stage runs. Blocks are keyed by their global index so that parameter
-    names stay `transformer.h.{i}.…`, the model's own names."""
+    """This stage's share of BloomModel: the same methods (embed, attention_bias, run_blocks,
+    set_activation_checkpointing), only the modules the stage runs. Blocks are keyed by their
+    global index so that parameter names stay `transformer.h.{i}.…`, the model's own names."""
 
     embed = BloomModel.embed
     attention_bias = BloomModel.attention_bias
     run_blocks = BloomModel.run_blocks
+    set_activation_checkpointing = BloomModel.set_activation_checkpointing
 
     def __init__(self, full: BloomModel, block_range: tuple[int, int], has_embedding: bool,
                  has_final_norm: bool):
@@ -33,6 +34,7 @@ class StageTransformer(nn.Module):
         # the local heads.
         self.register_buffer("alibi_slopes", full.alibi_slopes, persistent=False)
         self.activation_checkpointing = full.activation_checkpointing
+        self.attention_impl = full.attention_impl
         self.sequence_parallel_size = full.sequence_parallel_size
 
 
@@ -66,8 +68,9 @@ class PipelineChunk(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         return logits if labels is None else self.loss_fn(logits, labels, loss_mask)
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.transformer.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """none, selective (the attention core) or full (every block)."""
+        self.transformer.set_activation_checkpointing(mode)
 
 
 def build_pipeline_chunks(model: BloomForCausalLM, layout, pp_rank: int) -> list[PipelineChunk]:

@@ -1,0 +1,124 @@
+"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of two kernels.
+
+- "sdpa": `F.scaled_dot_product_attention` with ALiBi (Press et al., arXiv 2108.12409) and the
+  causal mask as one float bias [1, heads, q, k], built once per forward and shared by the layers.
+  It runs the fused CPU kernel or CUDA's memory-efficient kernel; flash kernels take no bias.
+- "flex": FlexAttention (Dong et al., arXiv 2412.05496), compiled with torch.compile. ALiBi is a
+  `score_mod` (slope[h] * (k - q), applied in fp32 inside the kernel) and causality a `BlockMask`,
+  so no bias is materialized and the blocks above the diagonal are skipped. It has no dropout,
+  and in torch 2.13 no backward on CPU, so training uses it on CUDA only.
+
+`resolve_attention` turns `train.attention` (auto|sdpa|flex) into one of the two. The model holds
+the choice as `transformer.attention_impl`; `BloomModel.attention_bias` builds the bias in the
+form that kernel takes (a tensor for sdpa, a `FlexAlibi` for flex) and `attention_core` runs it.
+
+The core is also the unit of selective activation recomputation (Korthikanti et al., arXiv
+2205.05198): checkpointing it keeps q, k and v and recomputes the O(s²) scores, softmax and
+dropout mask in backward. torch.utils.checkpoint restores the RNG state it saw in forward, so
+attention dropout replays the same mask.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from bloomtrain.utils import UserError
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:
+    create_block_mask = flex_attention = None
+
+ATTENTION_IMPLS = ("sdpa", "flex")
+
+
+def flex_attention_available() -> bool:
+    return flex_attention is not None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Eager flex_attention is a slow reference loop; the kernel only exists compiled. dynamic=False:
+    # training shapes are fixed, and a static kernel per shape compiles faster than a dynamic one.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexAlibi(NamedTuple):
+    """The ALiBi+causal bias in FlexAttention's form: the (local) heads' slopes, fp32, for the
+    score_mod, and the causal BlockMask for (q_len, k_len)."""
+
+    slopes: torch.Tensor
+    block_mask: object
+
+
+@functools.lru_cache(maxsize=16)
+def causal_block_mask(q_len: int, k_len: int, device: torch.device):
+    """Queries are the last q_len of k_len positions (a KV cache holds the first k_len - q_len)."""
+    offset = k_len - q_len
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return create_block_mask(causal, None, None, q_len, k_len, device=device)
+
+
+def flex_alibi(slopes: torch.Tensor, q_len: int, k_len: int) -> FlexAlibi:
+    return FlexAlibi(slopes, causal_block_mask(q_len, k_len, slopes.device))
+
+
+def attention_core(q, k, v, bias, dropout_p: float = 0.0):
+    """q [b, nh, q_len, hd], k and v [b, nh, k_len, hd] -> context [b, nh, q_len, hd]. `bias` is
+    an additive float bias [1, nh, q_len, k_len] (SDPA) or a FlexAlibi (FlexAttention)."""
+    if not isinstance(bias, FlexAlibi):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    if dropout_p > 0:
+        raise UserError("FlexAttention has no attention dropout; set model.attention_dropout=0 "
+                        "or train.attention=sdpa")
+    slopes = bias.slopes
+    offset = k.shape[2] - q.shape[2]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        # Relative positions, as the SDPA bias: 0 on the diagonal, negative below it.
+        return score + slopes[h] * (kv_idx - q_idx - offset)
+
+    # Inside a compiled region (train.compile) that region's compilation lowers the kernel.
+    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return flex(q, k, v, score_mod=alibi, block_mask=bias.block_mask)
+
+
+def resolve_attention(requested: str, attention_dropout: float, device) -> str:
+    """The kernel for `train.attention` (auto|sdpa|flex) when training on `device`.
+
+    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
+    CPU sdpa is also the fastest correct kernel (bench/attention.py), and FlexAttention cannot
+    run backward there. Raises UserError for a combination that cannot train."""
+    device = torch.device(device)
+    if requested == "sdpa":
+        return "sdpa"
+    if requested == "auto":
+        if device.type != "cuda" or not flex_attention_available():
+            return "sdpa"
+        if attention_dropout > 0:
+            warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "
+                          f"FlexAttention has no dropout and model.attention_dropout is "
+                          f"{attention_dropout}; set it to 0 to use FlexAttention", stacklevel=2)
+            return "sdpa"
+        return "flex"
+    if requested != "flex":
+        raise UserError(f"train.attention must be one of auto, sdpa, flex; got {requested!r}")
+    if not flex_attention_available():
+        raise UserError(f"train.attention=flex needs torch.nn.attention.flex_attention, which "
+                        f"torch {torch.__version__} lacks; set train.attention=sdpa or auto")
+    if attention_dropout > 0:
+        raise UserError(f"train.attention=flex has no attention dropout; set "
+                        f"model.attention_dropout=0 (it is {attention_dropout}) or "
+                        f"train.attention=sdpa")
+    if device.type in ("cpu", "mps"):
+        raise UserError(f"train.attention=flex cannot train on {device.type}: FlexAttention has "
+                        f"no backward there (torch {torch.__version__}); set "
+                        f"train.attention=sdpa or auto")
+    return "flex"

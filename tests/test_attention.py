@@ -1,0 +1,147 @@
+"""The attention kernels (bloomtrain.model.attention): FlexAttention with an ALiBi score_mod and a
+causal BlockMask against SDPA with the float bias, and `train.attention`'s resolution.
+
+Compiled flex_attention runs forward on CPU, so logits, the KV cache and HF parity are checked
+everywhere. It has no backward on CPU (torch 2.13), so gradient parity runs with `--device cuda`
+(tests/conftest.py). Each compiled shape costs seconds on CPU; the tests share three: batch 2,
+head_dim 16, (4 heads, 32 x 32), (6 heads, 32 x 32) and (4 heads, 8 queries x 32 keys).
+
+Tolerance: 1e-5 max abs on fp32 logits of size ~2 (gradients: 1e-5 relative). Both kernels add
+the same fp32 bias slope * (k - q) to the same scores; they may differ only in the order of the
+online softmax's sums (on CPU they agreed bit for bit; on CUDA blocked sums differ by ~1e-7
+relative). A wrong slope, head order or query offset moves logits by > 1e-2.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bloomtrain
+from bloomtrain.model import BloomShape, attention, build_model
+from bloomtrain.model.attention import FlexAlibi, attention_core, resolve_attention
+from bloomtrain.utils import UserError
+from tests import helpers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOGITS_ATOL = 1e-5
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
+BATCH, SEQ = 2, 32
+
+
+def tiny(num_heads: int) -> BloomShape:
+    hidden = 16 * num_heads  # head_dim 16 whatever the head count
+    return BloomShape(vocab_size=256, hidden_size=hidden, num_layers=2, num_heads=num_heads,
+                      ffn_hidden_size=4 * hidden)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+
+def _logits(model, ids, impl):
+    model.transformer.attention_impl = impl
+    with torch.no_grad():
+        return model(ids).cpu()
+
+
+@pytest.mark.parametrize("num_heads", [4, 6], ids=["4heads", "6heads"])
+def test_flex_logits_match_sdpa(num_heads, ids, device):
+    # 6 heads: the slopes are not one geometric sequence (bloom_facts.md §8).
+    model = build_model(tiny(num_heads), seed=1, device=device).eval()
+    x = ids[:, :SEQ].to(device)
+    assert isinstance(model.transformer.attention_bias(SEQ, SEQ, torch.float32), torch.Tensor)
+    want = _logits(model, x, "sdpa")
+    got = _logits(model, x, "flex")
+    assert isinstance(model.transformer.attention_bias(SEQ, SEQ, torch.float32), FlexAlibi)
+    assert (got - want).abs().max().item() < LOGITS_ATOL
+
+
+def test_flex_kv_cache_matches_full_sequence(ids, device):
+    """Queries are the last 8 of 32 positions: the score_mod and the BlockMask take the offset."""
+    model = build_model(tiny(4), seed=1, device=device).eval()
+    x = ids[:, :SEQ].to(device)
+    full = _logits(model, x, "sdpa")
+    with torch.no_grad():
+        _, past = model(x[:, :24], return_presents=True)  # the cache, filled by SDPA
+        model.transformer.attention_impl = "flex"
+        step, _ = model(x[:, 24:], past_kvs=past, return_presents=True)
+    assert (step.cpu() - full[:, 24:]).abs().max().item() < LOGITS_ATOL
+
+
+def test_flex_matches_hf_logits(ids, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import ATOL, make_hf_model  # the HF parity tolerance, unchanged
+
+    ref = make_hf_model({"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}, seed=4,
+                        perturb=True)
+    assert isinstance(ref, transformers.BloomForCausalLM)
+    x = ids[:, :SEQ]
+    with torch.no_grad():
+        want = ref(x).logits
+    ref.save_pretrained(tmp_path / "hf")
+    model = bloomtrain.load_model(tmp_path / "hf")
+    assert model.transformer.attention_impl == "sdpa"  # load_model's default
+    assert (_logits(model, x, "flex") - want).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("num_heads", [4, 6], ids=["4heads", "6heads"])
+def test_flex_gradients_match_sdpa(num_heads, ids, device):
+    if device.type == "cpu":
+        pytest.skip("FlexAttention has no backward on CPU (torch 2.13); run with --device cuda")
+    results = {}
+    for impl, mode in (("sdpa", "none"), ("flex", "none"), ("flex", "selective")):
+        model = build_model(tiny(num_heads), seed=1, device=device).train()
+        model.transformer.attention_impl = impl
+        model.set_activation_checkpointing(mode)
+        x = ids.to(device)
+        loss = model(x[:, :-1], labels=x[:, 1:])
+        loss.backward()
+        results[impl, mode] = (loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    want_loss, want = results["sdpa", "none"]
+    for key in (("flex", "none"), ("flex", "selective")):
+        loss, grads = results[key]
+        assert loss == pytest.approx(want_loss, rel=1e-6), key
+        for n, g in want.items():
+            torch.testing.assert_close(grads[n], g, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_resolve_attention(monkeypatch):
+    assert resolve_attention("auto", 0.0, "cpu") == "sdpa"  # the fastest on CPU, with backward
+    assert resolve_attention("auto", 0.0, "cuda") == "flex"
+    assert resolve_attention("sdpa", 0.0, "cuda") == "sdpa"
+    assert resolve_attention("flex", 0.0, "cuda") == "flex"
+    assert resolve_attention("sdpa", 0.1, "cpu") == "sdpa"
+    with pytest.warns(UserWarning, match="FlexAttention has no dropout"):
+        assert resolve_attention("auto", 0.1, "cuda") == "sdpa"
+    with pytest.raises(UserError, match=r"set model.attention_dropout=0 \(it is 0.1\) or "
+                                        r"train.attention=sdpa"):
+        resolve_attention("flex", 0.1, "cuda")
+    with pytest.raises(UserError, match="cannot train on cpu: FlexAttention has no backward"):
+        resolve_attention("flex", 0.0, "cpu")
+    with pytest.raises(UserError, match="one of auto, sdpa, flex"):
+        resolve_attention("flash", 0.0, "cuda")
+    with pytest.raises(UserError, match="FlexAttention has no attention dropout"):
+        bias = FlexAlibi(torch.ones(4), None)
+        attention_core(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), bias, dropout_p=0.1)
+    monkeypatch.setattr(attention, "flex_attention_available", lambda: False)
+    assert resolve_attention("auto", 0.0, "cuda") == "sdpa"
+    with pytest.raises(UserError, match="lacks; set train.attention=sdpa or auto"):
+        resolve_attention("flex", 0.0, "cuda")
+
+
+def test_parallelize_sets_kernel_and_recompute_mode():
+    parts = helpers.build(helpers.config(attention="auto", activation_checkpointing="selective"),
+                          engine=False)
+    (chunk,) = parts.chunks
+    assert chunk.transformer.attention_impl == "sdpa"
+    assert chunk.transformer.activation_checkpointing == "selective"
+    cfg = helpers.config(attention="flex")
+    cfg.model.attention_dropout = 0.1
+    with pytest.raises(UserError, match="model.attention_dropout=0"):
+        helpers.build(cfg, engine=False)
+    model = build_model(tiny(4))
+    model.transformer.attention_impl = "flash"
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        model(torch.zeros(1, 4, dtype=torch.long))
