@@ -72,6 +72,9 @@ class CommStats:
         must check (gloo, which matches tags, would hide a mismatch)."""
         self.p2p_log = [] if enabled else None
 
+    # Host-side accounting, per call: under torch.compile it must run, not be traced (a trace
+    # would count once and guard on the counts); see bloomtrain.parallel.compile.
+    @torch.compiler.disable
     def record(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         entry = self._counts.setdefault((kind, name), {"calls": 0, "bytes": 0})
         entry["calls"] += 1
