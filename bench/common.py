@@ -1,7 +1,13 @@
-"""Shared by the benchmarks: the model-shape flags and the shape they describe."""
+"""Shared by the benchmarks: the model-shape flags and the shape they describe, the alternating
+timing loop, the device's measured matmul peak, and a fast unseeded initialization."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import time
+
+import torch
 
 from bloomtrain.model.presets import BloomShape
 
@@ -35,3 +41,54 @@ def shape_from_args(args) -> BloomShape:
     """A BLOOM shape with Megatron's default 4h MLP."""
     return BloomShape(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                       num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
+
+
+def matmul_peak_tflops(device, n: int = 1024, dtype=torch.bfloat16, samples: int = 8) -> float:
+    """This device's achievable dense-matmul rate: the best of `samples` timings of an n x n x n
+    matmul (2·n³ FLOPs), in TFLOP/s. A measured peak rather than a datasheet one, so that a
+    fraction of it says how much of what this machine's BLAS can do a training step gets. On
+    CUDA each sample times a burst of matmuls: one 1024³ matmul is a few microseconds there,
+    which launch overhead would swamp."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    burst = 50 if device.type == "cuda" else 1
+    best = float("inf")
+    for i in range(samples + 2):  # the first two warm up the kernel choice and the caches
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            best = min(best, (time.perf_counter() - t0) / burst)
+    return 2 * n ** 3 / best / 1e12
+
+
+@contextlib.contextmanager
+def unseeded_init():
+    """Inside it, `parallelize` fills parameters with unseeded random values (the spec's std) on
+    the buffer's own device instead of BLOOM's seeded, layout-independent values.
+
+    For benches that measure speed or memory, where values only need the right sizes: the seeded
+    values come from a loop of per-block CPU generators (~13 s for bloom-560m on 2 cores, over a
+    minute for bloom-7b1 on a GPU host), which would take most of a GPU check's budget. The model
+    is still built on the meta device and materialized by the engine, so memory peaks are those
+    of a real run. Zeros/ones parameters (biases, LayerNorms) keep their exact values."""
+    from bloomtrain.parallel import parallelize as par
+    seeded = par.init_into  # an AttributeError here means parallelize changed: update this
+
+    def fast(out, spec, full_shape, std, seed, *args, **kwargs):
+        if spec.init in ("zeros", "ones"):
+            return seeded(out, spec, full_shape, std, seed, *args, **kwargs)
+        # uniform with the normal's std: half the cost of normal_ on a CPU (offloaded masters)
+        bound = std * math.sqrt(3.0)
+        return out.uniform_(-bound, bound)
+
+    par.init_into = fast
+    try:
+        yield
+    finally:
+        par.init_into = seeded

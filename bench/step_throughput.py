@@ -1,23 +1,34 @@
 """Single-process training-step throughput: bloomtrain vs HF transformers, the same work on both
-sides.
+sides, and how much of this device's matmul rate each side gets.
 
 Both sides: the same BLOOM shape and batch, bf16 compute with fp32 weights for the update, AdamW
 (lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only: no decay on biases and
 LayerNorms), gradient clipping at 1.0.
 - bloomtrain: BloomForCausalLM with bf16 parameters, fp32 master weights and fp32 gradient
-  accumulation (the engine's optimizer), attention through SDPA with the ALiBi bias.
+  accumulation (the engine's optimizer); `--attention` and `--compile` set `train.attention` and
+  `train.compile` (regional torch.compile of each block). Initialized with unseeded random
+  values (bench.common.unseeded_init): the seeded ones cost minutes at the bloom-* sizes.
 - HF: transformers.BloomForCausalLM with fp32 parameters under bf16 autocast (how BLOOM is
-  fine-tuned with plain PyTorch), its fastest attention implementation that loads for Bloom,
+  fine-tuned with plain PyTorch), its fastest attention implementation that loads for Bloom
+  (flash_attention_2, sdpa, eager: the ones it rejects are listed in the JSON),
   `torch.nn.utils.clip_grad_norm_` and `torch.optim.AdamW` with `fused=True` or `foreach=True`,
   whichever is faster here (both are timed during warmup).
 
 Timing: after `--warmup` steps per side, `--rounds` rounds alternate the sides (the side that goes
-first alternates too), each timing `--steps` steps one by one; the median step time per side is
-reported. Prints both tokens/s, the ratio and Megatron-formula TFLOP/s, then one JSON line that
-also says what each side ran. Measures; asserts nothing.
+first alternates too), each timing `--steps` steps one by one (with torch.cuda.synchronize on
+CUDA); the median step time per side is reported, as tokens/s and Megatron-formula TFLOP/s
+(bloom_facts.md §2; the recompute factor 4 only with full recompute).
+
+Speed figures: the bench also measures this device's bf16 matmul peak (1024³, best of 8, before
+and after the timed rounds; the higher is kept) and reports each side's TFLOP/s as a fraction of
+it (`peak_fraction`), and MFU against `--peak-tflops` (default: that measured peak on the CPU, 989
+TFLOP/s, H100/H200 SXM dense bf16, on CUDA). `--profile` prints torch.profiler's top ops (self
+time) for one step of each side. Prints the figures, then one JSON line. Measures; asserts nothing.
 
     python bench/step_throughput.py                       # hidden 512, 8 layers, seq 512, mbs 4
-    python bench/step_throughput.py --preset bloom-560m --seq 2048 --micro-batch 4 --device cuda
+    python bench/step_throughput.py --profile
+    python bench/step_throughput.py --preset bloom-560m --seq 2048 --micro-batch 4 --device cuda \
+        --compile --attention flex
 """
 from __future__ import annotations
 
@@ -33,14 +44,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, alternate_rounds, shape_from_args  # noqa: E402
-from bloomtrain.config import ModelConfig  # noqa: E402
-from bloomtrain.model import resolve_model_config  # noqa: E402
-from bloomtrain.model.params import base_spec  # noqa: E402
-from bloomtrain.optim import megatron_tflops  # noqa: E402
-from tests import helpers  # noqa: E402
+from bench.common import (
+    add_shape_args,
+    alternate_rounds,
+    matmul_peak_tflops,
+    shape_from_args,
+    unseeded_init,
+)
+from bloomtrain.config import ModelConfig
+from bloomtrain.model import resolve_model_config
+from bloomtrain.model.params import base_spec
+from bloomtrain.optim import megatron_tflops
+from tests import helpers
 
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+# Dense bf16 peak of an H100/H200 SXM (989.4 TFLOP/s without sparsity): the MFU denominator on CUDA.
+CUDA_PEAK_TFLOPS = 989.0
 
 
 def sync(device):
@@ -57,12 +76,13 @@ def timed(step, device) -> float:
 
 
 def make_bloomtrain(shape, ids, device, args):
-    cfg = helpers.config(shape, optim=dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                           weight_decay=WD, clip_grad=CLIP),
+    cfg = helpers.config(shape, optim={"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1],
+                                       "eps": EPS, "weight_decay": WD, "clip_grad": CLIP},
                          precision="bf16", seed=1,
-                         activation_checkpointing="full" if args.activation_checkpointing
-                         else "none")
-    parts = helpers.build(cfg, device=device)
+                         activation_checkpointing=args.activation_checkpointing,
+                         compile=args.compile, attention=args.attention)
+    with unseeded_init():  # values do not change the speed; seeded ones take a minute at 1b7
+        parts = helpers.build(cfg, device=device)
     model, opt = parts.chunks[0], parts.engine
     model.train()
     inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -70,14 +90,18 @@ def make_bloomtrain(shape, ids, device, args):
     def step():
         model(inputs, labels=labels).backward()
         opt.step(LR)
+    # What train.attention resolved to (auto picks by device), where the model says.
+    impl = getattr(model.transformer, "attention_impl", None)
     return step, {"model": "bloomtrain BloomForCausalLM, bf16 parameters",
-                  "attention": "torch SDPA with the ALiBi+causal bias as a float mask",
+                  "attention": impl or f"train.attention={args.attention}",
+                  "compile": args.compile,
+                  "activation_checkpointing": args.activation_checkpointing,
                   "optimizer": "bloomtrain BF16 optimizer: fp32 master + fp32 grad "
                                "accumulation, AdamW, no decay on biases/LayerNorms",
                   "clip_grad": CLIP}
 
 
-def _hf_model(shape, device, args):
+def _hf_model(shape, device):
     import transformers
     from transformers import BloomConfig, BloomForCausalLM
     cfg = BloomConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
@@ -88,27 +112,31 @@ def _hf_model(shape, device, args):
     rejected = []
     for impl in ("flash_attention_2", "sdpa", "eager"):
         try:
-            model = BloomForCausalLM._from_config(cfg, attn_implementation=impl)
+            # Built on the device: initializing a billion-parameter preset on the CPU first
+            # would take longer than timing it.
+            with torch.device(device):
+                model = BloomForCausalLM._from_config(cfg, attn_implementation=impl)
             break
         except (ValueError, ImportError) as e:
             rejected.append(f"{impl}: {str(e).splitlines()[0][:120]}")
     return model.to(device), impl, rejected, transformers.__version__
 
 
+def _hf_optimizer(named, kind):
+    groups = [{"params": [p for n, p in named if base_spec(n).weight_decay], "weight_decay": WD},
+              {"params": [p for n, p in named if not base_spec(n).weight_decay],
+               "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **{kind: True})
+
+
 def make_hf(shape, ids, device, args):
-    model, impl, rejected, version = _hf_model(shape, device, args)
-    if args.activation_checkpointing:
+    model, impl, rejected, version = _hf_model(shape, device)
+    # HF has full recompute only; with "selective" it runs without, and says so.
+    if args.activation_checkpointing == "full":
         model.gradient_checkpointing_enable()
     model.train()
     named = list(model.named_parameters())
     inputs = ids[:, :-1]  # HF shifts the labels itself
-
-    def make_opt(kind):
-        groups = [{"params": [p for n, p in named if base_spec(n).weight_decay],
-                   "weight_decay": WD},
-                  {"params": [p for n, p in named if not base_spec(n).weight_decay],
-                   "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **{kind: True})
 
     def step_with(opt):
         def step():
@@ -124,7 +152,7 @@ def make_hf(shape, ids, device, args):
     best = None
     for kind in ("fused", "foreach"):
         try:
-            opt = make_opt(kind)
+            opt = _hf_optimizer(named, kind)
             step = step_with(opt)
             step()
         except (RuntimeError, TypeError) as e:
@@ -133,17 +161,39 @@ def make_hf(shape, ids, device, args):
         t = statistics.median(timed(step, device) for _ in range(max(args.warmup, 2)))
         if best is None or t < best[0]:
             best = (t, kind, step)
+        del opt, step  # the loser's Adam state goes before timing (it is the model's size x2)
     _, kind, step = best
     return step, {"model": f"transformers {version} BloomForCausalLM, fp32 parameters, bf16 "
                            f"autocast",
                   "attention": impl, "attention_rejected": rejected,
+                  "activation_checkpointing": ("full" if args.activation_checkpointing == "full"
+                                               else "none"),
                   "optimizer": f"torch.optim.AdamW({kind}=True), no decay on "
                                f"biases/LayerNorms",
                   "clip_grad": CLIP}
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def profile_step(name: str, step, device, rows: int) -> list[dict]:
+    """One step of `step` under torch.profiler: prints the top ops by self time (device time on
+    CUDA, CPU time otherwise) and returns them."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n--- profile: one {name} step, top {rows} ops by {key} ---")
+    print(events.table(sort_by=key, row_limit=rows))
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
+    return [{"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3} for e in top]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=None, help="a model preset instead of the explicit shape")
     add_shape_args(ap, hidden=512, layers=8, heads=8, vocab=8192)
     ap.add_argument("--seq", type=int, default=512)
@@ -151,50 +201,90 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    ap.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
+                    choices=("none", "selective", "full"),
+                    help="bloomtrain's train.activation_checkpointing (bare flag: full); HF "
+                         "recomputes with full only")
+    ap.add_argument("--compile", action="store_true", help="bloomtrain with train.compile=true")
+    ap.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex"),
+                    help="bloomtrain's train.attention")
     ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="device bf16 peak for MFU (e.g. 989 for H100/H200 SXM dense)")
+                    help="the MFU denominator (default: the measured bf16 matmul peak on the "
+                         f"CPU, {CUDA_PEAK_TFLOPS:g} on CUDA)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print torch.profiler's top ops for one step of each side")
+    ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--skip-hf", action="store_true")
-    args = ap.parse_args()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
-    if args.preset:
-        shape = resolve_model_config(ModelConfig(preset=args.preset))
-    else:
-        shape = shape_from_args(args)
+    args = ap.parse_args(argv)
+    args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                               else ("cpu" if args.device == "auto" else args.device))
+    return args
+
+
+def summarize(sides, times, shape, args, peaks) -> dict:
+    """Per side: median step time, tokens/s, TFLOP/s, fraction of the matmul peak and MFU."""
+    device, tokens = args.device, args.micro_batch * args.seq
+    matmul_peak = max(peaks)
+    mfu_peak = args.peak_tflops or (CUDA_PEAK_TFLOPS if device.type == "cuda" else matmul_peak)
+    out = {"bench": "step_throughput", "device": str(device), "cpu": platform.processor(),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+           "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "preset": args.preset, "params": shape.num_parameters(), "seq": args.seq,
+           "micro_batch": args.micro_batch, "warmup": args.warmup,
+           "steps_per_round": args.steps, "rounds": args.rounds, "compile": args.compile,
+           "attention": args.attention, "activation_checkpointing": args.activation_checkpointing,
+           "matmul_peak_tflops": matmul_peak, "matmul_peak_samples_tflops": peaks,
+           "mfu_peak_tflops": mfu_peak,
+           "mfu_peak_source": ("--peak-tflops" if args.peak_tflops else
+                               "H100/H200 dense bf16" if device.type == "cuda"
+                               else "measured bf16 matmul peak")}
+    print(f"bf16 matmul peak (1024^3, best of 8, before/after): "
+          f"{' / '.join(f'{p:.2f}' for p in peaks)} TFLOP/s; MFU against {mfu_peak:.2f} "
+          f"({out['mfu_peak_source']})")
+    for name, (_, ran) in sides.items():
+        dt = statistics.median(times[name])
+        full = ran.get("activation_checkpointing") == "full"
+        tf = megatron_tflops(args.micro_batch, args.seq, shape.num_layers, shape.hidden_size,
+                             shape.vocab_size, dt, 1, full)
+        out[name] = {**ran, "median_step_s": dt, "tokens_per_s": tokens / dt, "tflops": tf,
+                     "peak_fraction": tf / matmul_peak, "mfu": tf / mfu_peak,
+                     "step_times_s": times[name]}
+        print(f"{name:<10}: median {dt:.3f} s/step (min {min(times[name]):.3f}, max "
+              f"{max(times[name]):.3f}, n={len(times[name])}), {tokens / dt:,.0f} tokens/s, "
+              f"{tf:.3f} TFLOP/s = {tf / matmul_peak:.1%} of the matmul peak, MFU "
+              f"{tf / mfu_peak:.1%}; {ran['attention']}; {ran['optimizer']}")
+    if "hf" in out:
+        out["ratio"] = out["bloomtrain"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
+        print(f"ratio (bloomtrain / HF tokens/s, medians): {out['ratio']:.2f}")
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device
+    shape = (resolve_model_config(ModelConfig(preset=args.preset)) if args.preset
+             else shape_from_args(args))
     torch.manual_seed(0)
     ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
-    tokens = args.micro_batch * args.seq
     print(f"shape: L={shape.num_layers} h={shape.hidden_size} heads={shape.num_heads} "
           f"V={shape.vocab_size} ({shape.num_parameters() / 1e6:.1f}M params), seq {args.seq}, "
           f"micro-batch {args.micro_batch}, device {device}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
+    peaks = [matmul_peak_tflops(device)]
     sides = {"bloomtrain": make_bloomtrain(shape, ids, device, args)}
     if not args.skip_hf:
         sides["hf"] = make_hf(shape, ids, device, args)
     times = alternate_rounds({name: step for name, (step, _) in sides.items()},
                              lambda step: timed(step, device), args.warmup, args.rounds,
                              args.steps)
-
-    out = {"bench": "step_throughput", "device": str(device), "cpu": platform.processor(),
-           "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "params": shape.num_parameters(), "seq": args.seq, "micro_batch": args.micro_batch,
-           "warmup": args.warmup, "steps_per_round": args.steps, "rounds": args.rounds}
-    for name, (_, ran) in sides.items():
-        dt = statistics.median(times[name])
-        tf = megatron_tflops(args.micro_batch, args.seq, shape.num_layers, shape.hidden_size,
-                             shape.vocab_size, dt, 1, args.activation_checkpointing)
-        print(f"{name:<10}: median {dt:.3f} s/step (min {min(times[name]):.3f}, max "
-              f"{max(times[name]):.3f}, n={len(times[name])}), {tokens / dt:,.0f} tokens/s, "
-              f"{tf:.2f} TFLOP/s; {ran['attention']}; {ran['optimizer']}")
-        out[name] = {**ran, "median_step_s": dt, "tokens_per_s": tokens / dt, "tflops": tf,
-                     "step_times_s": times[name]}
-        if args.peak_tflops:
-            out[name]["mfu"] = tf / args.peak_tflops
-    if "hf" in out:
-        out["ratio"] = out["bloomtrain"]["tokens_per_s"] / out["hf"]["tokens_per_s"]
-        print(f"ratio (bloomtrain / HF tokens/s, medians): {out['ratio']:.2f}")
+    peaks.append(matmul_peak_tflops(device))
+    out = summarize(sides, times, shape, args, peaks)
+    if device.type == "cuda":
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    if args.profile:
+        out["profile"] = {name: profile_step(name, step, device, args.profile_rows)
+                          for name, (step, _) in sides.items()}
     print(json.dumps(out))
 
 

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(HF reference, bloomtrain model loaded from its save_pretrained directory, that dir)."""
+def models(tmp_path_factory, device):
+    """(HF reference, bloomtrain model loaded from its save_pretrained directory, that dir), both
+    on `device`."""
     # No special token ids: HF would otherwise stop at id 2, which a random model may emit.
     cfg = transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=3, vocab_size=VOCAB,
                                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -33,7 +34,7 @@ def models(tmp_path_factory):
             p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("hf") / "model"
     ref.save_pretrained(path)
-    return ref, bloomtrain.load_model(path), path
+    return ref.to(device), bloomtrain.load_model(path, device=device), path
 
 
 def hf_greedy(ref, ids, n):
@@ -43,18 +44,19 @@ def hf_greedy(ref, ids, n):
 
 
 @pytest.mark.parametrize("batch,length,seed", [(1, 5, 1), (1, 11, 2), (2, 8, 3), (1, 64, 4)])
-def test_greedy_matches_hf(models, batch, length, seed):
+def test_greedy_matches_hf(models, batch, length, seed, device):
     ref, ours, _ = models
     ids = torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
     want = hf_greedy(ref, ids, 20)
     got = generate(ours, ids, 20)
     assert got.shape == (batch, length + 20)
-    assert torch.equal(got, want)
+    assert torch.equal(got.cpu(), want.cpu())
 
 
-def test_cache_matches_recomputation(models):
+def test_cache_matches_recomputation(models, device):
     _, ours, _ = models
-    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
     cached = generate(ours, ids, 12)
     assert torch.equal(cached, generate(ours, ids, 12, use_cache=False))
     # Logits step by step with the cache vs one full forward over the same tokens. 1e-5: the
@@ -69,18 +71,19 @@ def test_cache_matches_recomputation(models):
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
-def test_sampling_reproducible_and_top_k_1_is_greedy(models):
+def test_sampling_reproducible_and_top_k_1_is_greedy(models, device):
     _, ours, _ = models
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(6)).to(device)
 
     def sample(seed, **kw):
+        # torch.multinomial wants a generator on the device it samples on.
         return generate(ours, ids, 15, do_sample=True,
-                        generator=torch.Generator().manual_seed(seed), **kw)
+                        generator=torch.Generator(device).manual_seed(seed), **kw).cpu()
 
     a = sample(0, temperature=1.5, top_p=0.9)
     assert torch.equal(a, sample(0, temperature=1.5, top_p=0.9))
     assert not torch.equal(a, sample(1, temperature=1.5, top_p=0.9))
-    assert torch.equal(sample(3, top_k=1, temperature=0.7), generate(ours, ids, 15))
+    assert torch.equal(sample(3, top_k=1, temperature=0.7), generate(ours, ids, 15).cpu())
 
 
 def test_warpers_match_hf():
@@ -104,11 +107,11 @@ def test_warpers_match_hf():
         assert torch.isfinite(got).any(dim=-1).all()  # at least one token always survives
 
 
-def test_vocab_limit_and_eos(models):
+def test_vocab_limit_and_eos(models, device):
     _, ours, _ = models
-    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7)).to(device)
     out = generate(ours, ids, 30, do_sample=True, temperature=5.0, vocab_limit=40,
-                   generator=torch.Generator().manual_seed(0))
+                   generator=torch.Generator(device).manual_seed(0))
     assert out[:, 6:].max().item() < 40
 
     free = generate(ours, ids[:1], 10)
@@ -138,22 +141,24 @@ def trained_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
     return root, tok
 
 
-def test_cli_generate(trained_checkpoint, capsys, tmp_path):
+def test_cli_generate(trained_checkpoint, capsys, tmp_path, device):
     root, tok = trained_checkpoint
     prompt = "The quick brown fox"
+    # The CLI picks CUDA when it sees one; pinned so that it runs where the reference does.
+    on = ["--device", str(device)]
     assert main(["generate", "--checkpoint", str(root), "--prompt", prompt,
-                 "--max-new-tokens", "8"]) == 0
+                 "--max-new-tokens", "8", *on]) == 0
     greedy = capsys.readouterr().out
     assert greedy.startswith(prompt) and len(greedy) > len(prompt) + 1
-    model = bloomtrain.load_model(root)
-    ids = torch.tensor([tok.encode(prompt)])
+    model = bloomtrain.load_model(root, device=device)
+    ids = torch.tensor([tok.encode(prompt)], device=device)
     out = generate(model, ids, 8, eos_token_id=tok.eod_id, vocab_limit=tok.vocab_size)
     new = out[0, ids.shape[1]:].tolist()
     new = new[:new.index(tok.eod_id)] if tok.eod_id in new else new
     assert greedy == tok.decode(ids[0].tolist() + new) + "\n"
 
     sampled = ["generate", "--checkpoint", str(root), "--prompt", prompt, "--max-new-tokens",
-               "8", "--temperature", "2.0", "--top-p", "0.95", "--seed", "4"]
+               "8", "--temperature", "2.0", "--top-p", "0.95", "--seed", "4", *on]
     assert main(sampled) == 0
     first = capsys.readouterr().out
     assert main(sampled) == 0
@@ -163,7 +168,7 @@ def test_cli_generate(trained_checkpoint, capsys, tmp_path):
     from bloomtrain import hf
     hf.export_hf(root, tmp_path / "export", log=lambda *_: None)
     assert main(["generate", "--checkpoint", str(tmp_path / "export"), "--prompt", prompt,
-                 "--max-new-tokens", "8", "--greedy"]) == 0
+                 "--max-new-tokens", "8", "--greedy", *on]) == 0
     assert capsys.readouterr().out == greedy
 
 

@@ -19,6 +19,7 @@ import torch
 from bloomtrain.config import Config, UserError, parse_data_paths
 from bloomtrain.layout import validate
 from bloomtrain.model import BloomForCausalLM
+from bloomtrain.model.attention import resolve_attention
 from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
@@ -95,6 +96,9 @@ class Trainer:
         run = validate(cfg, world)  # before anything starts
         self.cfg = cfg
         self.device = resolve_device(cfg)
+        # The kernel depends on the device: checked here, before any process group starts.
+        self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
+                                           self.device)
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
         self.is_logger = self.topo.rank == 0
@@ -222,9 +226,14 @@ class Trainer:
     # ---- reporting ------------------------------------------------------------------------------
     def _layout_text(self) -> str:
         p, layout = self.cfg.parallel, self.topo.layout
+        t = self.cfg.train
+        ac = t.activation_checkpointing
         return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} zero={p.zero_stage}"
+                f"{' offload' if p.offload_optimizer else ''}"
                 f"{' schedule=' + p.pp_schedule if layout.pp > 1 else ''}"
-                f"{' sp' if p.sequence_parallel else ''} precision={self.cfg.train.precision}")
+                f"{' sp' if p.sequence_parallel else ''} precision={t.precision} "
+                f"attention={self.attention}{' compile' if t.compile else ''}"
+                f"{'' if ac == 'none' else ' recompute=' + ac}")
 
     def _announce(self) -> None:
         s = self.shape

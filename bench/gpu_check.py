@@ -1,0 +1,424 @@
+"""The one GPU check: bench/gpu.sh's driver. Run it whenever a GPU is available; it fits in 8
+minutes on one H200 and leaves one JSON file and a readable summary.
+
+    bench/gpu.sh                       # on a CUDA machine: bench/results/gpu-<date>.json + .md
+    bench/gpu.sh --out /tmp/gpu.json   # elsewhere
+    bench/gpu.sh --only largest_fit    # rerun some sections (name substrings, comma-separated)
+    bench/gpu.sh --cpu-smoke           # the same sections on the CPU, tiny shapes (its test:
+                                       # tests/test_gpu_script.py)
+
+Sections, in this order (each a subprocess with its own timeout, all under one `--budget`):
+1. `tests`: the single-process tests marked `device` (models, optimizer, generation, HF parity),
+   `python -m pytest -m device --device cuda tests`.
+2. `throughput/<preset>/<compile>-<attention>`: bench/step_throughput.py at bloom-560m and
+   bloom-1b7, seq 2048, bf16, eager vs torch.compile and SDPA vs FlexAttention: tokens/s,
+   Megatron-formula TFLOP/s and MFU against 989 TFLOP/s (dense bf16). The first variant of each
+   preset also times HF transformers (AdamW, bf16 autocast) on the same GPU, alternating with
+   bloomtrain; the others are compared with that HF figure.
+3. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
+   activation recomputation at bloom-1b7.
+4. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
+   and without ZeRO-Offload.
+Four throughput variants (eager-flex and compile-sdpa of each preset) come last: they are the
+first to go when the budget runs out.
+
+A section is ok when its command exits 0 and ends with its JSON line (pytest: its JUnit XML);
+otherwise it is recorded as failed with the end of its output, and the next section runs. A
+section that would start with too little budget left is recorded as skipped. The JSON holds
+every section's command, status, wall time, error, its figures and the bench's whole JSON
+line; each section's full output is kept in `<out>.logs/`. Exit status: 1 if a section failed
+(in `--cpu-smoke`, also if one was skipped), else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CUDA_PEAK_TFLOPS = 989.0
+# A section is not started with less than this left: it could not finish, and a half-run
+# section says less than a skipped one.
+MIN_START_S = 20
+
+
+@dataclass
+class Section:
+    name: str
+    kind: str  # tests | throughput | recompute_memory | largest_fit
+    cmd: list[str]
+    timeout_s: float
+    meta: dict = field(default_factory=dict)
+    # Given `--budget <its timeout less a margin>` so that it reports what it has in time.
+    budgeted: bool = False
+
+
+def _throughput(preset_args, label, variant, timeout, with_hf, extra) -> Section:
+    compiled, attention = variant.split("-")
+    cmd = [PY, "bench/step_throughput.py", *preset_args, "--attention", attention, *extra]
+    if compiled == "compile":
+        cmd.append("--compile")
+    if not with_hf:
+        cmd.append("--skip-hf")
+    return Section(f"throughput/{label}/{variant}", "throughput", cmd, timeout,
+                   {"preset": label, "variant": variant, "with_hf": with_hf})
+
+
+def plan(args) -> list[Section]:
+    """The sections in run order: GPU shapes, or tiny CPU ones with --cpu-smoke."""
+    if args.cpu_smoke:
+        dev, timing = "cpu", ["--warmup", "1", "--rounds", "2", "--steps", "2", "--device", "cpu"]
+        tests = ["tests/test_model.py"]  # the mechanism, not the suite: that runs in CI anyway
+        shapes = {"tiny": ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
+                           "--seq", "32", "--micro-batch", "2"]}
+        # FlexAttention has no CPU backward in torch 2.13: the smoke run compiles SDPA.
+        first, later = ["eager-sdpa", "compile-sdpa"], []
+        recompute = ["--preset", "tiny", "--seq", "32", "--micro-batch", "2"]
+        fit = ["--presets", "bloom-176b,tiny", "--seq", "32", "--micro-batch", "2",
+               "--try-timeout", "60"]
+        timeouts = {"tests": 90, "eager": 60, "compile": 120, "recompute": 60, "fit": 60}
+    else:
+        dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
+                               "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
+        tests = ["tests"]
+        # Micro-batches that keep bloomtrain and HF (fp32 weights + AdamW) on one H200 at once.
+        shapes = {p: ["--preset", p, "--seq", "2048", "--micro-batch", mbs]
+                  for p, mbs in (("bloom-560m", "4"), ("bloom-1b7", "2"))}
+        first, later = ["eager-sdpa", "compile-flex"], ["eager-flex", "compile-sdpa"]
+        recompute = ["--preset", "bloom-1b7", "--seq", "2048",
+                     "--micro-batch", str(args.recompute_micro_batch)]
+        fit = ["--seq", "2048", "--micro-batch", "1", "--try-timeout", "150"]
+        timeouts = {"tests": 150, "eager": 150, "compile": 210, "recompute": 150, "fit": 330}
+    junit = str(args.logs / "pytest.xml")
+    sections = [Section("tests", "tests",
+                        [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,
+                         "-p", "no:cacheprovider", f"--junitxml={junit}", *tests],
+                        timeouts["tests"], {"junit": junit})]
+    for label, shape in shapes.items():
+        for i, variant in enumerate(first):
+            sections.append(_throughput(shape, label, variant,
+                                        timeouts[variant.split("-")[0]], i == 0, timing))
+    sections.append(Section("recompute_memory", "recompute_memory",
+                            [PY, "bench/recompute_memory.py", *recompute, "--device", dev,
+                             "--modes", "none,selective,full"], timeouts["recompute"]))
+    sections.append(Section("largest_fit", "largest_fit",
+                            [PY, "bench/largest_fit.py", "--device", dev, *fit], timeouts["fit"],
+                            budgeted=True))
+    for label, shape in shapes.items():
+        for variant in later:
+            sections.append(_throughput(shape, label, variant,
+                                        timeouts[variant.split("-")[0]], False, timing))
+    return sections
+
+
+def last_json(text: str) -> dict | None:
+    """The bench's result: its last line that parses as a JSON object."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def junit_counts(path: str) -> dict | None:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {**n, "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+            "time_s": float(suite.get("time", 0.0))}
+
+
+def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
+    """Run `cmd` from the repository root with its output in `log`. On timeout the whole process
+    group is killed (a bench's own subprocesses and compile workers too). Returns (exit status
+    or None on timeout, seconds)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, time.perf_counter() - t0
+
+
+def run_section(sec: Section, seconds_left: float, logs: Path) -> dict:
+    rec = {"name": sec.name, "kind": sec.kind, **sec.meta, "cmd": " ".join(sec.cmd),
+           "status": "skipped", "error": None, "figures": {}, "result": None}
+    if seconds_left < MIN_START_S:
+        rec["error"] = f"budget: {seconds_left:.0f} s left, {MIN_START_S} s needed to start"
+        return rec
+    timeout = min(sec.timeout_s, seconds_left)
+    cmd = sec.cmd + (["--budget", f"{max(timeout - 15, 1):.0f}"] if sec.budgeted else [])
+    rec["cmd"] = " ".join(cmd)
+    log = logs / (sec.name.replace("/", "__") + ".log")
+    rc, wall = run_command(cmd, timeout, log)
+    text = log.read_text(errors="replace")
+    result = junit_counts(sec.meta["junit"]) if sec.kind == "tests" else last_json(text)
+    rec.update(log=str(log), wall_s=round(wall, 1), returncode=rc, result=result)
+    tail = " | ".join(ln for ln in text.strip().splitlines()[-6:])[-800:]
+    if rc is None:
+        rec.update(status="failed", error=f"timeout after {timeout:.0f} s; output ends: {tail}")
+    elif rc != 0 or result is None:
+        why = (f"exit status {rc}" if rc else
+               "no JUnit XML" if sec.kind == "tests" else "no JSON result line")
+        rec.update(status="failed", error=f"{why}; output ends: {tail}")
+    elif sec.kind == "tests" and result["tests"] == 0:
+        rec.update(status="failed", error="no test was selected")
+    else:
+        rec["status"] = "ok"
+    if result is not None:
+        rec["figures"] = FIGURES[sec.kind](result)
+    return rec
+
+
+# ---- figures: the few numbers of each section that the summary shows -------------------------
+
+def _throughput_figures(r: dict) -> dict:
+    ours, hf = r.get("bloomtrain", {}), r.get("hf", {})
+    return {"tokens_per_s": ours.get("tokens_per_s"), "tflops": ours.get("tflops"),
+            "mfu": ours.get("mfu"), "peak_fraction": ours.get("peak_fraction"),
+            "matmul_peak_tflops": r.get("matmul_peak_tflops"),
+            "mfu_peak_tflops": r.get("mfu_peak_tflops"),
+            "attention": ours.get("attention"), "peak_memory_gb": r.get("peak_memory_gb"),
+            "hf_tokens_per_s": hf.get("tokens_per_s"), "hf_tflops": hf.get("tflops"),
+            "hf_mfu": hf.get("mfu"), "hf_attention": hf.get("attention"),
+            "ratio_vs_hf": r.get("ratio")}
+
+
+def _numeric_leaves(obj, path: str = "") -> dict:
+    if isinstance(obj, bool):
+        return {}
+    if isinstance(obj, (int, float)):
+        return {path: obj}
+    items = (obj.items() if isinstance(obj, dict) else
+             enumerate(obj) if isinstance(obj, list) else ())
+    out = {}
+    for k, v in items:
+        # list entries that name themselves (e.g. {"mode": "full", ...}) are keyed by that name
+        key = v.get("mode", k) if isinstance(v, dict) else k
+        out.update(_numeric_leaves(v, f"{path}.{key}" if path else str(key)))
+    return out
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def _recompute_figures(r: dict) -> dict:
+    """recompute_memory.py's per-mode memory and time figures, keyed `<mode>.<figure>`."""
+    out = {}
+    for path, v in _numeric_leaves(r).items():
+        parts = path.split(".")
+        mode = next((m for m in RECOMPUTE_MODES if m in parts), None)
+        if mode and any(w in parts[-1] for w in ("peak", "activation", "step")):
+            out[f"{mode}.{parts[-1]}"] = v
+    return out
+
+
+def _recompute_table(figures: dict) -> list[str]:
+    metrics = list(dict.fromkeys(k.split(".", 1)[1] for k in figures))
+    lines = ["| mode | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for mode in RECOMPUTE_MODES:
+        lines.append(f"| {mode} | " + " | ".join(_fmt(figures.get(f"{mode}.{m}"))
+                                                 for m in metrics) + " |")
+    return lines
+
+
+def _largest_fit_figures(r: dict) -> dict:
+    out = {}
+    for mode in ("no_offload", "offload"):
+        found = r.get(mode) or {}
+        out.update({f"{mode}_largest": found.get("largest"), f"{mode}_params": found.get("params"),
+                    f"{mode}_peak_memory_gb": found.get("peak_memory_gb")})
+    out["device_memory_gb"] = r.get("device_memory_gb")
+    return out
+
+
+FIGURES = {"tests": lambda r: dict(r), "throughput": _throughput_figures,
+           "recompute_memory": _recompute_figures, "largest_fit": _largest_fit_figures}
+
+
+def compare_with_hf(records: list[dict]) -> None:
+    """Variants timed without HF get the ratio to their preset's HF figure from this run (same
+    GPU, same shape, but not alternated with it)."""
+    hf = {r["preset"]: r["figures"].get("hf_tokens_per_s") for r in records
+          if r["kind"] == "throughput" and r.get("with_hf") and r["status"] == "ok"}
+    for r in records:
+        f = r["figures"]
+        if r["kind"] == "throughput" and f and f.get("ratio_vs_hf") is None and hf.get(r["preset"]):
+            f["hf_tokens_per_s_from"] = f"throughput/{r['preset']}/eager-sdpa"
+            f["ratio_vs_hf"] = f["tokens_per_s"] / hf[r["preset"]]
+
+
+# ---- the summary -------------------------------------------------------------------------------
+
+def _fmt(v, spec=".3g") -> str:
+    if v is None:
+        return "-"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def _throughput_table(records: list[dict]) -> list[str]:
+    head = ("| preset | variant | attention | tokens/s | TFLOP/s | MFU | HF tokens/s | HF TFLOP/s "
+            "| HF MFU | ratio vs HF | process peak GiB |")
+    lines = [head, "|" + "---|" * 11]
+    for r in records:
+        if r["kind"] != "throughput" or r["status"] != "ok":
+            continue
+        f = r["figures"]
+        lines.append(f"| {r['preset']} | {r['variant']} | {_fmt(f['attention'])} | "
+                     f"{_fmt(f['tokens_per_s'], ',.0f')} | {_fmt(f['tflops'], '.3g')} | "
+                     f"{_fmt(f['mfu'], '.2%')} | {_fmt(f['hf_tokens_per_s'], ',.0f')} | "
+                     f"{_fmt(f['hf_tflops'], '.3g')} | {_fmt(f['hf_mfu'], '.2%')} | "
+                     f"{_fmt(f['ratio_vs_hf'], '.2f')} | {_fmt(f['peak_memory_gb'], '.1f')} |")
+    return lines
+
+
+def summary(report: dict) -> str:
+    recs = report["sections"]
+    verdict = "all sections ok" if report["ok"] else "NOT ALL SECTIONS OK"
+    about = (f"device: {report['device']}; torch {report['torch']}; commit {report['commit']}; "
+             f"wall {report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget; {verdict}")
+    lines = [f"# bloomtrain GPU check ({report['mode']}), {report['started']}", "", about, "",
+             "| section | status | wall s | figures |", "|---|---|---|---|"]
+    for r in recs:
+        short = {k: v for k, v in r["figures"].items()
+                 if isinstance(v, (int, float, str)) and k != "attention"}
+        text = ", ".join(f"{k}={_fmt(v)}" for k, v in list(short.items())[:6])
+        lines.append(f"| {r['name']} | {r['status']} | {_fmt(r.get('wall_s'), '.0f')} | {text} |")
+    peaks = {r["figures"].get("mfu_peak_tflops") for r in recs if r["kind"] == "throughput"}
+    peak = ", ".join(_fmt(p, ".4g") for p in sorted(peaks - {None})) or "-"
+    lines += ["", f"## Step throughput (MFU against {peak} TFLOP/s)", "",
+              *_throughput_table(recs)]
+    for r in recs:
+        if r["status"] != "ok":
+            continue
+        if r["kind"] == "recompute_memory":
+            lines += ["", "## Activation recompute (peak memory)", "",
+                      *_recompute_table(r["figures"])]
+        elif r["kind"] == "largest_fit":
+            lines += ["", "## Largest preset that trains a step", "", "| figure | value |",
+                      "|---|---|"]
+            lines += [f"| {k} | {_fmt(v)} |" for k, v in r["figures"].items()]
+    bad = [r for r in recs if r["status"] != "ok"]
+    if bad:
+        lines += ["", "## Not ok", ""] + [f"- **{r['name']}** ({r['status']}): {r['error']}"
+                                          for r in bad]
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def _git_commit() -> str:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
+                              check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _device_name(cpu_smoke: bool) -> str:
+    if cpu_smoke:
+        return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    # nvidia-smi rather than torch.cuda: a CUDA context in this process would hold GPU memory
+    # through every section.
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out.splitlines()[0] if out else "cuda"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="every section on the CPU with tiny shapes (a few minutes)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the JSON file (default bench/results/gpu-<date>.json); the summary "
+                         "goes next to it as .md, the logs into <out>.logs/")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for all sections (default 450 on GPU, 170 with --cpu-smoke)")
+    ap.add_argument("--only", default=None,
+                    help="run only the sections whose names contain one of these "
+                         "comma-separated substrings")
+    ap.add_argument("--recompute-micro-batch", type=int, default=4)
+    ap.add_argument("--list", action="store_true",
+                    help="print the sections' commands and timeouts, run nothing")
+    args = ap.parse_args(argv)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    prefix = "gpu-smoke" if args.cpu_smoke else "gpu"
+    args.out = args.out or REPO / "bench" / "results" / f"{prefix}-{stamp}.json"
+    args.logs = args.out.with_suffix(".logs")
+    args.budget = args.budget or (170.0 if args.cpu_smoke else 450.0)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sections = plan(args)
+    if args.only:
+        wanted = args.only.split(",")
+        sections = [s for s in sections if any(w in s.name for w in wanted)]
+    if args.list:
+        for sec in sections:
+            print(f"{sec.name}  (timeout {sec.timeout_s:.0f} s)\n    {' '.join(sec.cmd)}")
+        return 0
+    import torch  # no CUDA context: is_available() only asks the driver
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench/gpu.sh: torch sees no CUDA device here; run with --cpu-smoke to check the "
+              "script on the CPU", file=sys.stderr)
+        return 2
+    args.logs.mkdir(parents=True, exist_ok=True)
+    started, t0 = datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
+    records = []
+    for sec in sections:
+        left = args.budget - (time.perf_counter() - t0)
+        print(f"[{time.perf_counter() - t0:5.0f} s] {sec.name} ...", flush=True)
+        rec = run_section(sec, left, args.logs)
+        records.append(rec)
+        print(f"        {rec['status']}" + (f" ({rec['wall_s']:.0f} s)" if "wall_s" in rec else "")
+              + (f": {rec['error'][:300]}" if rec["error"] else ""), flush=True)
+    compare_with_hf(records)
+    bad = [r for r in records if r["status"] == "failed"
+           or (args.cpu_smoke and r["status"] == "skipped")]
+    report = {"script": "bench/gpu.sh", "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+              "started": started, "wall_s": time.perf_counter() - t0, "budget_s": args.budget,
+              "device": _device_name(args.cpu_smoke), "torch": torch.__version__,
+              "python": platform.python_version(), "commit": _git_commit(),
+              "mfu_peak_tflops": None if args.cpu_smoke else CUDA_PEAK_TFLOPS,
+              "ok": not bad, "sections": records}
+    text = summary(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(text)
+    print("\n" + text)
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

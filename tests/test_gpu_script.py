@@ -1,0 +1,90 @@
+"""bench/gpu.sh, the one GPU check, run end to end on the CPU (`--cpu-smoke`) so that it cannot rot
+between the rare runs on a GPU: every section must run and leave its figures in the JSON file.
+A section that fails fails this test, with the section's own error in the message."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("none", "selective", "full")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    # The script budgets itself (170 s); the timeout here only guards against a hang in it.
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu.sh"), "--cpu-smoke", "--out",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert out.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, json.loads(out.read_text()), out
+
+
+def test_every_section_ran_and_left_numbers(smoke):
+    proc, report, out = smoke
+    sections = {r["name"]: r for r in report["sections"]}
+    assert report["mode"] == "cpu-smoke"
+    assert set(sections) == {"tests", "throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa",
+                             "recompute_memory", "largest_fit"}
+    failed = {n: r["error"] for n, r in sections.items() if r["status"] != "ok"}
+    assert failed == {}, failed
+    assert report["ok"] and proc.returncode == 0, proc.stdout[-2000:]
+
+    tests = sections["tests"]["figures"]
+    assert tests["tests"] > 0 and tests["passed"] == tests["tests"] - tests["skipped"]
+    for name in ("throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa"):
+        f = sections[name]["figures"]
+        for key in ("tokens_per_s", "tflops", "mfu", "peak_fraction", "matmul_peak_tflops",
+                    "ratio_vs_hf"):
+            assert _number(f[key]) and f[key] > 0, (name, key, f[key])
+    assert _number(sections["throughput/tiny/eager-sdpa"]["figures"]["hf_tokens_per_s"])
+    peaks = sections["recompute_memory"]["figures"]
+    for mode in MODES:
+        assert any(mode in k and _number(v) and v > 0 for k, v in peaks.items()), (mode, peaks)
+    fit = sections["largest_fit"]["figures"]
+    for mode in ("no_offload", "offload"):
+        assert fit[f"{mode}_largest"] == "tiny"  # bloom-176b is skipped by its model states
+        assert _number(fit[f"{mode}_peak_memory_gb"]) and fit[f"{mode}_peak_memory_gb"] > 0
+
+    text = out.with_suffix(".md").read_text()
+    assert all(name in text for name in sections)
+    assert all(Path(r["log"]).is_file() for r in sections.values())
+
+
+def test_failures_timeouts_and_budget_are_recorded(tmp_path):
+    """The driver's bookkeeping on commands that fail, hang or never start, without benches."""
+    fail = gpu_check.Section("fails", "largest_fit",
+                             [sys.executable, "-c", "print('partial'); raise SystemExit(3)"], 30)
+    rec = gpu_check.run_section(fail, 100, tmp_path)
+    assert rec["status"] == "failed" and rec["returncode"] == 3
+    assert "exit status 3" in rec["error"] and "partial" in rec["error"]
+
+    no_json = gpu_check.Section("silent", "largest_fit", [sys.executable, "-c", "print(1)"], 30)
+    rec = gpu_check.run_section(no_json, 100, tmp_path)
+    assert rec["status"] == "failed" and "no JSON result line" in rec["error"]
+
+    hang = gpu_check.Section("hangs", "largest_fit",
+                             [sys.executable, "-c", "import time; time.sleep(60)"], 2)
+    rec = gpu_check.run_section(hang, 100, tmp_path)
+    assert rec["status"] == "failed" and rec["returncode"] is None
+    assert rec["error"].startswith("timeout after 2 s")
+
+    rec = gpu_check.run_section(hang, gpu_check.MIN_START_S - 1, tmp_path)
+    assert rec["status"] == "skipped" and rec["error"].startswith("budget")
+
+    line = json.dumps({"offload": {"largest": "tiny", "params": 5}})
+    ok = gpu_check.Section("ok", "largest_fit", [sys.executable, "-c", f"print({line!r})"], 30)
+    rec = gpu_check.run_section(ok, 100, tmp_path)
+    assert rec["status"] == "ok" and rec["figures"]["offload_largest"] == "tiny"
