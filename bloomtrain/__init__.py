@@ -11,9 +11,16 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["__version__", "load_model"]
+__all__ = ["__version__", "load_model", "plan"]
 
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def plan(model=None, **kwargs):
+    """Memory and step-time plans of layouts (bloomtrain.planner.plan): the fitting layouts of
+    `model` on `gpus` GPUs, fastest first, or one `layout`'s record. See `bloomtrain plan -h`."""
+    from bloomtrain.planner import plan as _plan
+    return _plan(model, **kwargs)
 
 
 def load_model(path, device="cpu", dtype=None):

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "bloomtrain.hf",
     "bloomtrain.generate",
     "bloomtrain.pipeline_timeline",
+    "bloomtrain.planner.cli",
 ]
 
 

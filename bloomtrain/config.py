@@ -143,6 +143,9 @@ class TrainConfig:
     eval_iters: int = 10
     # auto: cuda when available, else cpu.
     device: str = "auto"
+    # On CUDA, start even when the planner (bloomtrain plan) predicts more memory than the
+    # device has.
+    ignore_plan: bool = False
     # Save and exit before a job's time limit.
     exit_duration_minutes: float | None = None
     # BLOOM's kill switch: when this file exists, save and exit at the next step.

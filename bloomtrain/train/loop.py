@@ -24,6 +24,7 @@ from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
 from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
+from bloomtrain.planner import plan_for_run
 from bloomtrain.topology import Topology
 from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
 from bloomtrain.train.control import RunControl
@@ -99,14 +100,17 @@ class Trainer:
         # The kernel depends on the device: checked here, before any process group starts.
         self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
                                            self.device)
-        init_distributed(cfg, self.device)
-        self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
-        self.is_logger = self.topo.rank == 0
-        self._log = log
         from bloomtrain.data.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if self.tokenizer is not None:  # the model's vocabulary follows the tokenizer's
             run = validate(cfg, world, self.tokenizer.vocab_size)
+        # The planner's memory prediction for this layout, before any process group: on CUDA a
+        # layout it predicts not to fit is refused here, not by an OOM at the first step.
+        self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
+        init_distributed(cfg, self.device)
+        self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
+        self.is_logger = self.topo.rank == 0
+        self._log = log
         self.shape, self.batches = run.shape, run.batches
         torch.manual_seed(cfg.train.seed)
         with torch.device("meta"):
@@ -241,6 +245,7 @@ class Trainer:
                    f"h={s.hidden_size}, heads={s.num_heads}, vocab={s.vocab_size}); "
                    f"{self._layout_text()}; {self.data.train_samples:,} samples, run dir "
                    f"{self.run_dir}")
+        self.print(f"[train] {self.plan_text}")
 
     def _warn_skipped(self, res) -> None:
         scale = (f"; loss scale {res.loss_scale:g} -> {self.engine.loss_scale:g}"

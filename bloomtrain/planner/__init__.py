@@ -1,0 +1,115 @@
+"""The planner: memory and step time of a layout before anything runs, and a search over layouts.
+
+    bloomtrain plan --model bloom-176b --gpus 384 --gpu a100-80g --global-batch 2048 --seq 2048
+
+Model states come from the engine's own buffer layout, activations from Korthikanti et al.'s
+per-layer terms for the kernels that run, communication from the collectives our engine issues
+(counted as bloomtrain.parallel.comm counts them), step time from the pipeline, tensor- and
+data-parallel terms of Narayanan et al. with the overlap our engine really does. Modules:
+hardware (GPUs, links, collective times), memory (per-rank bytes), evaluate (one layout), search
+(all layouts, and what to change when none fits), calibrate (the compute efficiency of a real
+run), cli (`bloomtrain plan`).
+
+(The package is `planner`, not `plan`, so that the `bloomtrain.plan` function is never shadowed
+by a submodule of the same name.)
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bloomtrain.config import Config, UserError
+from bloomtrain.planner.evaluate import Candidate, Plan, Workload, evaluate
+from bloomtrain.planner.hardware import GPUS, Cluster, gpu
+from bloomtrain.planner.search import (SearchResult, candidate_from_config, parse_layout,
+                                       plan_or_explain, workload_from_config)
+
+__all__ = ["plan", "Plan", "Candidate", "Workload", "Cluster", "GPUS", "evaluate",
+           "make_inputs", "SearchResult"]
+
+
+def make_inputs(*, model: str | None = None, config: str | None = None, overrides=(),
+                gpus: int, gpu_name: str = "a100-80g", gpus_per_node: int = 8,
+                intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
+                global_batch: int | None = None, seq: int | None = None,
+                system: str = "bloomtrain", efficiency: float | None = None,
+                calibrate: str | None = None) -> tuple[Config, Workload, Cluster]:
+    """The config, workload and cluster a plan is made for."""
+    overrides = list(overrides)
+    if model:
+        overrides = [f"model.preset={model}"] + overrides
+    if not config and not model:
+        raise UserError("give a model: --model PRESET or --config FILE")
+    cfg = Config.load(config, overrides)
+    if cfg.train.train_iters is None and cfg.train.train_samples is None:
+        cfg.train.train_iters = 1  # a plan does not depend on the run's length
+    cfg.check()
+    work = workload_from_config(cfg, seq, global_batch, system)
+    cluster = Cluster(gpu(gpu_name), gpus, gpus_per_node, intra_node_gbps, inter_node_gbps,
+                      efficiency)
+    if calibrate:
+        from bloomtrain.planner.calibrate import calibrate_efficiency
+        fitted = calibrate_efficiency(calibrate, cluster)
+        cluster = cluster.with_efficiency(fitted.efficiency)
+    return cfg, work, cluster
+
+
+def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
+         global_batch: int | None = None, seq: int | None = None, config: str | None = None,
+         overrides=(), layout: str | None = None, gpus_per_node: int = 8,
+         intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
+         tokens: float | None = None, system: str = "bloomtrain", only: str | None = None,
+         efficiency: float | None = None, calibrate: str | None = None,
+         top: int | None = 5) -> list[Plan]:
+    """The records `bloomtrain plan` prints: with `layout` ("tp=4,pp=12,mbs=2,zero=1,...") that
+    layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
+    first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
+    change that would."""
+    _, work, cluster = make_inputs(model=model, config=config, overrides=overrides, gpus=gpus,
+                                   gpu_name=gpu, gpus_per_node=gpus_per_node,
+                                   intra_node_gbps=intra_node_gbps,
+                                   inter_node_gbps=inter_node_gbps, global_batch=global_batch,
+                                   seq=seq, system=system, efficiency=efficiency,
+                                   calibrate=calibrate)
+    if layout:
+        return [evaluate(parse_layout(layout, gpus), work, cluster, tokens)]
+    result = plan_or_explain(work, cluster, tokens, only=only)
+    return result.plans if top is None else result.plans[:top]
+
+
+def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str]:
+    """The prediction for a training run's own layout on its own device, and the line
+    `bloomtrain train` logs. On CUDA a layout predicted to need more than the device's memory is
+    refused (UserError) unless train.ignore_plan is set."""
+    import torch
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
+    work = workload_from_config(cfg, device=device.type, shape=shape)
+    spec = replace(GPUS["a100-80g"], name=str(device), memory_bytes=total or 1 << 62)
+    cluster = Cluster(spec, world_size, world_size)
+    p = evaluate(candidate_from_config(cfg, world_size), work, cluster,
+                 memory_limit=float(spec.memory_bytes))
+    s = p.stages[p.worst_stage]
+    acts = sum(s["activations"].values())
+    text = (f"plan: {p.memory_per_gpu / GIB:.2f} GiB per device predicted at the peak, on "
+            f"pipeline stage {p.worst_stage} (model states "
+            f"{sum(s['model_states'].values()) / GIB:.2f}, activations {acts / GIB:.2f} for "
+            f"{'+'.join(map(str, s['in_flight']))} micro-batch(es) in flight, transients "
+            f"{sum(s['transients'].values()) / GIB:.2f}, allocator and context "
+            f"{(s['allocator'] + s['context']) / GIB:.2f}); ")
+    if total is None:
+        return p, text + f"{device.type}: no device memory limit to check"
+    text += f"the device has {total / GIB:.2f} GiB"
+    if p.memory_per_gpu > total:
+        if not cfg.train.ignore_plan:
+            raise UserError(
+                f"the planner predicts {p.memory_per_gpu / GIB:.2f} GiB per GPU on pipeline "
+                f"stage {p.worst_stage}, more than the {total / GIB:.2f} GiB this GPU has; run "
+                f"`bloomtrain plan` for a layout that fits (more pp or tp, ZeRO stage 2-3, "
+                f"activation checkpointing, a smaller micro-batch), or set "
+                f"train.ignore_plan=true to start anyway")
+        text += " (over; starting anyway: train.ignore_plan=true)"
+    return p, text
+
+
+GIB = 2 ** 30

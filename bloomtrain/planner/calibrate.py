@@ -1,0 +1,85 @@
+"""Fit the planner's one free number, the compute efficiency, to a real run: the value at which the
+planner's step time for the run's own layout, batch and model equals the run's measured median
+step time (run_dir/metrics.jsonl). Everything else in the step (communication, bubble, optimizer)
+is modelled, so what is left is the compute rate."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from bloomtrain.config import Config, UserError
+from bloomtrain.planner.evaluate import evaluate
+from bloomtrain.planner.hardware import Cluster
+from bloomtrain.planner.search import candidate_from_config, workload_from_config
+
+
+@dataclass
+class Calibration:
+    efficiency: float
+    measured_step_s: float
+    world_size: int
+    records: int
+
+
+def run_records(run_dir: Path) -> tuple[Config, list[dict]]:
+    cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    for p in (cfg_path, metrics_path):
+        if not p.is_file():
+            raise UserError(f"--calibrate {run_dir}: {p.name} is missing; give the run_dir of a "
+                            f"bloomtrain train run")
+    records = []
+    for n, line in enumerate(metrics_path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{metrics_path}:{n} is not JSON") from None
+        if "step_time_s" in rec and not rec.get("skipped"):
+            records.append(rec)
+    if not records:
+        raise UserError(f"{metrics_path} has no step records to calibrate from")
+    return Config.load(str(cfg_path)), records
+
+
+def world_size_of(records: list[dict], cfg: Config) -> int:
+    """tp·pp·dp from the layout every record carries ("tp=2 pp=1 dp=2 ...")."""
+    m = re.search(r"tp=(\d+) pp=(\d+) dp=(\d+)", records[-1].get("layout", ""))
+    if not m:
+        raise UserError("the run's metrics carry no layout; it was written by an older "
+                        "bloomtrain, calibrate from a newer run")
+    tp, pp, dp = map(int, m.groups())
+    return tp * pp * dp
+
+
+def calibrate_efficiency(run_dir: str, cluster: Cluster) -> Calibration:
+    """The compute efficiency of `cluster`'s GPU that reproduces the run in `run_dir`. The first
+    record (compilation, warm-up) is left out when there are others."""
+    cfg, records = run_records(Path(run_dir))
+    world = world_size_of(records, cfg)
+    steady = records[1:] if len(records) > 1 else records
+    measured = statistics.median(r["step_time_s"] for r in steady)
+    work = workload_from_config(cfg)
+    cand = candidate_from_config(cfg, world)
+    base = replace(cluster, num_gpus=world,
+                   gpus_per_node=min(cluster.gpus_per_node, world))
+
+    def predicted(eff: float) -> float:
+        p = evaluate(cand, work, base.with_efficiency(eff), memory_limit=float("inf"))
+        if p.reason:
+            raise UserError(f"--calibrate: the run's layout cannot be planned: {p.reason}")
+        return p.step_time_s
+
+    if predicted(1.0) > measured:
+        raise UserError(f"the run's step ({measured:.3f} s) is faster than {cluster.gpu.name} at "
+                        f"its full peak would allow ({predicted(1.0):.3f} s); was it run on "
+                        f"another GPU? Pass the run's --gpu")
+    lo, hi = 1e-6, 1.0   # predicted() falls as the efficiency rises
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
+    return Calibration(efficiency=hi, measured_step_s=measured, world_size=world,
+                       records=len(steady))

@@ -1,0 +1,246 @@
+"""Memory of one pipeline rank, from the model shape and the layout alone (no tensors, no
+process group), itemized the way the engine allocates it.
+
+Model states: the parameters a rank holds are counted per module (group) as the ZeRO engine
+groups them, laid out in runs that restart around a tied embedding copy and, under stage 3, at
+every group, each run padded to a multiple of dp (bloomtrain.parallel.zero.segments). That gives
+the exact sizes of the flat buffers (bloomtrain.parallel.zero.buffers), not an approximation.
+
+Activations per micro-batch follow Korthikanti et al. ("Reducing Activation Recomputation in
+Large Transformer Models", arXiv 2205.05198, §4): per layer sbh(34 + 5as/h) bytes at 16 bits
+without tensor parallelism, sbh(10 + 24/t + 5as/(ht)) with it, and /t of all of it with sequence
+parallelism; selective recompute drops the a·s² terms, full recompute keeps 2sbh (the layer's
+input). Each term of their sum is an item below, sized for the kernels that run:
+- a fused attention kernel (FlexAttention, SDPA's flash/efficient kernels) stores its output and
+  a float32 logsumexp, never the a·s² scores; an unfused one (Megatron's fused softmax, which BLOOM
+  ran) stores the softmax output, the dropout mask and the dropout output (5as²b at 16 bits);
+- SDPA takes ALiBi as an additive bias [1, a/t, s, s] made once per forward of a chunk;
+- the inputs of the QKV and h->4h matmuls are whole-sequence tensors under sequence parallelism
+  (our column-parallel layers keep the all-gathered input for their weight gradient);
+- dropout masks take `mask_bytes` per element (1: CUDA's bool mask; torch's CPU dropout keeps a
+  mask in the activation dtype).
+Outside the blocks: the embedding LayerNorm's input (first stage), ln_f's and the head's inputs
+and the cross-entropy's float32 softmax over the local vocabulary (last stage), and the stage's
+output, held by the pipeline runtime until its backward (every stage but the last).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel.pipeline.schedules import SCHEDULES
+
+# The engine keeps at most this many reduce-scatters in flight, each with its fp32 staging bucket,
+# plus the one being filled (bloomtrain.parallel.zero.reduce.MAX_IN_FLIGHT + 1).
+STAGING_BUCKETS = 3
+
+
+@dataclass(frozen=True)
+class Group:
+    """The parameters one module owns on this rank (tp-local), as the engine groups them."""
+
+    name: str
+    numel: int
+    largest: int          # its largest parameter
+    tied: bool = False    # a copy of the tied embedding (pp > 1): a run of its own
+    shared: bool = False  # pp = 1: the embedding, used again by the LM head
+
+
+def block_numel(shape: BloomShape, tp: int) -> tuple[int, int]:
+    """(parameters of one block on a tp rank, its largest parameter)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    qkv = 3 * h // tp * h + 3 * h // tp
+    dense = h * (h // tp) + h
+    h4h = f // tp * h + f // tp
+    fourh = h * (f // tp) + h
+    return qkv + dense + h4h + fourh + 4 * h, max(3 * h // tp * h, f // tp * h)
+
+
+def chunk_groups(shape: BloomShape, layout: ParallelLayout, virtual_stage: int) -> list[Group]:
+    """The groups of one virtual stage, in forward (module) order."""
+    h, tp = shape.hidden_size, layout.tp
+    start, end = layout.stage_ranges(shape.num_layers)[virtual_stage]
+    first, last = virtual_stage == 0, virtual_stage == layout.num_stages - 1
+    emb = shape.vocab_size // tp * h
+    tied = layout.pp > 1
+    blk, blk_largest = block_numel(shape, tp)
+    groups = []
+    if first:
+        groups += [Group("embedding", emb, emb, tied=tied, shared=not tied),
+                   Group("embedding_ln", 2 * h, h)]
+    groups += [Group(f"block{i}", blk, blk_largest) for i in range(start, end)]
+    if last:
+        groups.append(Group("ln_f", 2 * h, h))
+        if tied:
+            groups.append(Group("lm_head", emb, emb, tied=True))
+    return groups
+
+
+def rank_groups(shape: BloomShape, layout: ParallelLayout, pp_rank: int) -> list[Group]:
+    return [g for vs in layout.virtual_stages(pp_rank) for g in chunk_groups(shape, layout, vs)]
+
+
+def _pad(n: int, dp: int) -> int:
+    return -(-n // dp) * dp
+
+
+def flat_numel(groups: list[Group], dp: int, per_group: bool) -> int:
+    """Elements of the full-size flat buffers: runs in backward order, cut around every tied copy
+    and (stage 3) at every group, each padded to a multiple of dp."""
+    runs, current = [], 0
+    for g in reversed(groups):
+        if g.tied or per_group:
+            runs += [current, g.numel]
+            current = 0
+        else:
+            current += g.numel
+    runs.append(current)
+    return sum(_pad(r, dp) for r in runs if r)
+
+
+def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: int,
+                 offload: bool) -> dict:
+    """Bytes of the engine's flat buffers by category, as `ZeroEngine.memory_report()` measures
+    them (`device`), and the host's under offload."""
+    full = flat_numel(groups, dp, per_group=zero_stage == 3)
+    shard = full // dp
+    state = shard if zero_stage >= 1 else full
+    on_device = 0 if offload else 1
+    device = {
+        "compute_params": (compute_bytes * full if zero_stage < 3
+                           else compute_bytes * shard if offload else 0),
+        "fp32_master": 4 * state * on_device,
+        "fp32_grads": 4 * (shard if zero_stage >= 2 else full),
+        "adam_m": 4 * state * on_device,
+        "adam_v": 4 * state * on_device,
+    }
+    host = ({"fp32_master": 4 * state, "adam_m": 4 * state, "adam_v": 4 * state,
+             "fp32_grads": 4 * state} if offload else {})
+    return {"device": device, "host": host, "flat_numel": full, "own_numel": state}
+
+
+def compute_grads_held(groups: list[Group], compute_bytes: int) -> int:
+    """The engine takes each 16-bit gradient as autograd makes it: one parameter's at a time,
+    except that a tied head and embedding on one stage keep three embedding-sized gradients alive
+    at once (ZeroEngine.compute_grads_held)."""
+    largest = max(g.largest for g in groups)
+    shared = [3 * g.numel for g in groups if g.shared]
+    return compute_bytes * max([largest] + shared)
+
+
+def stage3_working_set(groups: list[Group], dp: int, compute_bytes: int) -> int:
+    """Stage 3 gathers a unit per use: the current and the prefetched one, plus the embedding the
+    head uses again (ZeroEngine.working_set_bound)."""
+    sizes = sorted((_pad(g.numel, dp) for g in groups), reverse=True)
+    shared = sum(_pad(g.numel, dp) for g in groups if g.shared)
+    return compute_bytes * (sum(sizes[:2]) + shared)
+
+
+# ---- activations ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What sizes the activations: the micro-batch shape, the layout's tp and sequence
+    parallelism, the kernels."""
+
+    seq: int
+    micro_batch: int
+    tp: int
+    sequence_parallel: bool
+    compute_bytes: int          # 16-bit activations: 2
+    attention: str              # "fused" (flex, or SDPA's flash/efficient), "sdpa" (fused with
+    #                             an ALiBi bias tensor) or "unfused" (softmax stored)
+    hidden_dropout: bool
+    attention_dropout: bool
+    mask_bytes: int = 1
+
+
+def layer_items(shape: BloomShape, a: ActivationSpec) -> dict[str, float]:
+    """Bytes one transformer layer stores for backward per micro-batch, without recompute."""
+    s, b, h, t, c = a.seq, a.micro_batch, shape.hidden_size, a.tp, a.compute_bytes
+    sbh = s * b * h
+    rep = sbh / t if a.sequence_parallel else sbh    # LayerNorm / dropout region
+    split = sbh / t                                   # tensor-parallel region
+    ffn = s * b * shape.ffn_hidden_size / t
+    items = {
+        "ln_inputs": 2 * c * rep,
+        "qkv_input": c * sbh,
+        "q_k_v": 3 * c * split,
+        "attention_output": c * split,
+        "mlp_input": c * sbh,
+        "gelu_input": c * ffn,
+        "gelu_output": c * ffn,
+        "dropout_masks": 2 * a.mask_bytes * rep if a.hidden_dropout else 0.0,
+    }
+    items.update(attention_core_items(shape, a))
+    return items
+
+
+def attention_core_items(shape: BloomShape, a: ActivationSpec) -> dict[str, float]:
+    """What the attention core (softmax(QKᵀ/√d + alibi)·V) itself stores: what selective recompute
+    saves."""
+    s, b, c = a.seq, a.micro_batch, a.compute_bytes
+    heads = shape.num_heads // a.tp
+    if a.attention == "unfused":
+        scores = heads * s * s * b
+        per = c + ((a.mask_bytes + c) if a.attention_dropout else 0)
+        return {"softmax_and_dropout": per * scores}
+    return {"logsumexp": 4 * heads * s * b}
+
+
+def chunk_activation_items(shape: BloomShape, a: ActivationSpec, num_layers: int, first: bool,
+                           last: bool, recompute: str) -> dict[str, float]:
+    """Bytes one model chunk stores per micro-batch under `recompute` (none|selective|full)."""
+    s, b, h, t, c = a.seq, a.micro_batch, shape.hidden_size, a.tp, a.compute_bytes
+    sbh = s * b * h
+    rep = sbh / t if a.sequence_parallel else sbh
+    layer = layer_items(shape, a)
+    per_layer = sum(layer.values())
+    if recompute == "selective":
+        per_layer -= sum(attention_core_items(shape, a).values())
+    elif recompute == "full":
+        per_layer = c * rep
+    items = {"blocks": num_layers * per_layer}
+    if a.attention == "sdpa" and num_layers:
+        items["alibi_bias"] = c * (shape.num_heads // t) * s * s
+    if first:
+        items["embedding_ln_input"] = c * rep
+    if last:
+        items["ln_f_and_head_inputs"] = c * rep + c * sbh
+        items["loss_softmax_fp32"] = 4 * s * b * shape.vocab_size / t
+    else:
+        items["stage_output"] = c * rep  # held by the pipeline runtime for the backward
+    return items
+
+
+def recompute_working_set(shape: BloomShape, a: ActivationSpec, recompute: str) -> float:
+    """The activations rebuilt during one layer's backward: full recompute rebuilds a whole layer,
+    selective its attention core."""
+    if recompute == "full":
+        return sum(layer_items(shape, a).values())
+    if recompute == "selective":
+        return sum(attention_core_items(shape, a).values())
+    return 0.0
+
+
+def loss_working_set(shape: BloomShape, a: ActivationSpec) -> float:
+    """The last stage's transient logits: 16-bit logits and their float32 cast for one
+    micro-batch, beside the saved float32 softmax."""
+    return (a.compute_bytes + 4) * a.seq * a.micro_batch * shape.vocab_size / a.tp
+
+
+@lru_cache(maxsize=4096)
+def in_flight(schedule: str, pp: int, pp_rank: int, num_micro: int,
+              num_chunks: int) -> tuple[int, ...]:
+    """The most micro-batches whose activations each chunk of this rank holds at once, under our
+    own schedules' op lists (bloomtrain.parallel.pipeline.schedules): the peak of forwards done and
+    not yet backwarded, counted where the total of all chunks peaks. 1F1B: min(pp - rank, m)."""
+    ops = SCHEDULES[schedule](pp, pp_rank, num_micro, num_chunks)
+    live = [0] * num_chunks
+    best, best_total = tuple(live), 0
+    for op in ops:
+        live[op.chunk] += 1 if op.kind == "F" else -1
+        if op.kind == "F" and sum(live) > best_total:
+            best_total, best = sum(live), tuple(live)
+    return best
