@@ -146,6 +146,17 @@ class TrainConfig:
     # On CUDA, start even when the planner (bloomtrain plan) predicts more memory than the
     # device has.
     ignore_plan: bool = False
+    # Loss-spike monitor: a robust z-score of each step's loss against the median and MAD of the
+    # last `loss_spike_window` losses; above `loss_spike_zscore` it is a spike, and then:
+    # log it; skip the optimizer step; or roll back to the last checkpoint and skip the samples
+    # that led to it (what BLOOM's and OPT's operators did by hand).
+    on_loss_spike: str = "log"
+    loss_spike_window: int = 100
+    loss_spike_zscore: float = 6.0
+    # Every this many steps, the grad norm and update/weight ratio of every block (0: off).
+    grad_stats_interval: int = 100
+    # A rank whose step time exceeds this times the median over ranks is named a straggler.
+    straggler_factor: float = 1.2
     # Save and exit before a job's time limit.
     exit_duration_minutes: float | None = None
     # BLOOM's kill switch: when this file exists, save and exit at the next step.
@@ -165,6 +176,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class RunConfig:
+    # TensorBoard event files under run_dir/tensorboard: None writes them when the `tensorboard`
+    # package is installed, true requires it, false never.
+    tensorboard: bool | None = None
+    # A W&B project: log to it in offline mode (run_dir/wandb) when `wandb` is installed.
+    wandb: str | None = None
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -172,6 +192,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     run_dir: str = "runs/default"
 
     # ---- loading -------------------------------------------------------------------------
@@ -259,6 +280,16 @@ class Config:
         if t.eval_interval is not None:
             _require_positive("train.eval_interval", t.eval_interval)
             _require_positive("train.eval_iters", t.eval_iters)
+        _require_choice("train.on_loss_spike", t.on_loss_spike, ("log", "skip", "rollback"))
+        _require_positive("train.loss_spike_window", t.loss_spike_window)
+        _require_positive("train.loss_spike_zscore", t.loss_spike_zscore)
+        if t.grad_stats_interval < 0:
+            raise UserError("train.grad_stats_interval must be >= 0 (0 turns it off)")
+        if t.straggler_factor <= 1.0:
+            raise UserError(f"train.straggler_factor must be > 1, got {t.straggler_factor}")
+        if t.on_loss_spike == "rollback" and not c.dir:
+            raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
+                            "last checkpoint)")
         self._check_optim(o)
         for name in ("save_interval", "keep_last", "save_interval_minutes"):
             if getattr(c, name) is not None:
