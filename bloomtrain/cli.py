@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from bloomtrain.utils import UserError
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and friends: not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     return int(rc or 0)
 
 

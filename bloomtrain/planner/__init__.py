@@ -39,6 +39,9 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
         overrides = [f"model.preset={model}"] + overrides
     if not config and not model:
         raise UserError("give a model: --model PRESET or --config FILE")
+    if not config and (global_batch is None or seq is None):
+        raise UserError("give the batch: --global-batch B and --seq S (or --config FILE, whose "
+                        "train.global_batch_size and data.seq_length are used)")
     cfg = Config.load(config, overrides)
     if cfg.train.train_iters is None and cfg.train.train_samples is None:
         cfg.train.train_iters = 1  # a plan does not depend on the run's length
