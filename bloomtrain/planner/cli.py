@@ -48,7 +48,7 @@ def format_breakdown(p: Plan) -> str:
     lines.append("  per stage, GiB: " + " ".join(_gib(x["total"]) for x in p.stages))
     t = p.time
     lines.append(f"  step {t['step_s']:.2f} s over {t['micro_batches']} micro-batches "
-                 f"(compute efficiency {t['efficiency']:.2f} of peak at 2048-token GEMMs):")
+                 f"(compute efficiency {t['efficiency']:.3g} of peak at 2048-token GEMMs):")
     for k in ("compute_s", "tp_comm_s", "pp_p2p_s", "bubble_s", "dp_comm_exposed_s",
               "optimizer_s"):
         lines.append(f"    {k[:-2]:<20} {t[k]:>9.3f} s  {100 * t[k] / t['step_s']:5.1f}%")
@@ -72,6 +72,9 @@ def cmd_plan(args) -> int:
             f"h={shape.hidden_size}, heads={shape.num_heads}, vocab={shape.vocab_size}), global "
             f"batch {work.global_batch} x seq {work.seq} on {cluster.num_gpus} x "
             f"{cluster.gpu.name} ({cluster.node_size} per node), system {work.system}")
+    if args.calibrate:
+        what += (f"; compute efficiency {cluster.compute_efficiency:.4g} fitted to "
+                 f"{args.calibrate}")
     if args.layout:
         p = evaluate(parse_layout(args.layout, args.gpus), work, cluster, args.tokens)
         if args.json:
