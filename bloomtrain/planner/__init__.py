@@ -92,6 +92,8 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
     cluster = Cluster(spec, world_size, world_size)
     p = evaluate(candidate_from_config(cfg, world_size), work, cluster,
                  memory_limit=float(spec.memory_bytes))
+    if not p.stages:  # validation passed, so this is a planner gap: say so, do not block
+        return p, f"plan: no prediction for this layout ({p.reason})"
     s = p.stages[p.worst_stage]
     acts = sum(s["activations"].values())
     text = (f"plan: {p.memory_per_gpu / GIB:.2f} GiB per device predicted at the peak, on "

@@ -252,8 +252,6 @@ def _check(cand: Candidate, work: Workload, cluster: Cluster) -> str | None:
         layout.num_micro_batches(work.global_batch, cand.micro_batch)
     except UserError as e:
         return str(e)
-    if any(e - s == 0 for s, e in layout.stage_ranges(shape.num_layers)):
-        return f"pp x virtual stages ({layout.num_stages}) leaves a stage without a block"
     return None
 
 
