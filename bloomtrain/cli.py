@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "bloomtrain.generate",
     "bloomtrain.pipeline_timeline",
     "bloomtrain.planner.cli",
+    "bloomtrain.report.cli",
 ]
 
 

@@ -17,6 +17,18 @@ def tmp_name(path: str | os.PathLike) -> Path:
     return path.with_name(f".{path.name}.tmp.{os.getpid()}")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates its file 0600; an output renamed into place gets the mode a plain open() would
+# have given it (reports, metrics and checkpoints are read by other users and web servers). Read
+# once at import: os.umask can only be read by setting it.
+_FILE_MODE = 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
     """Open a temporary sibling of `path` for writing and rename it into place only if the block
@@ -29,6 +41,7 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

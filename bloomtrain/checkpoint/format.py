@@ -115,12 +115,15 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out.items())
 
 
-def find_latest_valid(root: str | os.PathLike, log=print) -> Path | None:
+def find_latest_valid(root: str | os.PathLike, log=print,
+                      check_sums: bool = True) -> Path | None:
     """The newest checkpoint under `root` that verifies. Incomplete or corrupt ones are reported
-    and skipped, so a crash during a save falls back to the previous checkpoint."""
+    and skipped, so a crash during a save falls back to the previous checkpoint. Without
+    `check_sums` only the manifest, the fragment index and the file sizes are checked, no data
+    file is read: a quick look at a large checkpoint (`bloomtrain status`)."""
     for _, path in reversed(list_checkpoints(root)):
         try:
-            verify(path)
+            verify(path, check_sums=check_sums)
             return path
         except CheckpointError as e:
             log(f"[checkpoint] skipping {path.name}: {e}")

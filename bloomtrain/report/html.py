@@ -1,0 +1,164 @@
+"""The run report: `report.html` beside the plot PNGs, with a summary table of every run, its
+loss spikes and alerts, every plot (by relative path, so the directory can be copied or served
+as a whole) and each run's resolved config.
+
+The page is static apart from a short inline script that records each image's natural width in
+the DOM once it has loaded and marks an image that failed visibly, so a broken report is obvious
+to a reader and checkable by a headless browser.
+"""
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+from bloomtrain.config import UserError
+from bloomtrain.report.plot import Panel, write_plots
+from bloomtrain.report.runs import (Run, Summary, fmt, fmt_mem, fmt_spike, fmt_steps, load_runs,
+                                    summarize)
+from bloomtrain.utils import atomic_output
+
+# Alerts and spikes listed per run in the report; the summary table gives the full counts.
+MAX_LISTED = 50
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin-bottom: 1.5em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.7em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+figure { margin: 0 0 2em 0; }
+img { max-width: 100%; border: 1px solid #ddd; }
+img.broken { border: 3px solid #c00; min-width: 200px; min-height: 60px; }
+.broken-note { color: #c00; font-weight: bold; }
+pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
+"""
+
+# Runs after the images are in the DOM: each <img> gets data-natural-width once it has loaded,
+# and one that fails gets a red border and a note naming it.
+SCRIPT = """
+(function () {
+  var imgs = Array.prototype.slice.call(document.images), pending = imgs.length;
+  function done() {
+    if (--pending > 0) return;
+    var bad = document.querySelectorAll('img.broken').length;
+    document.body.setAttribute('data-images-checked', String(imgs.length));
+    document.body.setAttribute('data-images-broken', String(bad));
+  }
+  function mark(img) {
+    if (img.naturalWidth > 0) {
+      img.setAttribute('data-natural-width', String(img.naturalWidth));
+    } else {
+      img.classList.add('broken');
+      var note = document.createElement('div');
+      note.className = 'broken-note';
+      note.textContent = 'image failed to load: ' + img.getAttribute('src');
+      img.parentNode.insertBefore(note, img);
+    }
+    done();
+  }
+  if (!imgs.length) { pending = 1; done(); }
+  imgs.forEach(function (img) {
+    if (img.complete) { mark(img); return; }
+    img.addEventListener('load', function () { mark(img); });
+    img.addEventListener('error', function () { mark(img); });
+  });
+})();
+"""
+
+
+def _e(text) -> str:
+    return html.escape(str(text))
+
+
+def _summary_rows(runs: list[Run], sums: list[Summary]) -> list[tuple[str, list[str]]]:
+    def eval_text(s: Summary) -> str:
+        if s.eval_loss is None:
+            return "-"
+        return f"{s.eval_loss:.4f} (ppl {fmt(s.eval_ppl, '.2f')}, step {s.eval_step:,})"
+
+    def spikes_text(s: Summary) -> str:
+        if not s.spikes:
+            return "0"
+        return f"{len(s.spikes)} (last: {fmt_spike(s.spikes[-1])})"
+
+    return [
+        ("run dir", [str(r.path) for r in runs]),
+        ("steps", [fmt_steps(s) + (" finished" if s.finished else "") for s in sums]),
+        ("samples", [fmt(s.consumed_samples, ",") for s in sums]),
+        ("last loss", [fmt(s.loss) for s in sums]),
+        ("last eval loss", [eval_text(s) for s in sums]),
+        ("tokens/s (recent median)", [fmt(s.tokens_per_s, ",.0f") for s in sums]),
+        ("TFLOP/s per device", [fmt(s.tflops, ".3g") for s in sums]),
+        ("MFU", [fmt(None if s.mfu is None else 100 * s.mfu, ".1f") +
+                 ("%" if s.mfu is not None else "") for s in sums]),
+        ("step time (recent median)", [fmt(s.step_time_s, ".3f") + " s"
+                                       if s.step_time_s is not None else "-" for s in sums]),
+        ("peak memory", [fmt_mem(s) for s in sums]),
+        ("skipped steps", [str(s.skipped_steps) for s in sums]),
+        ("loss scale", [fmt(s.loss_scale, "g") for s in sums]),
+        ("loss spikes", [spikes_text(s) for s in sums]),
+        ("alerts", [str(len(s.alerts)) for s in sums]),
+        ("last straggler", ["-" if s.straggler is None else
+                            f"rank {s.straggler[1]} x{fmt(s.straggler[2], '.2f', '?')} "
+                            f"(step {s.straggler[0]:,})" for s in sums]),
+        ("layout", [s.layout or "-" for s in sums]),
+    ]
+
+
+def render_html(runs: list[Run], panels: list[Panel], generated: float | None = None) -> str:
+    sums = [summarize(r) for r in runs]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(generated or time.time()))
+    out = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>bloomtrain report: {_e(', '.join(r.label for r in runs))}</title>",
+           f"<style>{STYLE}</style></head><body>",
+           "<h1>bloomtrain report</h1>",
+           f"<p>Generated {_e(when)} from {len(runs)} run(s).</p>",
+           "<h2>Summary</h2>", "<table>",
+           "<tr><th></th>" + "".join(f"<th>{_e(r.label)}</th>" for r in runs) + "</tr>"]
+    for name, cells in _summary_rows(runs, sums):
+        out.append(f"<tr><th>{_e(name)}</th>" + "".join(f"<td>{_e(c)}</td>" for c in cells) +
+                   "</tr>")
+    out.append("</table>")
+    events = [(r, s) for r, s in zip(runs, sums) if s.spikes or s.alerts]
+    if events:
+        out.append("<h2>Loss spikes and alerts</h2>")
+        for run, s in events:
+            items = [f"step {st:,}: {text}" for st, text in sorted(
+                [(st, f"loss spike z={fmt(z, '.1f', '?')} {a}") for st, z, a in s.spikes] +
+                s.alerts, key=lambda item: item[0])]
+            more = len(items) - MAX_LISTED
+            out.append(f"<h3>{_e(run.label)}</h3><ul>" +
+                       "".join(f"<li>{_e(i)}</li>" for i in items[-MAX_LISTED:]) +
+                       (f"<li>... and {more} earlier</li>" if more > 0 else "") + "</ul>")
+    out.append("<h2>Plots</h2>")
+    if not panels:
+        out.append("<p>No run has a logged step yet: nothing to plot.</p>")
+    for p in panels:
+        out.append(f'<figure><img src="{_e(quote(p.file))}" alt="{_e(p.title)}">'
+                   f"<figcaption>{_e(p.title)}</figcaption></figure>")
+    out.append("<h2>Config</h2>")
+    for run in runs:
+        body = (f"<pre>{_e(run.config_text)}</pre>" if run.config_text is not None else
+                f"<p>{_e(run.path)} has no config.yaml.</p>")
+        out.append(f"<h3>{_e(run.label)}</h3>{body}")
+    out.append(f"<script>{SCRIPT}</script></body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_report(run_dirs: list, out_dir=None) -> Path:
+    """Write the plots and report.html for `run_dirs` into `out_dir` (default: the first run
+    dir's plots/); returns the path of report.html."""
+    if not run_dirs:
+        raise ValueError("write_report needs at least one run directory")
+    runs = load_runs(run_dirs)
+    empty = [str(r.path) for r in runs if not r.steps and not r.evals]
+    if len(empty) == len(runs):
+        raise UserError(f"nothing to plot: metrics.jsonl has no records yet in {', '.join(empty)}"
+                        f" (training writes one every train.log_interval steps)")
+    out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "plots"
+    panels = write_plots(runs, out)
+    path = out / "report.html"
+    with atomic_output(path, "wb") as f:
+        f.write(render_html(runs, panels).encode("utf-8"))
+    return path

@@ -1,0 +1,162 @@
+"""The run plots: one PNG per panel, several runs overlaid on the same axes, drawn with
+matplotlib's Agg canvas (no pyplot, so no global backend is switched in the caller's process).
+
+matplotlib is the optional `plot` extra and is imported only when a plot is drawn. A panel, or a
+sub-plot of one, that no run has data for is left out rather than drawn empty.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bloomtrain.config import UserError
+from bloomtrain.report.runs import Run, number
+from bloomtrain.utils import atomic_output
+
+GIB = 2.0 ** 30
+
+
+@dataclass(frozen=True)
+class Line:
+    source: str  # "steps" or "evals": which records of a run it reads
+    key: str
+    suffix: str = ""  # appended to the run's label in the legend
+    scale: float = 1.0
+    style: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Axis:
+    ylabel: str
+    lines: tuple[Line, ...]
+    yscale: str = "linear"  # "log" when every value is positive and they span over 2 decades;
+    # "log2" for the loss scale, which moves in powers of two
+    spikes: bool = False  # mark records with a loss_spike on the first line
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    file: str
+    title: str
+    axes: tuple[Axis, ...]
+
+
+DASHED = {"linestyle": "--", "marker": "o", "markersize": 3}
+PANELS = (
+    PanelSpec("loss.png", "Loss", (
+        Axis("loss", (Line("steps", "loss"), Line("evals", "eval_loss", " eval", style=DASHED)),
+             spikes=True),)),
+    PanelSpec("lr.png", "Learning rate", (Axis("learning rate", (Line("steps", "lr"),)),)),
+    PanelSpec("grad_norm.png", "Gradient norm", (
+        Axis("grad norm", (Line("steps", "grad_norm"),), yscale="log"),)),
+    PanelSpec("throughput.png", "Throughput", (
+        Axis("tokens/s", (Line("steps", "tokens_per_s"),)),
+        Axis("TFLOP/s per device", (Line("steps", "tflops_per_device"),)),
+        Axis("MFU (%)", (Line("steps", "mfu", scale=100.0),)))),
+    PanelSpec("memory.png", "Memory (peak per interval, max over ranks)", (
+        Axis("GiB", (Line("steps", "mem_peak_bytes", " peak", 1 / GIB),
+                     Line("steps", "mem_reserved_bytes", " reserved", 1 / GIB,
+                          {"linestyle": "--"}))),)),
+    PanelSpec("loss_scale.png", "Loss scale and skipped steps", (
+        Axis("loss scale", (Line("steps", "loss_scale"),), yscale="log2"),
+        Axis("skipped steps (total)", (Line("steps", "skipped_steps",
+                                            style={"drawstyle": "steps-post"}),)))),
+)
+
+
+@dataclass
+class Panel:
+    """A written image: its file name (in the output dir), title and the sub-plots drawn."""
+    file: str
+    title: str
+    axes: list[str]
+
+
+def series(records: list[dict], line: Line) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        v = number(r, line.key)
+        if v is None:
+            continue
+        xs.append(r["step"])
+        # Non-finite values (a skipped step's grad norm) become gaps, not a ruined y range.
+        ys.append(v * line.scale if math.isfinite(v) else math.nan)
+    return xs, ys
+
+
+def _finite(ys) -> list[float]:
+    return [y for y in ys if math.isfinite(y)]
+
+
+def _load_matplotlib():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("plotting needs matplotlib: pip install 'bloomtrain[plot]'") from None
+    return Figure, FigureCanvasAgg
+
+
+def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
+    """Draw every panel that has data in at least one run into out_dir; returns what was
+    written, in display order."""
+    Figure, FigureCanvasAgg = _load_matplotlib()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for spec in PANELS:
+        # (axis, [(run index, line, xs, ys)]) for the axes that have any finite value.
+        drawn = []
+        for axis in spec.axes:
+            data = [(i, line, *series(getattr(run, line.source), line))
+                    for i, run in enumerate(runs) for line in axis.lines]
+            data = [d for d in data if _finite(d[3])]
+            if data:
+                drawn.append((axis, data))
+        if not drawn:
+            continue
+        fig = Figure(figsize=(9, 0.8 + 2.7 * len(drawn)), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        fig.suptitle(spec.title)
+        axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
+        legend = None
+        for ax, (axis, data) in zip(axes, drawn):
+            legend = _draw_axis(ax, axis, data, runs, legend)
+        axes[-1].set_xlabel("step")
+        with atomic_output(out_dir / spec.file, "wb") as f:
+            fig.savefig(f, format="png")
+        written.append(Panel(spec.file, spec.title, [a.ylabel for a, _ in drawn]))
+    return written
+
+
+def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> list:
+    """Draw one sub-plot; returns its legend labels. The legend is left off when the sub-plot
+    above shows the same one."""
+    for i, line, xs, ys in data:
+        style = {"linewidth": 1.2} | line.style
+        if len(_finite(ys)) == 1:  # a line through one point draws nothing
+            style.setdefault("marker", "o")
+        # One colour per run across every panel, so runs can be followed from image to image.
+        ax.plot(xs, ys, color=f"C{i}", label=runs[i].label + line.suffix, **style)
+    if axis.spikes:
+        first = axis.lines[0]
+        labelled = False
+        for run in runs:
+            pts = [(r["step"], number(r, first.key)) for r in getattr(run, first.source)
+                   if isinstance(r.get("loss_spike"), dict)]
+            pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
+            if pts:
+                ax.scatter(*zip(*pts), marker="x", color="red", zorder=3, s=40,
+                           label=None if labelled else "loss spike")
+                labelled = True
+    values = [y for *_, ys in data for y in _finite(ys)]
+    if axis.yscale == "log2" and min(values) > 0:
+        ax.set_yscale("log", base=2)
+    elif axis.yscale == "log" and min(values) > 0 and max(values) > 100 * min(values):
+        ax.set_yscale("log")
+    ax.set_ylabel(axis.ylabel)
+    ax.grid(True, alpha=0.3)
+    labels = ax.get_legend_handles_labels()[1]
+    if labels != above:
+        ax.legend(fontsize="small", loc="best")
+    return labels

@@ -1,0 +1,265 @@
+"""`bloomtrain plot` and report.html: PNG panels from a real tiny run and from synthesized
+records (every optional field, several runs overlaid), panels without data left out, labels,
+bad input, and the report opened in headless Chromium with every image loading."""
+import html.parser
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bloomtrain.cli import main
+from bloomtrain.config import UserError
+from bloomtrain.report import load_run, run_labels, write_report
+from bloomtrain.report.plot import write_plots
+from bloomtrain.train import train
+from tests.synthetic import write_synthetic_dataset
+from tests.test_train import make_cfg
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REAL_PANELS = {"loss.png", "lr.png", "grad_norm.png", "throughput.png", "loss_scale.png"}
+ALL_PANELS = REAL_PANELS | {"memory.png"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished 6-step run (fp32, CPU) with evals at steps 3 and 6 and two checkpoints."""
+    root = tmp_path_factory.mktemp("tiny")
+    dataset = write_synthetic_dataset(root / "data" / "synth_text_document")
+    cfg = make_cfg(dataset, root, train__eval_interval=3, train__eval_iters=1,
+                   checkpoint={"dir": str(root / "ckpt"), "save_interval": 3})
+    train(cfg, log=lambda *a: None)
+    return root / "run"
+
+
+def step_record(step: int, **extra) -> dict:
+    rec = {"step": step, "consumed_samples": 8 * step, "loss": 5.0 - 0.02 * step, "lr": 1e-3,
+           "grad_norm": 1.0 + 0.01 * step, "global_batch_size": 8, "step_time_s": 0.5,
+           "tokens_per_s": 512.0, "tflops_per_device": 0.01, "skipped_steps": 0,
+           "layout": "tp=1 pp=1 dp=1 zero=0 precision=bf16 attention=sdpa"}
+    rec.update(extra)
+    return rec
+
+
+def write_run(run_dir: Path, records: list[dict], config: dict | None = None) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if config is not None:
+        import yaml
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    return run_dir
+
+
+def full_records(n: int = 30, mem_gib: float = 3.0) -> list[dict]:
+    """Step records with every optional field the trainer may write, and two evals."""
+    recs = []
+    for s in range(1, n + 1):
+        rec = step_record(s, mfu=0.4 + 0.001 * s, mem_peak_bytes=int(mem_gib * 2 ** 30) - s,
+                          mem_peak_rank=1, mem_kind="cuda",
+                          mem_reserved_bytes=int((mem_gib + 1) * 2 ** 30),
+                          step_time_max_s=0.6, step_time_median_s=0.5,
+                          loss_scale=2.0 ** (16 - (s > 10)), skipped_steps=int(s > 10),
+                          grad_stats={"h.0": {"grad_norm": 0.1}})
+        if s == 11:
+            rec["skipped"], rec["grad_norm"] = True, float("inf")
+        if s == 20:
+            rec["loss"] = 9.0
+            rec["loss_spike"] = {"zscore": 8.5, "action": "log"}
+            rec["alerts"] = ["loss spike at step 20: z=8.5"]
+        if s == 25:
+            rec["straggler_rank"], rec["straggler_ratio"] = 3, 1.5
+            rec["alerts"] = ["straggler: rank 3 at 1.50x the median step time"]
+        recs.append(rec)
+        if s % 10 == 0:
+            recs.append({"step": s, "consumed_samples": 8 * s, "eval_loss": 4.9 - 0.01 * s,
+                         "eval_ppl": 130.0})
+    return recs
+
+
+CONFIG = {"train": {"train_iters": 30, "global_batch_size": 8, "micro_batch_size": 4},
+          "checkpoint": {"dir": None}, "run_dir": "runs/x"}
+
+
+def assert_png(path: Path) -> tuple[int, int]:
+    """A complete, decodable, non-blank PNG; returns (width, height)."""
+    from matplotlib.image import imread
+    data = path.read_bytes()
+    assert len(data) > 0 and data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR" and data[-12:-4] == b"\x00\x00\x00\x00IEND", \
+        f"{path} is truncated"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 0 and height > 0
+    pixels = imread(path)
+    assert pixels.shape[:2] == (height, width)
+    assert pixels.std() > 0, f"{path} is blank"
+    return width, height
+
+
+# ---- headless Chromium -------------------------------------------------------------------------
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        found = shutil.which(name)
+        if found:
+            return found
+    # Not a skip: CI installs chromium (.ci/run), so a missing one there is a broken CI that a
+    # skip would hide.
+    pytest.fail("headless Chromium is needed to check that report.html's images load, and "
+                "none was found on PATH (chromium, chromium-browser, google-chrome). Install it: "
+                "apt-get install -y chromium (.ci/run does this before the tests).")
+
+
+class DomImages(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.body = [], {}
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.images.append(dict(attrs))
+        elif tag == "body":
+            self.body = dict(attrs)
+
+
+def load_in_chromium(page: Path, profile: Path) -> DomImages:
+    """The DOM of `page` after Chromium has loaded it and the report's script has run."""
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+           "--dump-dom", page.resolve().as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, f"chromium failed ({out.returncode}): {out.stderr[-3000:]}"
+    dom = DomImages()
+    dom.feed(out.stdout)
+    return dom
+
+
+# ---- tests -------------------------------------------------------------------------------------
+def test_plot_cli_on_a_real_run(tiny_run, capsys):
+    assert main(["plot", str(tiny_run)]) == 0
+    out_dir = tiny_run / "plots"  # the default
+    assert str(out_dir / "report.html") in capsys.readouterr().out
+    recs = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    # Memory comes from records that may or may not carry mem_peak_bytes yet: its panel is there
+    # exactly when they do.
+    expected = REAL_PANELS | ({"memory.png"} if any("mem_peak_bytes" in r for r in recs)
+                              else set())
+    assert {p.name for p in out_dir.glob("*.png")} == expected
+    for png in out_dir.glob("*.png"):
+        assert_png(png)
+    page = (out_dir / "report.html").read_text()
+    assert "train_iters: 6" in page  # the resolved config
+    assert "6 / 6 (100.0%) finished" in page
+    last_loss = [r for r in recs if "loss" in r][-1]["loss"]
+    assert f"{last_loss:.4f}" in page
+    assert not [p for p in out_dir.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_report_images_load_in_chromium(tiny_run, tmp_path):
+    a = write_run(tmp_path / "a" / "run", full_records(), CONFIG)
+    b = write_run(tmp_path / "b" / "run", full_records(24, mem_gib=5.0), CONFIG)
+    out = tmp_path / "out"
+    page = write_report([tiny_run, a, b], out)
+    assert page == out / "report.html"
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert set(pngs) == ALL_PANELS
+    for png in pngs:
+        assert_png(out / png)
+
+    dom = load_in_chromium(page, tmp_path / "profile")
+    assert sorted(img["src"] for img in dom.images) == pngs  # every image, by relative path
+    for img in dom.images:
+        assert int(img.get("data-natural-width", 0)) > 0, f"{img['src']} did not load"
+    assert dom.body.get("data-images-checked") == str(len(pngs))
+    assert dom.body.get("data-images-broken") == "0"
+
+    # The check can fail: a copy of the report without one of its images shows it as broken.
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    (broken / "lr.png").unlink()
+    dom = load_in_chromium(broken / "report.html", tmp_path / "profile2")
+    assert dom.body.get("data-images-broken") == "1"
+    bad = [img for img in dom.images if "broken" in img.get("class", "")]
+    assert [img["src"] for img in bad] == ["lr.png"] and "data-natural-width" not in bad[0]
+
+
+def test_overlaid_runs_with_every_optional_field(tmp_path):
+    a = write_run(tmp_path / "a" / "run", full_records(), CONFIG)
+    b = write_run(tmp_path / "b" / "run", full_records(24, mem_gib=5.0), CONFIG)
+    runs = [load_run(a, "a/run"), load_run(b, "b/run")]
+    panels = {p.file: p.axes for p in write_plots(runs, tmp_path / "out")}
+    assert panels == {
+        "loss.png": ["loss"], "lr.png": ["learning rate"], "grad_norm.png": ["grad norm"],
+        "throughput.png": ["tokens/s", "TFLOP/s per device", "MFU (%)"],
+        "memory.png": ["GiB"], "loss_scale.png": ["loss scale", "skipped steps (total)"]}
+    page = write_report([a, b], tmp_path / "out").read_text()
+    for text in ("a/run", "b/run", "30 / 30 (100.0%) finished", "24 / 30 (80.0%)",
+                 "3.0 GiB (rank 1, CUDA allocated), reserved 4.0 GiB",
+                 "5.0 GiB (rank 1, CUDA allocated)", "MFU",
+                 "1 (last: step 20 z=8.5 log)", "straggler: rank 3 at 1.50x",
+                 "loss spike at step 20", "rank 3 x1.50 (step 25)"):
+        assert text in page, text
+
+
+def test_panels_without_data_are_left_out(tmp_path):
+    # Only losses (no lr, grad norm, throughput, memory, loss scale or skipped count), and a
+    # grad norm that is never finite: nothing but the loss panel can be drawn.
+    recs = [{"step": s, "loss": 3.0 - 0.1 * s, "grad_norm": float("nan")} for s in range(1, 6)]
+    recs.append({"step": 5, "eval_loss": 2.9, "eval_ppl": 18.2})
+    run = write_run(tmp_path / "run", recs)
+    page = write_report([run], tmp_path / "out")
+    assert {p.name for p in (tmp_path / "out").glob("*.png")} == {"loss.png"}
+    assert_png(tmp_path / "out" / "loss.png")
+    assert page.read_text().count("<img ") == 1
+    assert "has no config.yaml" in page.read_text()
+
+
+def test_run_labels():
+    assert run_labels(["/x/runs/a", "/x/runs/b"]) == ["a", "b"]
+    assert run_labels(["/x/a/run", "/x/b/run"]) == ["a/run", "b/run"]
+    assert run_labels(["/x/a/run", "/y/a/run", "/x/c"]) == ["x/a/run", "y/a/run", "c"]
+    assert run_labels(["/x/run", "/x/run/"]) == ["run", "run (2)"]
+
+
+def test_bad_input_says_what_to_change(tmp_path, capsys, monkeypatch):
+    assert main(["plot", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "nope does not exist" in err and "run_dir" in err
+
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(UserError, match="has no metrics.jsonl"):
+        write_report([tmp_path / "empty_dir"], tmp_path / "o1")
+
+    started = write_run(tmp_path / "started", [])
+    with pytest.raises(UserError, match="nothing to plot"):
+        write_report([started], tmp_path / "o2")
+
+    good = json.dumps(step_record(1))
+    for name, text, match in [
+            ("corrupt", good + "\n{\"step\": 2, \"lo\n" + good + "\n", "line 2 is not valid JSON"),
+            ("blank", good + "\n\n" + good + "\n", "line 2 is empty"),
+            ("nostep", good + "\n{\"loss\": 1.0}\n", "line 2 is not a metrics record"),
+            ("list", "[1, 2]\n", "line 1 is not a metrics record")]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text(text)
+        with pytest.raises(UserError, match=match):
+            write_report([d], tmp_path / "o3")
+    assert not (tmp_path / "o3").exists()  # nothing written on bad input
+
+    # matplotlib is an optional extra: without it the message says how to get it.
+    run = write_run(tmp_path / "run", [step_record(1)])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(UserError, match=r"pip install 'bloomtrain\[plot\]'"):
+        write_report([run], tmp_path / "o4")
+
+
+def test_plot_help_names_the_default_output(capsys):
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default: the first RUN_DIR's plots/ directory" in out

@@ -1,0 +1,219 @@
+"""`bloomtrain status`: a finished tiny run with checkpoints (and a corrupt newest one), a live
+run whose metrics.jsonl ends in a half-written line, the total under batch-size ramp-up against
+a real run, a relative checkpoint dir, the 80x24 screen with everything in it, and bad input."""
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+
+from bloomtrain.cli import main
+from bloomtrain.config import UserError
+from bloomtrain.report import status_text
+from bloomtrain.report.runs import fmt_bytes, fmt_duration, planned_steps, read_metrics
+from bloomtrain.train import train
+from tests.synthetic import write_synthetic_dataset
+from tests.test_report import full_records, step_record, write_run
+from tests.test_train import make_cfg
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
+
+
+@pytest.fixture(scope="module")
+def finished(dataset, tmp_path_factory):
+    """A finished 6-step run (fp32, CPU): evals at steps 3 and 6, checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("finished")
+    cfg = make_cfg(dataset, root, train__eval_interval=3, train__eval_iters=1,
+                   checkpoint={"dir": str(root / "ckpt"), "save_interval": 3})
+    train(cfg, log=lambda *a: None)
+    return root
+
+
+def rows(text: str) -> dict[str, str]:
+    """The screen as {label: text} (the first row of each label)."""
+    out = {}
+    for line in text.split("\n"):
+        label, value = line[:11].strip(), line[11:]
+        if label and label not in out:
+            out[label] = value
+    return out
+
+
+def assert_fits(text: str) -> None:
+    lines = text.split("\n")
+    assert len(lines) <= 24, f"{len(lines)} lines:\n{text}"
+    assert max(len(line) for line in lines) <= 80, text
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_finished_run(finished, capsys):
+    run = finished / "run"
+    assert main(["status", str(run)]) == 0
+    text = capsys.readouterr().out.rstrip("\n")
+    assert_fits(text)
+    r = rows(text)
+    recs = records(run)
+    last_loss = [x for x in recs if "loss" in x][-1]["loss"]
+    last_eval = [x for x in recs if "eval_loss" in x][-1]
+    assert r["state"].startswith("finished")
+    assert r["step"].startswith("6 / 6 (100.0%)")
+    assert "ETA" not in r  # nothing left to estimate
+    assert r["loss"].startswith(f"{last_loss:.4f}")
+    assert f"eval loss {last_eval['eval_loss']:.4f}" in r["loss"] and "step 6" in r["loss"]
+    assert "tokens/s" in r["speed"] and "TFLOP/s" in r["speed"]
+    peaks = [x["mem_peak_bytes"] for x in recs if "mem_peak_bytes" in x]
+    if peaks:  # records carry memory once the trainer measures it
+        assert r["memory"].startswith(f"peak {fmt_bytes(max(peaks))}")
+    assert r["layout"].startswith("tp=1 pp=1 dp=1")
+    assert r["checkpoint"].startswith("step_00000006, saved ")
+    assert r["skipped"].startswith("0 steps") and r["spikes"] == "0" and r["alerts"] == "0"
+    assert "note" not in r
+
+
+def test_corrupt_newest_checkpoint_is_skipped(finished, tmp_path):
+    # The checkpoint package's own verdict: a truncated file makes step 6 invalid, so the
+    # latest valid checkpoint is step 3, as a resume would find it.
+    ckpt = shutil.copytree(finished / "ckpt", tmp_path / "ckpt")
+    model = ckpt / "step_00000006" / "model-00000.safetensors"
+    model.write_bytes(model.read_bytes()[:100])
+    run = shutil.copytree(finished / "run", tmp_path / "run")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["checkpoint"]["dir"] = str(ckpt)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    text = status_text(run)
+    assert_fits(text)
+    lines = text.split("\n")
+    at = next(i for i, line in enumerate(lines) if line.startswith("checkpoint"))
+    assert lines[at][11:].startswith("step_00000003")
+    assert "1 newer skipped" in lines[at + 1] and "step_00000006" in lines[at + 1]
+
+
+def test_live_run_with_a_half_written_line(tmp_path):
+    cfg = {"train": {"train_iters": 100, "global_batch_size": 8}, "run_dir": str(tmp_path / "r")}
+    # Step times: a slow first interval (start-up) and one slow interval among the last ten
+    # (a checkpoint save); the recent median ignores both.
+    recs = [step_record(s, step_time_s=30.0 if s == 1 else 9.0 if s == 37 else 0.5)
+            for s in range(1, 41)]
+    run = write_run(tmp_path / "r", recs, cfg)
+    metrics = run / "metrics.jsonl"
+    line = json.dumps(step_record(41, loss=1.25)) + "\n"
+    with open(metrics, "a") as f:
+        f.write(line[:37])  # rank 0 is mid-write
+    assert read_metrics(metrics)[1] is True
+    written = metrics.stat().st_mtime
+    text = status_text(run, now=written + 125)
+    assert_fits(text)
+    r = rows(text)
+    assert r["state"] == "in progress (last record 2m 05s ago)"
+    assert r["step"].startswith("40 / 100 (40.0%)")
+    assert r["ETA"] == f"{fmt_duration(60 * 0.5)} at 0.5 s/step (recent median)"
+    assert r["note"].startswith("metrics.jsonl ends in a line being written")
+    # Far past the usual gap between records (10 steps of 0.5 s) the screen asks.
+    assert rows(status_text(run, now=written + 7200))["state"] == \
+        "no record for 2h 00m: stopped or stalled? (one was due every ~5s)"
+
+    # The line completes and the next one starts: status moves on.
+    with open(metrics, "a") as f:
+        f.write(line[37:] + json.dumps(step_record(42))[:10])
+    r = rows(status_text(run))
+    assert r["step"].startswith("41 / 100") and r["loss"].startswith("1.2500")
+
+    # A whole record whose newline has not landed yet counts.
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in recs) + json.dumps(step_record(41)))
+    recs_read, partial = read_metrics(metrics)
+    assert not partial and recs_read[-1]["step"] == 41
+    assert "note" not in rows(status_text(run))
+
+
+def test_total_with_batch_size_rampup_matches_a_real_run(dataset, tmp_path):
+    # Ramp 4 -> 8 over the first 16 samples of 40: 4 steps of 4, then 3 of 8.
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=None, train__train_samples=40,
+                   train__rampup_batch_size=[4, 4, 16])
+    train(cfg, log=lambda *a: None)
+    run = tmp_path / "run"
+    steps = [x for x in records(run) if "loss" in x]
+    assert len(steps) == 7
+    train_cfg = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    for rec in [{"step": 0, "consumed_samples": 0}] + steps:
+        assert planned_steps(train_cfg, rec["step"], rec["consumed_samples"]) == 7
+    assert rows(status_text(run))["step"].startswith("7 / 7 (100.0%)")
+
+
+def test_relative_checkpoint_dir(finished, tmp_path, monkeypatch):
+    # Training ran in `launch` with run_dir runs/x and checkpoint.dir ckpt (both relative);
+    # status is asked from elsewhere.
+    launch = tmp_path / "launch"
+    shutil.copytree(finished / "ckpt", launch / "ckpt")
+    run = write_run(launch / "runs" / "x", [step_record(6)],
+                    {"train": {"train_iters": 6}, "checkpoint": {"dir": "ckpt"},
+                     "run_dir": "runs/x"})
+    monkeypatch.chdir(tmp_path)
+    assert rows(status_text(run))["checkpoint"].startswith("step_00000006")
+    monkeypatch.chdir(launch)  # and from the launch dir, by the relative path
+    assert rows(status_text("runs/x"))["checkpoint"].startswith("step_00000006")
+
+    write_run(run, [step_record(6)], {"train": {"train_iters": 6}, "checkpoint": {"dir": None}})
+    assert rows(status_text(run))["checkpoint"] == "none (checkpoint.dir is not set)"
+    write_run(run, [step_record(6)], {"train": {"train_iters": 6},
+                                      "checkpoint": {"dir": "elsewhere"}})
+    assert rows(status_text(run))["checkpoint"] == "none yet (elsewhere does not exist)"
+
+
+def test_everything_fits_80x24(tmp_path):
+    long_dir = tmp_path / ("a-very-long-directory-name-" * 4) / "run"
+    recs = [rec for rec in full_records(50) if "loss" in rec]
+    recs[-1]["layout"] = "tp=8 pp=12 dp=4 zero=1 offload schedule=interleaved sp " * 4
+    for rec in recs:
+        rec["alerts"] = rec.get("alerts", []) + [
+            f"alert at step {rec['step']} with a long explanation of what went wrong " * 3]
+    cfg = {"train": {"train_iters": 1000, "global_batch_size": 8},
+           "checkpoint": {"dir": str(tmp_path / "no-ckpt-yet")}, "run_dir": str(long_dir)}
+    run = write_run(long_dir, recs, cfg)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 51, "lo')
+    text = status_text(run)
+    assert_fits(text)
+    r = rows(text)
+    assert r["run"].startswith("...") and r["run"].endswith("/run")
+    assert r["memory"] == "peak 3.0 GiB (rank 1, CUDA allocated), reserved 4.0 GiB"
+    assert "MFU 44." in r["speed"]
+    assert r["skipped"] == "1 step   loss scale 32768"
+    assert r["spikes"] == "1, last step 20 z=8.5 log"
+    assert r["straggler"] == "rank 3 at 1.50x the median step time (step 25)"
+    assert r["alerts"].startswith("52, latest:")  # 50 periodic + a spike + a straggler
+    assert text.split("\n")[-1].startswith("  step 50: alert at step 50 ")
+    assert "note" in r
+
+
+def test_just_started_no_config_and_bad_input(tmp_path, capsys):
+    started = write_run(tmp_path / "started", [], {"train": {"train_iters": 10}})
+    r = rows(status_text(started))
+    assert r["state"] == "started, no step logged yet" and r["step"] == "no step logged yet"
+
+    no_cfg = write_run(tmp_path / "no_cfg", [step_record(5)])
+    r = rows(status_text(no_cfg))
+    assert r["step"].startswith("5 ") and r["ETA"] == "- (no config.yaml in the run dir)"
+    # Without a config the run's own estimate, when its records carry one.
+    write_run(no_cfg, [step_record(5, eta_s=3700.0)])
+    assert rows(status_text(no_cfg))["ETA"] == "1h 01m (the run's own estimate)"
+
+    assert main(["status", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "missing does not exist" in err and "run_dir" in err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text(json.dumps(step_record(1)) + "\n" +
+                                       json.dumps(step_record(2)) + "\n{oops}\n" +
+                                       json.dumps(step_record(3)) + "\n")
+    with pytest.raises(UserError, match=r"line 3 is not valid JSON .* fix or delete"):
+        status_text(bad)
+    os.remove(bad / "metrics.jsonl")
+    with pytest.raises(UserError, match="has no metrics.jsonl"):
+        status_text(bad)
