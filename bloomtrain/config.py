@@ -155,7 +155,9 @@ class TrainConfig:
     loss_spike_zscore: float = 6.0
     # Every this many steps, the grad norm and update/weight ratio of every block (0: off).
     grad_stats_interval: int = 100
-    # A rank whose step time exceeds this times the median over ranks is named a straggler.
+    # A rank whose busy time per step (its step time less its waits for dp peers: every rank's
+    # wall step time comes out equal in a synchronous job) exceeds this times the median over
+    # ranks is named a straggler.
     straggler_factor: float = 1.2
     # Save and exit before a job's time limit.
     exit_duration_minutes: float | None = None

@@ -7,6 +7,10 @@ The order of samples depends only on `consumed_samples`: global batch k is the d
 `[consumed, consumed + global_batch_size)`; micro-step m takes the next `micro_batch_size * dp`
 of them and dp rank r gets slice `[r * mbs, (r + 1) * mbs)` of those. So a run resumed with
 another data-parallel size or micro-batch size neither repeats nor skips a sample.
+
+A loss-spike rollback takes sample ranges out of the order (bloomtrain.train.spikes): the
+iterator jumps over a skipped range when it reaches it, so `consumed_samples` counts the skipped
+samples too (the learning rate, which follows consumed samples, moves on past them).
 """
 from __future__ import annotations
 
@@ -119,12 +123,40 @@ def get_micro_batches(dataset, consumed_samples: int, global_batch_size: int,
     return batches
 
 
+def skip_past(schedule, consumed: int, skipped: list[tuple[int, int]]) -> int:
+    """Where the global batch at `consumed` really starts: past every skipped range [start, end)
+    it would overlap. A range recorded by this order starts and ends on batch boundaries; under
+    another batch-size schedule a batch that would straddle its start begins at its end instead
+    (the few samples before it are skipped too, never a skipped one trained on)."""
+    moved = True
+    while moved:
+        moved = False
+        end = consumed + schedule.global_batch_size_at(consumed)
+        for a, b in skipped:
+            if a < end and consumed < b:
+                consumed, moved = b, True
+                break
+    return consumed
+
+
+def batches_between(schedule, start: int, end: int) -> int:
+    """The number of global batches the order takes from `start` to reach `end`."""
+    n = 0
+    while start < end:
+        start += schedule.global_batch_size_at(start)
+        n += 1
+    return n
+
+
 class DataIterator:
     """One dp rank's stream of global batches, resumable from `consumed_samples`.
 
     With `prefetch=True` the next global batch is read in a background thread while the current
     one trains; it is keyed by the consumed_samples it was started for, so a load_state_dict in
-    between simply discards it."""
+    between simply discards it.
+
+    `skipped`: sample ranges [start, end) never to read (set_skipped); a batch that reaches one
+    starts at its end (skip_past)."""
 
     def __init__(self, dataset, schedule, dp_rank: int,
                  consumed_samples: int = 0, eod_id: int | None = None,
@@ -138,6 +170,14 @@ class DataIterator:
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
                       if prefetch else None)
         self._pending: tuple[int, concurrent.futures.Future] | None = None
+        self.skipped: list[tuple[int, int]] = []
+
+    def set_skipped(self, ranges) -> None:
+        self.skipped = sorted((int(a), int(b)) for a, b in ranges)
+
+    def next_start(self) -> int:
+        """Where the next global batch starts: consumed_samples, or past a skipped range."""
+        return skip_past(self.schedule, self.consumed_samples, self.skipped)
 
     def _read(self, consumed: int) -> list[dict]:
         s = self.schedule
@@ -147,8 +187,8 @@ class DataIterator:
 
     def next_global_batch(self) -> list[dict]:
         """This rank's micro-batches of the next global batch; advances consumed_samples by the
-        global batch size in effect."""
-        consumed = self.consumed_samples
+        global batch size in effect (first past a skipped range it has reached)."""
+        consumed = self.next_start()
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == consumed:
             batches = pending[1].result()
@@ -156,7 +196,7 @@ class DataIterator:
             batches = self._read(consumed)
         self.consumed_samples = consumed + self.schedule.global_batch_size_at(consumed)
         if self._pool is not None:
-            nxt = self.consumed_samples
+            nxt = self.next_start()
             if nxt + self.schedule.global_batch_size_at(nxt) <= len(self.dataset):
                 self._pending = (nxt, self._pool.submit(self._read, nxt))
         return batches

@@ -36,11 +36,26 @@ tensors (object collectives, a user's CPU-side control value) are then legal on 
 construction, while the training collectives and the per-step control flags still run on the
 training device through NCCL (a 4-byte NCCL all-reduce is faster than a gloo TCP round across
 hundreds of ranks, and needs no host copy).
+
+In-flight ops (the hang watchdog's input, bloomtrain/train/watchdog.py). `INFLIGHT` holds, per
+thread, the op that thread is blocked in: (op, group name, group, peer, start time), stored
+before the torch.distributed call and cleared after it. An async op is in flight while it is
+posted and while its `wait()` runs, not in between: the wrappers return a `Work` whose wait
+records it, so every caller (pipeline runtime, ZeRO) is covered without knowing. A call that
+raises a timeout or a connection error hands (entry, error) to `INFLIGHT.on_failure` (the
+watchdog's report) before the error propagates. The cost per call is one tuple, one clock read
+and three stores, small against the host time of the smallest collective; it is host
+bookkeeping, so under torch.compile (tensor-parallel regions traced into the graph) the wrappers
+take the plain call, and a hang there is seen by the watchdog's step heartbeat instead. On NCCL
+a blocking call returns once enqueued, so a hang shows up at a later host sync; then
+`INFLIGHT.last` (the op this process entered last) is what the report names.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+from threading import get_ident
+from time import monotonic
 
 import torch
 import torch.distributed as dist
@@ -98,6 +113,76 @@ def stats_scope(enabled: bool):
         yield STATS
     finally:
         STATS.enabled, STATS._counts = saved
+
+
+class InFlight:
+    """The op each thread is blocked in, for the hang watchdog. Written by the calling thread,
+    read by the watchdog's; each write is one store of an immutable tuple, so a reader never
+    sees half an entry. Like STATS, it never changes what is communicated."""
+
+    def __init__(self):
+        # thread ident -> (op, name, group, peer, monotonic start) while blocked, else None
+        self.busy: dict[int, tuple | None] = {}
+        # The op most recently begun, any thread: a new tuple per op, so a reader that keeps the
+        # one it saw knows whether any op began since (the watchdog's sign of progress).
+        self.last: tuple | None = None
+        # Called as on_failure(entry, error) when an op raises a timeout/connection error.
+        self.on_failure = None
+
+    def snapshot(self) -> dict[int, tuple]:
+        """The ops in flight now, by thread."""
+        return {k: v for k, v in self.busy.copy().items() if v is not None}
+
+
+INFLIGHT = InFlight()
+
+# How a timed-out or broken collective reads (gloo: "Timed out waiting 3000ms ...", "Connection
+# closed by peer"; NCCL: "... timeout", "aborted"); a shape or dtype mistake does not.
+_FAILURE_WORDS = ("timed out", "timeout", "connection", "closed by peer", "reset by peer",
+                  "broken pipe", "abort")
+
+
+def is_comm_failure(error: BaseException) -> bool:
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in _FAILURE_WORDS)
+
+
+def _call(kind: str, name: str, group, peer, async_op: bool, fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) with (kind, name, group, peer) in flight for this thread while it
+    runs; an async op's handle comes back as a Work, in flight again while it is waited for."""
+    if torch.compiler.is_dynamo_compiling():
+        # Traced into the graph as a functional collective: no host bookkeeping there.
+        return fn(*args, **kwargs)
+    slot, key = INFLIGHT, get_ident()
+    slot.busy[key] = slot.last = entry = (kind, name, group, peer, monotonic())
+    try:
+        out = fn(*args, **kwargs)
+    except RuntimeError as e:
+        hook = slot.on_failure
+        if hook is not None and is_comm_failure(e):
+            hook(entry, e)
+        raise
+    finally:
+        slot.busy[key] = None
+    return Work(out, kind, name, group, peer) if async_op and out is not None else out
+
+
+class Work:
+    """A torch.distributed work handle whose wait() is recorded in INFLIGHT; anything else
+    (is_completed, get_future, ...) goes to the handle."""
+    __slots__ = ("group", "kind", "name", "peer", "work")
+
+    def __init__(self, work, kind: str, name: str, group, peer=None):
+        self.work, self.kind, self.name, self.group, self.peer = work, kind, name, group, peer
+
+    def wait(self, timeout=None):
+        args = () if timeout is None else (timeout,)
+        return _call(self.kind, self.name, self.group, self.peer, False, self.work.wait, *args)
+
+    def __getattr__(self, attr):
+        return getattr(self.work, attr)
 
 
 class CommDeviceError(RuntimeError):
@@ -169,7 +254,8 @@ def all_reduce(tensor, group, name: str, op=ReduceOp.SUM, async_op: bool = False
     check_devices("all_reduce", name, group, tensor)
     if STATS.enabled:
         STATS.record("all_reduce", name, tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _call("all_reduce", name, group, None, async_op, dist.all_reduce, tensor, op=op,
+                 group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output, input_, group, name: str, async_op: bool = False):
@@ -180,7 +266,8 @@ def all_gather_into_tensor(output, input_, group, name: str, async_op: bool = Fa
     check_devices("all_gather", name, group, output, input_)
     if STATS.enabled:
         STATS.record("all_gather", name, output)
-    return _all_gather_single(output, input_, group=group, async_op=async_op)
+    return _call("all_gather", name, group, None, async_op, _all_gather_single, output, input_,
+                 group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input_, group, name: str, op=ReduceOp.SUM,
@@ -192,7 +279,8 @@ def reduce_scatter_tensor(output, input_, group, name: str, op=ReduceOp.SUM,
     check_devices("reduce_scatter", name, group, output, input_)
     if STATS.enabled:
         STATS.record("reduce_scatter", name, input_)
-    return _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
+    return _call("reduce_scatter", name, group, None, async_op, _reduce_scatter_single, output,
+                 input_, op=op, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src: int, group, name: str, async_op: bool = False):
@@ -202,35 +290,36 @@ def broadcast(tensor, src: int, group, name: str, async_op: bool = False):
     check_devices("broadcast", name, group, tensor)
     if STATS.enabled:
         STATS.record("broadcast", name, tensor)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _call("broadcast", name, group, None, async_op, dist.broadcast, tensor, src=src,
+                 group=group, async_op=async_op)
 
 
 def send(tensor, dst: int, name: str, group=None) -> None:
     check_devices("send", name, group, tensor)
     if STATS.enabled:
         STATS.record("send", name, tensor)
-    dist.send(tensor, dst=dst, group=group)
+    _call("send", name, group, dst, False, dist.send, tensor, dst=dst, group=group)
 
 
 def recv(tensor, src: int, name: str, group=None):
     check_devices("recv", name, group, tensor)
     if STATS.enabled:
         STATS.record("recv", name, tensor)
-    return dist.recv(tensor, src=src, group=group)
+    return _call("recv", name, group, src, False, dist.recv, tensor, src=src, group=group)
 
 
 def isend(tensor, dst: int, name: str, group=None):
     check_devices("send", name, group, tensor)
     if STATS.enabled:
         STATS.record("send", name, tensor)
-    return dist.isend(tensor, dst=dst, group=group)
+    return _call("send", name, group, dst, True, dist.isend, tensor, dst=dst, group=group)
 
 
 def irecv(tensor, src: int, name: str, group=None):
     check_devices("recv", name, group, tensor)
     if STATS.enabled:
         STATS.record("recv", name, tensor)
-    return dist.irecv(tensor, src=src, group=group)
+    return _call("recv", name, group, src, True, dist.irecv, tensor, src=src, group=group)
 
 
 def batch_isend_irecv(ops: list, name: str) -> list:
@@ -243,7 +332,14 @@ def batch_isend_irecv(ops: list, name: str) -> list:
     if STATS.enabled:
         for op in ops:
             STATS.record("send" if op.op in (dist.isend, dist.send) else "recv", name, op.tensor)
-    return dist.batch_isend_irecv(ops)
+    peers = tuple(sorted({op.peer for op in ops}))
+    group = ops[0].group if ops else None
+    # Posting is in flight too: NCCL creates a pair's communicator at its first p2p, collectively.
+    works = _call("batch_isend_irecv", name, group, peers, False, dist.batch_isend_irecv, ops)
+    if len(works) != len(ops):  # NCCL coalesces a batch into one work
+        return [Work(w, "batch_isend_irecv", name, group, peers) for w in works]
+    return [Work(w, "send" if op.op in (dist.isend, dist.send) else "recv", name, op.group,
+                 op.peer) for w, op in zip(works, ops)]
 
 
 @torch.no_grad()
@@ -274,9 +370,10 @@ def barrier(group, name: str) -> None:
     if STATS.enabled:
         STATS.record("barrier", name, torch.empty(0))
     if "cuda" in group_devices(group) and torch.cuda.is_available():
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        _call("barrier", name, group, None, False, dist.barrier, group=group,
+              device_ids=[torch.cuda.current_device()])
     else:
-        dist.barrier(group=group)
+        _call("barrier", name, group, None, False, dist.barrier, group=group)
 
 
 def gather_object(obj, dst: int, group, name: str) -> list | None:
@@ -285,7 +382,8 @@ def gather_object(obj, dst: int, group, name: str) -> list | None:
     if group is None:
         return [obj]
     out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    _call("gather_object", name, group, None, False, dist.gather_object, obj, out, dst=dst,
+          group=group)
     return out
 
 
@@ -294,5 +392,6 @@ def broadcast_object(obj, src: int, group, name: str):
     if group is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    _call("broadcast_object", name, group, None, False, dist.broadcast_object_list, box,
+          src=src, group=group)
     return box[0]

@@ -368,7 +368,7 @@ def comm_bytes(cand: Candidate, work: Workload, layout: ParallelLayout, pp_rank:
             add("all_gather/dp", stage3_gather_bytes(groups, cand, c, m))
         if cand.zero_stage >= 1:
             add("all_reduce/dp", 8)                      # the grad norm's partial sum, float64
-        add("all_reduce/dp", 4)                          # the loss averaged over dp
+        add("all_reduce/dp", 8)                          # the loss summed over dp, in fp64
     if t * cand.pp > 1:
         add("all_reduce/model", 8)                       # the grad norm over the replica
     if cand.pp > 1:

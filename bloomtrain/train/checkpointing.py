@@ -7,13 +7,14 @@ fragments of that shard when the checkpoint was written with the same tp split) 
 engine full tp-local tensors one at a time; the engine keeps its own ranges. RNG states (the
 default generators, which tensor parallelism's dropout streams fork from) are restored per rank
 when the rank grid is unchanged, so dropout continues exactly; otherwise every rank takes rank
-0's.
+0's. A loss-spike rollback (train.on_loss_spike=rollback) loads the run's last checkpoint through
+the same path.
 """
 from __future__ import annotations
 
 import base64
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,29 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     skipped_steps: int = 0
+    # The sample ranges loss-spike rollbacks took out of the data order, one dict per rollback:
+    # `start`, `end` (the samples [start, end) are never trained on), `step` (the spike's),
+    # `checkpoint_step` (the one rolled back to), `loss`, `zscore`. Also in
+    # run_dir/skipped_samples.json, so that a resume from an older checkpoint skips them too.
+    skipped_samples: list[dict] = field(default_factory=list)
+    # The loss-spike monitor's window: the last train.loss_spike_window losses, oldest first.
+    loss_window: list[float] = field(default_factory=list)
+
+    def manifest(self) -> dict:
+        """The manifest's entries: `train_state` (without an empty `skipped_samples`, so the
+        manifest of a run that never rolled back reads as it always did) and `loss_window`."""
+        state = {"step": self.step, "consumed_samples": self.consumed_samples,
+                 "skipped_steps": self.skipped_steps}
+        if self.skipped_samples:
+            state["skipped_samples"] = self.skipped_samples
+        return {"train_state": state, "loss_window": self.loss_window}
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "TrainState":
+        return cls(**manifest["train_state"], loss_window=list(manifest.get("loss_window", [])))
+
+    def skipped_ranges(self) -> list[tuple[int, int]]:
+        return [(r["start"], r["end"]) for r in self.skipped_samples]
 
 
 def rng_state() -> dict:
@@ -49,6 +73,9 @@ class TrainCheckpoints:
         self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
         c = cfg.checkpoint
         self.writer = ckpt.CheckpointWriter(c.dir, c.async_save, log=log) if c.dir else None
+        # (step, path) of the newest training checkpoint of this run: the one it resumed from or
+        # last saved. What a loss-spike rollback goes back to.
+        self.last: tuple[int, Path] | None = None
 
     def topology_meta(self) -> dict:
         layout, p = self.parts.layout, self.cfg.parallel
@@ -61,11 +88,13 @@ class TrainCheckpoints:
         if self.writer is None:
             return None
         engine = self.parts.engine
-        meta = {"train_state": asdict(state), "optimizer": engine.scalar_state(),
+        meta = {**state.manifest(), "optimizer": engine.scalar_state(),
                 "config": self.cfg.to_dict(), "topology": self.topology_meta()}
-        return self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
+        path = self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
                                 rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
                                 keep_last=self.cfg.checkpoint.keep_last, owned=True)
+        self.last = (state.step, path)
+        return path
 
     def wait(self) -> None:
         """An async save must be committed before the process ends."""
@@ -86,6 +115,26 @@ class TrainCheckpoints:
         path = self._find()
         if path is None:
             return None
+        state, manifest = self._load(path)
+        saved = manifest.get("topology")
+        moved = "" if saved in (None, self.topology_meta()) else \
+            f" (resharded from {json.dumps(saved)})"
+        self.log(f"[checkpoint] resumed from {path} at step {state.step}, "
+                 f"{state.consumed_samples} samples consumed{moved}")
+        return state
+
+    def rollback(self) -> tuple[TrainState, Path] | None:
+        """Load the run's last checkpoint (every rank, as a resume does: weights, optimizer
+        moments and scalars, loss scale, RNG); its train state and path, or None when the run
+        has none yet. An async save in flight is committed first: it may be the last one."""
+        self.wait()
+        if self.last is None:
+            return None
+        return self._load(self.last[1])[0], self.last[1]
+
+    def _load(self, path: Path) -> tuple[TrainState, dict]:
+        """Load the checkpoint at `path` into the engine; the train state it holds (step 0 for an
+        imported HF checkpoint) and its manifest."""
         reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
         if reader.shape != self.parts.shape:
             raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
@@ -96,14 +145,10 @@ class TrainCheckpoints:
         reader.close()
         state = TrainState()
         if manifest.get("train_state"):  # an imported HF checkpoint starts from step 0
-            state = TrainState(**manifest["train_state"])
+            state = TrainState.from_manifest(manifest)
             self._restore_rng(manifest)
-        saved = manifest.get("topology")
-        moved = "" if saved in (None, self.topology_meta()) else \
-            f" (resharded from {json.dumps(saved)})"
-        self.log(f"[checkpoint] resumed from {path} at step {state.step}, "
-                 f"{state.consumed_samples} samples consumed{moved}")
-        return state
+            self.last = (state.step, Path(path))
+        return state, manifest
 
     def _local_state(self, reader):
         """Lazy maps from local parameter name (and `exp_avg.NAME` / `exp_avg_sq.NAME`) to this

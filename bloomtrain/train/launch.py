@@ -1,18 +1,23 @@
 """Starting a training job: the device, the process group, SLURM's variables and the local
 launcher. Under torchrun (or srun with the torchrun variables) every process joins the job from
 the environment; `launch_local` starts N local workers through torch's elastic launcher, the
-machinery behind torchrun.
+machinery behind torchrun, and after they exit prints what the hang watchdog of each rank
+reported (bloomtrain.train.watchdog), if any did: who waited in what, on whom.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
+import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from bloomtrain.config import Config, UserError
+from bloomtrain.train import watchdog
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -90,9 +95,30 @@ def launch_local(nproc: int, entry, *args) -> None:
                       run_id=f"bloomtrain-{os.getpid()}", rdzv_backend="c10d",
                       rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, monitor_interval=0.2,
                       start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="bloomtrain-hang-") as reports, \
+            _environ(watchdog.REPORTS_ENV, reports):
+        try:
+            elastic_launch(lc, entry)(*args)
+        except ChildFailedError as e:
+            hung = watchdog.summarize(watchdog.read_pointers(reports), nproc)
+            if hung:
+                print("\n".join(hung), file=sys.stderr, flush=True)
+            first = min(e.failures)
+            raise UserError(f"worker rank {first} failed (of {len(e.failures)} failed): "
+                            f"{e.failures[first].message}"
+                            f"{'; the job hung (see the reports above)' if hung else ''}") \
+                from None
+
+
+@contextlib.contextmanager
+def _environ(key: str, value: str):
+    """`key=value` in the environment the workers inherit, for the block only."""
+    saved = os.environ.get(key)
+    os.environ[key] = value
     try:
-        elastic_launch(lc, entry)(*args)
-    except ChildFailedError as e:
-        first = min(e.failures)
-        raise UserError(f"worker rank {first} failed (of {len(e.failures)} failed): "
-                        f"{e.failures[first].message}") from None
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved

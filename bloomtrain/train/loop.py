@@ -9,6 +9,7 @@ checkpoint. Every step runs through the pipeline schedule runtime, with one chun
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,11 @@ from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
 from bloomtrain.train.control import RunControl
 from bloomtrain.train.launch import (env_from_slurm, init_distributed, resolve_device,
                                      world_size_from_env)
-from bloomtrain.train.metrics import IntervalMeter, MetricsLog, progress_line
+from bloomtrain.train.metrics import MetricsLog, progress_line
+from bloomtrain.train.monitors import Monitors
+from bloomtrain.train.sinks import open_sinks
+from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter, discard_step
+from bloomtrain.train.watchdog import Watchdog
 from bloomtrain.utils import atomic_output
 
 
@@ -91,6 +96,8 @@ class TrainData:
 
 
 class Trainer:
+    spike: Spike | None = None  # the loss spike the last train_step found
+
     def __init__(self, cfg: Config, log=print):
         env_from_slurm()
         world = world_size_from_env()
@@ -107,8 +114,10 @@ class Trainer:
         # The planner's memory prediction for this layout, before any process group: on CUDA a
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
+        open_sinks(cfg, Path(cfg.run_dir), False, None, [])  # a required viewer's package
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
+        self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.timeout_minutes)
         self.is_logger = self.topo.rank == 0
         self._log = log
         self.shape, self.batches = run.shape, run.batches
@@ -127,7 +136,11 @@ class Trainer:
         self.data.stream.load_state_dict({"consumed_samples": self.state.consumed_samples})
         self.run_dir = Path(cfg.run_dir)
         self.metrics = MetricsLog(self.run_dir, self.is_logger,
-                                  self.state.step if self.resumed else None, log=self.print)
+                                  self.state.step if self.resumed else None, log=self._log,
+                                  cfg=cfg, train_samples=self.data.train_samples)
+        # Every later line goes through the metrics console, which ends an in-place progress
+        # line first.
+        self._log = self.metrics.console.line
         if self.is_logger:
             with atomic_output(self.run_dir / "config.yaml", "w") as f:
                 f.write(cfg.to_yaml())
@@ -156,7 +169,9 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict]):
         """Forward and backward of every micro-batch through the schedule, then the optimizer
-        step. Returns (loss averaged over the global batch, the step result, lr)."""
+        step, unless the loss-spike monitor flags the loss and train.on_loss_spike is skip or
+        rollback: then the gradients are discarded (run() does the rollback). Returns (loss
+        averaged over the global batch, the step result, lr); the spike is left in self.spike."""
         self.parts.train(True)
         timeline = self._timeline()
         loss = pipeline_train_step(self.cfg.parallel.pp_schedule, self.parts.chunks, micro_batches,
@@ -164,9 +179,42 @@ class Trainer:
                                    **self._schedule_kwargs(micro_batches))
         if timeline is not None:
             timeline.save(self.run_dir, self.state.step + 1)
+        loss = self._global_loss(loss)
+        self.spike = self.spikes.check(self.state, loss)  # before the step it may veto
         lr = self.lr_schedule(self.state.consumed_samples)
-        result = self.engine.step(lr)
-        return self._mean_over_dp(loss), result, lr
+        if self.spike is not None and self.spike.action != "log":
+            return loss, discard_step(self.engine), lr
+        result = self._optimizer_step(lr)
+        return loss, result, lr
+
+    def _global_loss(self, loss: float) -> float:
+        """This dp rank's loss (the same on its tp ranks, and on its pp ranks by broadcast)
+        averaged over dp, the same bits on every rank: the loss-spike decision rests on that.
+        Each dp group runs its own all-reduce, and a float sum depends on the order it adds in;
+        fp32 values summed in fp64 are exact whatever the order (for losses within
+        2^(29 - log2 dp) of each other), then rounded as _mean_over_dp's (its very value for
+        dp <= 2)."""
+        t = torch.tensor(loss, dtype=torch.float32, device=self.device).double()
+        comm.all_reduce(t, self.topo.dp_group, "dp")
+        return float(t.float() / self.topo.dp_size)
+
+    @functools.cached_property
+    def spikes(self) -> LossSpikes:
+        return LossSpikes(self.cfg, self.checkpoints, self.data.stream, self.batches,
+                          self.run_dir, self.is_logger, log=self.print)
+
+    @functools.cached_property
+    def monitors(self) -> Monitors:
+        return Monitors(self.cfg.train, self.topo, self.device, self.engine)
+
+    def _optimizer_step(self, lr: float):
+        """The engine's step, with the gradient analyser on the steps it is due (every rank
+        alike: it takes a collective), then the monitors' per-step sample."""
+        step = self.state.step + 1
+        result = self.engine.step(lr, grad_stats=self.monitors.grad_stats_due(step))
+        for line in self.monitors.after_step(step, result):
+            self.print(line)
+        return result
 
     def _timeline(self) -> Timeline | None:
         p, t = self.cfg.parallel, self.cfg.train
@@ -189,25 +237,37 @@ class Trainer:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
         self._announce()
-        meter = IntervalMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
-                              t.activation_checkpointing == "full")
+        self.spikes.load(state, self.resumed)
+        meter = SpikeMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
+                           t.activation_checkpointing == "full")
         saved_step = state.step if self.resumed else None  # a resumed step needs no new save
         with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats, \
-                contextlib.closing(self.data.stream):
+                contextlib.closing(self.data.stream), contextlib.closing(self.metrics):
             while state.consumed_samples < self.data.train_samples:
+                if self.spikes.jump(state):  # samples a loss-spike rollback took out
+                    continue
                 gbs = self.batches.global_batch_size_at(state.consumed_samples)
                 t0 = time.time()
+                self.watchdog.heartbeat(state.step + 1)
                 loss, res, lr = self.train_step(self.data.next_batch())
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
-                state.step += 1
-                state.consumed_samples += gbs
-                state.skipped_steps += res.skipped
+                spike = self.spike
+                if spike is not None and spike.action == "rollback":
+                    self.spikes.rollback(state, spike)  # the checkpoint's weights, new data
+                else:
+                    state.step += 1
+                    state.consumed_samples += gbs
+                    state.skipped_steps += res.skipped
                 result.losses.append(loss)
                 meter.add(loss, res.skipped, time.time() - t0, gbs)
-                if res.skipped:
+                if spike is not None:
+                    meter.spike = spike  # its record carries it
+                    if spike.action != "rollback":  # the rollback said it, with where to
+                        self.print(spike.line())
+                elif res.skipped:
                     self._warn_skipped(res)
-                if state.step % t.log_interval == 0 or res.skipped:
+                if state.step % t.log_interval == 0 or res.skipped or spike is not None:
                     self._log_record(meter, loss, lr, res, gbs, stats)
                 if t.eval_interval and state.step % t.eval_interval == 0:
                     self._eval_and_log(result)
@@ -246,6 +306,8 @@ class Trainer:
                    f"{self._layout_text()}; {self.data.train_samples:,} samples, run dir "
                    f"{self.run_dir}")
         self.print(f"[train] {self.plan_text}")
+        for where in self.metrics.where():
+            self.print(f"[train] {where}")
 
     def _warn_skipped(self, res) -> None:
         scale = (f"; loss scale {res.loss_scale:g} -> {self.engine.loss_scale:g}"
@@ -255,8 +317,17 @@ class Trainer:
                    f"so far)")
 
     def _log_record(self, meter, loss, lr, res, gbs, stats) -> None:
+        num_steps = meter.steps  # before record() starts the next interval
         rec = meter.record(self.state, loss, lr, res, gbs)
         rec["layout"] = self._layout_text()
+        # Memory, step times over ranks, stragglers, the gradient analyser's last figures: a
+        # collective, before the traffic below is read so that the record counts its own.
+        fields, alerts, lines = self.monitors.record(rec["step_time_s"], num_steps)
+        rec.update(fields)
+        if alerts:
+            rec.setdefault("alerts", []).extend(a.removeprefix("[train] ") for a in alerts)
+        for line in lines:
+            self.print(line)
         if res.loss_scale is not None:
             rec["loss_scale"] = self.engine.loss_scale
         if stats.enabled:
@@ -266,7 +337,7 @@ class Trainer:
         if res.skipped:
             rec["skipped"] = True
         self.metrics.record(rec)
-        self.metrics.print(progress_line(rec))
+        self.metrics.progress(progress_line(rec))
 
     def _eval_and_log(self, result: TrainResult) -> None:
         loss = self.evaluate()
@@ -282,3 +353,4 @@ def train(cfg: Config, log=print) -> TrainResult:
     finally:
         trainer.checkpoints.wait()  # an async save must be committed before the process ends
         comm.barrier(comm.world_group(), "end")
+        trainer.watchdog.stop()

@@ -1,52 +1,140 @@
 """What a run reports: `run_dir/metrics.jsonl` (one JSON object per logged step and per eval,
-written by rank 0, appended on resume) and the progress line.
+written by rank 0, appended on resume), its mirrors for TensorBoard and W&B (bloomtrain.train.sinks)
+and the progress line.
 
 A record covers the steps since the previous one: the loss is the mean over the applied (not
-skipped) steps, step time and tokens/s over all of them, TFLOP/s by Megatron's formula."""
+skipped) steps, step time and tokens/s over all of them, TFLOP/s by Megatron's formula, and the
+ETA is the steps left at that step time."""
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from bloomtrain.optim import megatron_tflops
+from bloomtrain.train.sinks import open_sinks
 from bloomtrain.utils import atomic_output
 
 
-class MetricsLog:
-    """Progress lines through `log` and records in run_dir/metrics.jsonl, on rank 0 only."""
+class Console:
+    """Rank 0's lines through `log`. When they reach a terminal, the progress line is redrawn in
+    place and ended with a newline before any other line and at close; anywhere else (a file, a
+    pipe, a log callback) each progress line is a line of its own."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None, log=print):
-        self.enabled, self.log = enabled, log
+    def __init__(self, log=print, stream=None):
+        # `stream` is where `log` writes, when known; print's is whatever sys.stdout is by then.
+        self.log, self._stream = log, stream
+        self._open = None  # the stream holding an unfinished progress line
+        # The async checkpoint writer logs from its own thread.
+        self._lock = threading.Lock()
+
+    def _terminal(self):
+        stream = (self._stream if self._stream is not None else
+                  sys.stdout if self.log is print else None)
+        try:
+            return stream if stream is not None and stream.isatty() else None
+        except (AttributeError, ValueError):  # no isatty(), or closed
+            return None
+
+    def _end_progress(self) -> None:
+        if self._open is not None:
+            self._open.write("\n")
+            self._open.flush()
+            self._open = None
+
+    def line(self, *args) -> None:
+        with self._lock:
+            self._end_progress()
+            self.log(*args)
+
+    def progress(self, text: str) -> None:
+        with self._lock:
+            stream = self._terminal()
+            if stream is None:
+                self._end_progress()
+                self.log(text)
+                return
+            # A line wider than the terminal wraps, and a carriage return then goes back to its
+            # last row only: cut it to fit.
+            width = shutil.get_terminal_size().columns
+            stream.write("\r\x1b[2K" + text[:max(width - 1, 1)])
+            stream.flush()
+            self._open = stream
+
+    def close(self) -> None:
+        with self._lock:
+            self._end_progress()
+
+
+class MetricsLog:
+    """Records in run_dir/metrics.jsonl and its sinks, and lines through a Console, on rank 0
+    only. Every rank builds one: a sink the config requires but cannot open fails on all."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None, log=print, *,
+                 cfg=None, train_samples: int | None = None):
+        self.enabled, self.train_samples = enabled, train_samples
+        self.console = Console(log)
         self.path = Path(run_dir) / "metrics.jsonl"
-        if not enabled:
-            return
-        if resume_step is None:
+        history = []
+        if enabled and resume_step is None:
             with atomic_output(self.path, "w"):
                 pass
-        elif self.path.exists():
+        elif enabled and self.path.exists():
             # Steps after the checkpoint are about to run again: drop their old records so the
             # file reads as one uninterrupted run.
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            keep = []
+            for line in filter(str.strip, self.path.read_text().splitlines()):
+                rec = json.loads(line)
+                if rec.get("step", 0) <= resume_step:
+                    keep.append(line)
+                    history.append(rec)
             with atomic_output(self.path, "w") as f:
                 f.write("".join(line + "\n" for line in keep))
+        self.sinks, self.notes = (([], []) if cfg is None else
+                                  open_sinks(cfg, Path(run_dir), enabled, resume_step, history))
+
+    def where(self) -> list[str]:
+        """Where this run's metrics go and how to view them."""
+        return [f"metrics: {self.path}"] + [s.where() for s in self.sinks] + self.notes
 
     def print(self, *args) -> None:
         if self.enabled:
-            self.log(*args)
+            self.console.line(*args)
+
+    def progress(self, text: str) -> None:
+        if self.enabled:
+            self.console.progress(text)
 
     def record(self, rec: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+        if not self.enabled:
+            return
+        if "step_time_s" in rec and self.train_samples is not None:
+            # Under train_iters, train_samples is train_iters x the global batch (a ramp-up
+            # needs train_samples), so this is train_iters - step.
+            left = math.ceil(max(self.train_samples - rec["consumed_samples"], 0)
+                             / rec["global_batch_size"])
+            rec["eta_s"] = left * rec["step_time_s"]
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for sink in self.sinks:
+            sink.write(rec)
 
     def eval(self, step: int, consumed: int, loss: float) -> None:
         ppl = math.exp(min(loss, 50.0))
         self.record({"step": step, "consumed_samples": consumed, "eval_loss": loss,
                      "eval_ppl": ppl})
         self.print(f"[eval] step {step} | loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def close(self) -> None:
+        """Finish the sinks' files and the progress line."""
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+        self.console.close()
 
 
 @dataclass
@@ -97,4 +185,12 @@ def progress_line(rec: dict) -> str:
     return (f"step {rec['step']:6d} | samples {rec['consumed_samples']:9d} | loss "
             f"{rec['loss']:.4f} | lr {rec['lr']:.3e} | grad_norm {rec['grad_norm']:.3f} | "
             f"{rec['step_time_s']:.3f} s/step | {rec['tokens_per_s']:.0f} tok/s | "
-            f"{rec['tflops_per_device']:.3f} TFLOP/s/dev")
+            f"{rec['tflops_per_device']:.3f} TFLOP/s/dev"
+            + (f" | ETA {format_duration(rec['eta_s'])}" if "eta_s" in rec else ""))
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss, the hours unbounded."""
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"

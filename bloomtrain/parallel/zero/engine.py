@@ -6,12 +6,15 @@ The engine composes one piece per concern, each in its own module of this packag
 table (stages.py), the layout of parameters in flat buffers (segments.py), the buffers and the
 parameters as views into them (buffers.py), gradient reduction (reduce.py), stage 3's gathers
 (gather.py), the step (step.py; offload.py runs it in host memory under ZeRO-Offload), state in
-logical coordinates (state.py) and memory accounting (memory.py). Tensor and pipeline parallelism
+logical coordinates (state.py), memory accounting (memory.py), the gradient analyser (stats.py)
+and the clock of waits on dp peers (waits.py). Tensor and pipeline parallelism
 reach it only through the parameters' specs (bloomtrain.model.params): partial-over-tp
 gradients, the tied embedding's copies, which parameters the global norm counts.
 
 Usage: `step(lr)` once per global batch, after every micro-batch's backward of
-`scale_loss(loss)` (the fp16 loss scale; identity otherwise).
+`scale_loss(loss)` (the fp16 loss scale; identity otherwise). `step(lr, grad_stats=True)` also
+returns the per-block gradient statistics on the StepResult (every rank on the same step: they
+take one collective). `waits.take()` is the time stalled on dp peers since the last take.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from bloomtrain.config import UserError
 from bloomtrain.model.bloom import BloomBlock
 from bloomtrain.model.params import EMBEDDING
 from bloomtrain.optim import DynamicLossScaler
-from bloomtrain.parallel.zero import state
+from bloomtrain.parallel.zero import state, stats
 from bloomtrain.parallel.zero.buffers import FlatBuffers, Values
 from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit
 from bloomtrain.parallel.zero.memory import Counters, formula
@@ -34,6 +37,7 @@ from bloomtrain.parallel.zero.segments import build_layout
 from bloomtrain.parallel.zero.stages import stage_rules
 from bloomtrain.parallel.zero.step import (StepResult, adamw, clip_coefficient, grad_norm,
                                            refresh_compute)
+from bloomtrain.parallel.zero.waits import WaitClock
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -108,10 +112,14 @@ class ZeroEngine:
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)
         self.counters = Counters()
-        self.reducer = GradReducer(self.bufs, topo, self.counters)
+        self.waits = WaitClock(self.bufs.device)
+        self.reducer = GradReducer(self.bufs, topo, self.counters, waits=self.waits)
         self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch,
-                                        on_backward=self.reducer.queue_end_of_backward)
+                                        on_backward=self.reducer.queue_end_of_backward,
+                                        waits=self.waits)
                          if self.rules.shard_params else None)
+        self._num_blocks = stats.num_blocks_of(modules)
+        self._analyser: stats.Analyser | None = None  # built on the first analysed step
         if self.gatherer is not None:
             self.reducer.on_group_done = self.gatherer.free
         self._hooks: list = []
@@ -137,7 +145,7 @@ class ZeroEngine:
         return grad_norm(self.bufs, self.topo)
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, grad_stats: bool = False) -> StepResult:
         self.reducer.reduce_for_step()
         if self.host:
             self.host.grads_to_host()  # in flight while the norm is computed
@@ -148,21 +156,40 @@ class ZeroEngine:
         found_inf = not math.isfinite(norm)
         if self.scaler:
             self.scaler.update(found_inf)
+        analysed = self._analyse(scale) if grad_stats else None
+        if analysed is not None:
+            # Before a skip zeroes them: an overflowing step's statistics say where it overflowed.
+            analysed.grads()
         if found_inf:
             if self.host:
                 self.host.wait()  # the copies still read the gradients about to be zeroed
             self.zero_grad()
-            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale)
+            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale,
+                              grad_stats=analysed.finish() if analysed is not None else None)
         self.step_count += 1
         coeff = clip_coefficient(norm, self.cfg.clip_grad, scale)
+        segments = self.bufs.layout.segments
         if self.host:
-            self.host.step(self.cfg, lr, self.step_count, coeff)
+            self.host.step(self.cfg, lr, self.step_count, coeff, observe=analysed)
+        elif analysed is not None:
+            for seg in segments:  # the same bits as one call (stats.py)
+                with analysed.update(seg):
+                    adamw(self.bufs, [seg], None, self.cfg, lr, self.step_count, coeff)
+            refresh_compute(self.bufs, self.topo)
         else:
-            adamw(self.bufs, self.bufs.layout.segments, None, self.cfg, lr, self.step_count,
-                  coeff)
+            adamw(self.bufs, segments, None, self.cfg, lr, self.step_count, coeff)
             refresh_compute(self.bufs, self.topo)
         self.zero_grad()
-        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale)
+        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale,
+                          grad_stats=analysed.finish() if analysed is not None else None)
+
+    def _analyse(self, loss_scale: float | None) -> stats.StepStats:
+        if self._analyser is None:
+            if self._num_blocks is None:
+                raise ValueError("the gradient analyser needs BLOOM modules (a model shape with "
+                                 "num_layers)")
+            self._analyser = stats.Analyser(self.bufs, self.topo, self._num_blocks)
+        return self._analyser.begin(loss_scale)
 
     # ---- state -----------------------------------------------------------------------------------
     def fragments(self) -> list:

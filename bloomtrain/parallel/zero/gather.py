@@ -11,9 +11,13 @@ gradient has arrived. The first forward records the order of units; from then on
 gather is prefetched asynchronously while the current one computes (the previous one's in
 backward). Recomputation under activation checkpointing runs a unit's forward inside backward:
 its weights are kept, since its backward comes next.
+
+The waits for the gathers of a training step are timed by the engine's WaitClock (waits.py):
+under stage 3 they are where a slow dp peer makes the others wait.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
+from bloomtrain.parallel.zero.waits import WaitClock
 
 DP = "dp"
 
@@ -39,8 +44,9 @@ def _in_backward() -> bool:
 
 class Stage3Gatherer:
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, units: list[Unit],
-                 prefetch: bool = True, on_backward=None):
+                 prefetch: bool = True, on_backward=None, waits: WaitClock | None = None):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        self.waits = waits or WaitClock(bufs.device)
         # Called when backward reaches a unit: the end of that backward frees what it gathered,
         # even if no parameter gradient arrives in it.
         self.on_backward = on_backward
@@ -77,8 +83,9 @@ class Stage3Gatherer:
             # Without offload the compute-dtype shard exists only for the collective.
             shard = bufs.state_view(source, seg).to(bufs.compute_dtype)
             out = buf[seg.full_off - group.full_off:][:seg.padded]
-            handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
-                                                       async_op=async_op))
+            with contextlib.nullcontext() if async_op else self._stall():
+                handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
+                                                           async_op=async_op))
             casts.append(shard)
         self._gathered.add(g)
         if async_op:
@@ -86,9 +93,17 @@ class Stage3Gatherer:
 
     def _wait(self, g: int) -> None:
         handles, _ = self._pending.pop(g, ((), ()))
-        for h in handles:
-            if h is not None:
-                h.wait()
+        handles = [h for h in handles if h is not None]
+        if handles:
+            with self._stall():
+                for h in handles:
+                    h.wait()
+
+    def _stall(self):
+        # An evaluation's forward (no grad, outside backward) is not part of a training step;
+        # without dp peers there is nothing to wait for.
+        timed = self.topo.dp_group is not None and (torch.is_grad_enabled() or _in_backward())
+        return self.waits.waiting() if timed else contextlib.nullcontext()
 
     def free(self, g: int) -> None:
         if g not in self._gathered:

@@ -64,15 +64,16 @@ class HostOptimizer:
         self._landed = []
 
     @torch.no_grad()
-    def step(self, cfg, lr: float, step_count: int, coeff: float) -> None:
+    def step(self, cfg, lr: float, step_count: int, coeff: float, observe=None) -> None:
         """AdamW on the host, then the compute copy refreshed on the device, segment by
-        segment."""
+        segment. `observe` (the gradient analyser's StepStats) sees each segment's update."""
         bufs = self.bufs
         # strict: a step without grads_to_host() first would have no gradients to read.
         for seg, event in zip(bufs.layout.segments, self._landed, strict=True):
             if event is not None:
                 event.synchronize()
-            adamw(bufs, [seg], bufs.host_grad, cfg, lr, step_count, coeff)
+            with observe.update(seg) if observe is not None else contextlib.nullcontext():
+                adamw(bufs, [seg], bufs.host_grad, cfg, lr, step_count, coeff)
             self._send(seg)
         self._landed = []
 

@@ -12,6 +12,9 @@ segment is complete, overlapping the rest of backward; a callback at the end of 
 flushes incomplete segments and waits. This works per backward call, so under any pipeline
 schedule.
 
+Every wait for a dp collective is timed by the engine's WaitClock (waits.py), the straggler
+check's input.
+
 After the dp reduction the linear sums are taken on the shard (1/dp of the bytes): partial
 sequence-parallel gradients over tp, the two tied-embedding copies over the embedding group.
 """
@@ -24,6 +27,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
 from bloomtrain.parallel.zero.segments import Segment, Slot
+from bloomtrain.parallel.zero.waits import WaitClock
 
 DP = "dp"
 # Reductions in flight at once: enough to overlap backward; more would only hold staging memory.
@@ -31,8 +35,10 @@ MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
-    def __init__(self, bufs: FlatBuffers, topo, counters: Counters, on_group_done=None):
+    def __init__(self, bufs: FlatBuffers, topo, counters: Counters, on_group_done=None,
+                 waits: WaitClock | None = None):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        self.waits = waits or WaitClock(bufs.device)
         self.rules = bufs.rules
         self.dp_group = topo.dp_group
         # Stage 3: told when every gradient of a group has arrived in this backward.
@@ -106,7 +112,8 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         seg, staging, out, handle = self._inflight.pop(0)
         if handle is not None:
-            handle.wait()
+            with self.waits.waiting():
+                handle.wait()
         self.bufs.grad[seg.shard_off:seg.shard_off + seg.shard].add_(out)
         self.counters.staged(-staging.numel() * 4)
 
@@ -139,14 +146,15 @@ class GradReducer:
         self.finish()
         bufs = self.bufs
         if not self.rules.shard_grads and self.dp_group is not None:
-            for seg in bufs.layout.segments:
-                full = bufs.full_grad(seg)
-                if not self.rules.shard_optimizer:
-                    comm.all_reduce(full, self.dp_group, DP)
-                else:
-                    out = torch.empty(seg.shard, dtype=torch.float32, device=full.device)
-                    comm.reduce_scatter_tensor(out, full, self.dp_group, DP)
-                    bufs.grad_view(seg).copy_(out)
+            with self.waits.waiting():  # the first the peers see of this rank's step
+                for seg in bufs.layout.segments:
+                    full = bufs.full_grad(seg)
+                    if not self.rules.shard_optimizer:
+                        comm.all_reduce(full, self.dp_group, DP)
+                    else:
+                        out = torch.empty(seg.shard, dtype=torch.float32, device=full.device)
+                        comm.reduce_scatter_tensor(out, full, self.dp_group, DP)
+                        bufs.grad_view(seg).copy_(out)
         partial = []
         for seg in bufs.layout.segments:
             lo, hi = bufs.own(seg)

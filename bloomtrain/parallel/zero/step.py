@@ -24,6 +24,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.reduce import _clip
 from bloomtrain.parallel.zero.segments import Segment
+from bloomtrain.parallel.zero.stats import GradStats
 
 DP = "dp"
 
@@ -33,6 +34,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: float | None
+    grad_stats: GradStats | None = None  # on the steps the caller asked for them
 
 
 def grad_norm(bufs: FlatBuffers, topo) -> torch.Tensor:

@@ -1,0 +1,139 @@
+"""Viewers' copies of metrics.jsonl: TensorBoard event files under run_dir/tensorboard and a W&B
+run (offline by default, under run_dir/wandb). Each one mirrors every record, train and eval,
+with its numeric fields as scalars at the record's step.
+
+Their packages are optional and imported here only when the run enables them (`run.tensorboard`,
+`run.wandb`); metrics.jsonl stays the one record that every run has."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bloomtrain.config import Config, UserError
+
+
+def scalars(rec: dict, prefix: str = "") -> dict[str, float]:
+    """A record's numeric fields under '/'-joined names: nested dicts are flattened
+    (comm/all_reduce/tp/bytes) and lists indexed (name/0, name/1, ...). Strings are skipped, and so
+    are booleans: the `skipped` flag is already counted by skipped_steps. The top-level `step` is
+    the x axis, not a series."""
+    out = {}
+    items = rec.items() if isinstance(rec, dict) else enumerate(rec)
+    for key, val in items:
+        name = f"{prefix}{key}"
+        if isinstance(val, (dict, list, tuple)):
+            out.update(scalars(val, name + "/"))
+        elif isinstance(val, (int, float)) and not isinstance(val, bool) and name != "step":
+            out[name] = float(val)
+    return out
+
+
+def _import_tensorboard(required: bool):
+    """torch's SummaryWriter, or None when the package is missing and the run did not insist."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if required:
+            raise UserError("run.tensorboard=true, but the tensorboard package is not installed: "
+                            "pip install bloomtrain[tensorboard] (or set run.tensorboard=false)"
+                            ) from None
+        return None
+    return SummaryWriter
+
+
+def _import_wandb(project: str):
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(f"run.wandb={project!r}, but wandb is not installed: pip install wandb "
+                        f"(or set run.wandb=null)") from None
+    return wandb
+
+
+class TensorBoardSink:
+    def __init__(self, summary_writer, log_dir: Path, resume_step: int | None, config_yaml: str,
+                 history: list[dict]):
+        self.log_dir = log_dir
+        old = sorted(log_dir.glob("events.out.tfevents.*"))
+        if resume_step is None:
+            # A fresh start in this run_dir: its earlier curves belong to no run any more, as
+            # metrics.jsonl, truncated, says.
+            for path in old:
+                path.unlink()
+        # purge_step makes TensorBoard hide the earlier event files' steps from here on, which
+        # are about to run again, so a resumed run reads as one.
+        first_step = (resume_step or 0) + 1
+        resumed = resume_step is not None
+        self.writer = summary_writer(str(log_dir), purge_step=first_step if resumed and old
+                                     else None)
+        if resumed and not old:
+            # Resumed with TensorBoard newly enabled (or its files gone): bring the earlier steps
+            # over from metrics.jsonl, so that the event files mirror all of it.
+            for rec in history:
+                self.write(rec)
+        # The config in force from first_step on (markdown: indented to keep the YAML layout).
+        self.writer.add_text("config", "".join(f"    {line}\n" for line in
+                                               config_yaml.splitlines()), global_step=first_step)
+        self.writer.flush()
+
+    def write(self, rec: dict) -> None:
+        for name, value in scalars(rec).items():
+            self.writer.add_scalar(name, value, global_step=rec["step"])
+        # Flushed per record, as metrics.jsonl is written: a crash loses no record.
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def where(self) -> str:
+        return f"TensorBoard: tensorboard --logdir {self.log_dir}"
+
+
+class WandbSink:
+    def __init__(self, wandb, project: str, run_dir: Path, resume_step: int | None,
+                 config: dict):
+        self.project, self.run_dir = project, run_dir
+        # W&B puts its files in `dir`/wandb. Offline unless WANDB_MODE says otherwise: training
+        # nodes often have no internet, and `wandb sync` uploads later. W&B can neither resume
+        # an offline run nor take back steps, so each start of this run_dir is one W&B run of
+        # the run_dir's group, beginning after the checkpoint it resumed from.
+        self.mode = os.environ.get("WANDB_MODE", "offline")
+        name = run_dir.name if resume_step is None else f"{run_dir.name}@{resume_step}"
+        self.run = wandb.init(project=project, dir=str(run_dir), mode=self.mode, name=name,
+                              group=run_dir.name, config=config)
+
+    def write(self, rec: dict) -> None:
+        self.run.log(scalars(rec), step=rec["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+    def where(self) -> str:
+        if self.mode == "offline":
+            return (f"W&B: offline run in {self.run_dir / 'wandb'} "
+                    f"(upload: wandb sync {self.run_dir / 'wandb'}/offline-run-*)")
+        return f"W&B: project {self.project} ({self.mode})"
+
+
+def open_sinks(cfg: Config, run_dir: Path, enabled: bool, resume_step: int | None,
+               history: list[dict]) -> tuple[list, list[str]]:
+    """The sinks `cfg.run` enables, opened on the logging rank, and the notes to print about any
+    left off. A sink the config insists on but whose package is missing is a UserError on every
+    rank (all ranks share the environment), so that no rank trains on without the others."""
+    r = cfg.run
+    summary_writer = (_import_tensorboard(required=True) if r.tensorboard else
+                      _import_tensorboard(required=False) if r.tensorboard is None and enabled
+                      else None)
+    wandb = _import_wandb(r.wandb) if r.wandb else None
+    if not enabled:
+        return [], []
+    sinks, notes = [], []
+    if summary_writer is not None:
+        sinks.append(TensorBoardSink(summary_writer, run_dir / "tensorboard", resume_step,
+                                     cfg.to_yaml(), history))
+    elif r.tensorboard is None:
+        notes.append("TensorBoard: off, the package is not installed "
+                     "(pip install bloomtrain[tensorboard])")
+    if wandb is not None:
+        sinks.append(WandbSink(wandb, r.wandb, run_dir, resume_step, cfg.to_dict()))
+    return sinks, notes
