@@ -154,6 +154,7 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
         log(f"[demo] training loss went from {losses[0]:.3f} (first logged interval) to "
             f"{losses[-1]:.3f} (last)" + (f"; eval loss {evals[-1]:.3f}" if evals else ""))
     checkpoint = str(ckpt.resolve(cfg.checkpoint.dir))
+    report = _report(cfg.run_dir, log)
 
     export_dir = root / "hf"
     log(f"[demo] 5/6 exporting to HF transformers format -> {export_dir}")
@@ -174,8 +175,28 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     log(f"  run dir       {cfg.run_dir}  (config.yaml, metrics.jsonl)")
     log(f"  checkpoint    {checkpoint}")
     log(f"  HF export     {export_dir}  (transformers.BloomForCausalLM.from_pretrained)")
+    log("To look at the run:")
+    if report is not None:
+        log(f"  plots         open {report}  (or bloomtrain plot {cfg.run_dir})")
+    tb = Path(cfg.run_dir) / "tensorboard"
+    if tb.is_dir():
+        log(f"  TensorBoard   tensorboard --logdir {tb}")
+    log(f"  status        bloomtrain status {cfg.run_dir}")
     return {"losses": losses, "eval_losses": evals, "checkpoint": checkpoint,
             "export": str(export_dir), "sample": text, "layout": records[0].get("layout")}
+
+
+def _report(run_dir: str, log) -> Path | None:
+    """The run's plots and report.html (bloomtrain plot), when matplotlib is installed."""
+    from bloomtrain.report import write_report
+    from bloomtrain.utils import UserError
+    try:
+        html = write_report([run_dir])
+    except UserError as e:  # matplotlib missing: the demo itself has succeeded
+        log(f"[demo] no plots: {e}")
+        return None
+    log(f"[demo] plots and report -> {html}")
+    return html
 
 
 def cmd_demo(args) -> int:
