@@ -86,7 +86,7 @@ def plan(args) -> list[Section]:
         recompute = ["--preset", "tiny", "--seq", "32", "--micro-batch", "2"]
         fit = ["--presets", "bloom-176b,tiny", "--seq", "32", "--micro-batch", "2",
                "--try-timeout", "60"]
-        timeouts = {"tests": 90, "eager": 60, "compile": 120, "recompute": 60, "fit": 60}
+        timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60}
     else:
         dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
                                "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
@@ -361,7 +361,7 @@ def parse_args(argv=None):
                     help="the JSON file (default bench/results/gpu-<date>.json); the summary "
                          "goes next to it as .md, the logs into <out>.logs/")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds for all sections (default 450 on GPU, 240 with --cpu-smoke)")
+                    help="seconds for all sections (default 450 on GPU, 420 with --cpu-smoke)")
     ap.add_argument("--only", default=None,
                     help="run only the sections whose names contain one of these "
                          "comma-separated substrings")
@@ -373,7 +373,7 @@ def parse_args(argv=None):
     prefix = "gpu-smoke" if args.cpu_smoke else "gpu"
     args.out = args.out or REPO / "bench" / "results" / f"{prefix}-{stamp}.json"
     args.logs = args.out.with_suffix(".logs")
-    args.budget = args.budget or (240.0 if args.cpu_smoke else 450.0)
+    args.budget = args.budget or (420.0 if args.cpu_smoke else 450.0)
     return args
 
 
