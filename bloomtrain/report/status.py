@@ -107,14 +107,14 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
             _row("state", _state(run, s, now))]
     samples = f"   samples {s.consumed_samples:,}" if s.consumed_samples is not None else ""
     rows.append(_row("step", fmt_steps(s) + samples))
-    if s.finished or s.step is None:
-        pass  # nothing left to estimate, or nothing to estimate from yet
-    elif s.eta_s is not None:
+    # No ETA row once the run finished, or before its first step (nothing to estimate from).
+    running = not s.finished and s.step is not None
+    if running and s.eta_s is not None:
         basis = (f" at {s.step_time_s:.3g} s/step (recent median)"
                  if s.step_time_s is not None and s.total_steps is not None else
                  " (the run's own estimate)")
         rows.append(_row("ETA", fmt_duration(s.eta_s) + basis))
-    elif s.total_steps is None:
+    elif running and s.total_steps is None:
         why = ("no config.yaml in the run dir" if run.config is None else
                "config.yaml has no train.train_iters or train.train_samples")
         rows.append(_row("ETA", f"- ({why})"))
