@@ -11,7 +11,8 @@ The final evaluation is one batch (eval_iters 1), the same in every side. Sides:
 - grad_stats_100:  one step in 100 analysed, TensorBoard off
 The straggler/memory gather of each record cannot be switched off; it is timed on its own
 below. `--rounds` rounds alternate the sides (the first side alternates too, bench.common); the
-median per side is reported. Log interval 10 in every side.
+median per side is reported, of the wall time and of this process's CPU time (the latter is
+what to read on a machine that other work shares). Log interval 10 in every side.
 
 Also, on one trainer: the extra time of one analysed optimizer step (engine.step with and without
 grad_stats, alternating, median), the host cost of one record's monitor fields on one process
@@ -62,16 +63,19 @@ def make_cfg(args, dataset: str, run_dir: str, side: dict):
         "run_dir": run_dir})
 
 
-def time_run(args, dataset: str, tmp: Path, side: dict) -> float:
-    """Seconds per step of one whole run (construction excluded)."""
+def time_run(args, dataset: str, tmp: Path, side: dict) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) per step of one whole run (construction
+    excluded). The CPU time, user + system of every thread, is the work itself: other load on a
+    shared machine stretches the wall time of whichever side it lands on, not the CPU time."""
     from bloomtrain.train import Trainer
     trainer = Trainer(make_cfg(args, dataset, tempfile.mkdtemp(dir=tmp), side),
                       log=lambda *a: None)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.run()
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / args.steps
+    return ((time.perf_counter() - start) / args.steps,
+            (time.process_time() - cpu) / args.steps)
 
 
 def analysed_step_extra(args, dataset: str, tmp: Path) -> tuple[float, float]:
@@ -149,15 +153,18 @@ def main():
         with_stats, without = analysed_step_extra(args, dataset, tmp)
         record_s = record_cost(args, dataset, tmp)
         gather_s = run_ranks(2, _gather_rank, 200)[0]
-    step_ms = {name: 1e3 * statistics.median(t) for name, t in runs.items()}
+    step_ms = {name: 1e3 * statistics.median(w for w, _ in t) for name, t in runs.items()}
+    cpu_ms = {name: 1e3 * statistics.median(c for _, c in t) for name, t in runs.items()}
     out = {
         "bench": "monitor_overhead", "device": args.device, "threads": args.threads,
         "shape": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq,
                   "micro_batch": args.micro_batch},
         "steps_per_run": args.steps, "rounds": args.rounds,
         "step_ms": step_ms,
-        "step_ms_rounds": {name: [1e3 * x for x in t] for name, t in runs.items()},
+        "step_ms_rounds": {name: [1e3 * w for w, _ in t] for name, t in runs.items()},
+        "cpu_ms": cpu_ms,
         "defaults_vs_all_off_pct": 100 * (step_ms["defaults"] / step_ms["all_off"] - 1),
+        "defaults_vs_all_off_cpu_pct": 100 * (cpu_ms["defaults"] / cpu_ms["all_off"] - 1),
         "grad_stats_1_vs_100_pct": 100 * (step_ms["grad_stats_1"] / step_ms["grad_stats_100"]
                                           - 1),
         "optimizer_step_ms": {"analysed": 1e3 * with_stats, "plain": 1e3 * without},
@@ -165,11 +172,13 @@ def main():
         "record_fields_ms_one_process": 1e3 * record_s,
         "gather_ms_2_gloo_ranks": 1e3 * gather_s,
     }
-    print(f"step time per side (median of {args.rounds} runs of {args.steps} steps, ms):")
+    print(f"step time per side (median of {args.rounds} runs of {args.steps} steps, ms; wall, "
+          f"then this process's CPU time):")
     for name, ms in step_ms.items():
-        print(f"  {name:15s} {ms:8.2f}   rounds: "
+        print(f"  {name:15s} {ms:8.2f}   cpu {cpu_ms[name]:8.2f}   rounds: "
               + " ".join(f"{x:.2f}" for x in out["step_ms_rounds"][name]))
-    print(f"defaults vs all off: {out['defaults_vs_all_off_pct']:+.1f}%; grad stats every step "
+    print(f"defaults vs all off: {out['defaults_vs_all_off_pct']:+.1f}% wall, "
+          f"{out['defaults_vs_all_off_cpu_pct']:+.1f}% CPU; grad stats every step "
           f"vs every 100: {out['grad_stats_1_vs_100_pct']:+.1f}%")
     print(f"optimizer step: {1e3 * with_stats:.2f} ms analysed, {1e3 * without:.2f} ms plain "
           f"({out['analysed_step_extra_ms']:+.2f} ms; over 100 steps "
