@@ -13,6 +13,7 @@ fp32, got 'fp8'`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -175,6 +176,10 @@ class CheckpointConfig:
     resume: str = "auto"
     # Write checkpoints in a background thread after a copy to CPU memory (see checkpoint/).
     async_save: bool = True
+    # A save that fails (a full disk, most often): `continue` logs it and tries again at the
+    # next save interval; `stop` ends the run with an error. A run's last save (at its end or
+    # on a stop signal) that fails is an error either way.
+    on_save_error: str = "continue"
 
 
 @dataclass
@@ -216,7 +221,8 @@ class Config:
             else:
                 setattr(cfg, f.name, _coerce(val, _field_type(cls, f.name), f.name))
         if d:
-            raise UserError(f"unknown config section(s) {sorted(d)}; valid sections are "
+            # key=str: YAML keys can be numbers, booleans or null, which do not sort with strings.
+            raise UserError(f"unknown config section(s) {sorted(d, key=str)}; valid sections are "
                             f"{[f.name for f in fields(cls)]}")
         return cfg
 
@@ -228,9 +234,13 @@ class Config:
             if not p.is_file():
                 raise UserError(f"config file {path} does not exist")
             try:
-                data = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError as e:
+                data = _yaml_load(p.read_text(encoding="utf-8")) or {}
+            except (yaml.YAMLError, UnicodeDecodeError) as e:
                 raise UserError(f"config file {path} is not valid YAML: {e}") from None
+            except ValueError as e:  # an integer of more digits than Python converts
+                raise UserError(f"config file {path}: {e}") from None
+            except RecursionError:
+                raise UserError(f"config file {path} nests too deeply to be a config") from None
             if not isinstance(data, dict):
                 raise UserError(f"config file {path} must hold a mapping of sections")
         for ov in overrides or []:
@@ -298,6 +308,7 @@ class Config:
                 _require_positive(f"checkpoint.{name}", getattr(c, name))
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             raise UserError("checkpoint.save_interval needs checkpoint.dir")
+        _require_choice("checkpoint.on_save_error", c.on_save_error, ("continue", "stop"))
 
     @staticmethod
     def _check_optim(o: "OptimConfig") -> None:
@@ -375,8 +386,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if not all(parts):
         raise UserError(f"override {override!r}: empty key component")
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else None
-    except yaml.YAMLError:
+        value = _yaml_load(raw) if raw.strip() != "" else None
+    except (yaml.YAMLError, ValueError, RecursionError):
+        # Not YAML (or an integer too long to convert): the text itself, which the key's type
+        # check then accepts as a string or refuses with its name.
         value = raw
     node = data
     for part in parts[:-1]:
@@ -389,8 +402,19 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_load(text: str):
+    # libyaml's safe loader where PyYAML has it: it refuses deep nesting at once, where the pure
+    # Python scanner takes quadratic time on it (seconds for a few thousand "[").
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates every annotation string: once per class
+
+
 def _field_type(cls, name: str):
-    return typing.get_type_hints(cls)[name]
+    return _type_hints(cls)[name]
 
 
 def _section_from_dict(cls, d: dict[str, Any], section: str):
@@ -446,21 +470,27 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise UserError(f"{key} must be an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"{key} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+        number = None
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
-                return float(value)
-            except ValueError:
+                number = float(value)
+            except (ValueError, OverflowError):  # OverflowError: an int beyond float's range
                 pass
-        raise UserError(f"{key} must be a number, got {value!r}")
+        # nan or inf would pass every range check below (all comparisons with nan are false)
+        # and poison the run; no key gives them a meaning.
+        if number is None or not math.isfinite(number):
+            raise UserError(f"{key} must be a finite number, got {_short(value)}")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"{key} must be a string, got {value!r}")
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _require_positive(key: str, value) -> None:

@@ -17,13 +17,14 @@ and reading follows the shard files one after the other.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
-from bloomtrain.utils import UserError, fsync_dir
+from bloomtrain.utils import UserError, disk_full_error, fsync_dir, is_disk_full
 
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
     import torch
@@ -84,11 +85,20 @@ def shape_from_hf_config(cfg: dict) -> BloomShape:
         num_layers=num_layers,
         num_heads=num_heads,
         ffn_hidden_size=4 * hidden,  # HF's BloomMLP is always 4h wide; n_inner is ignored there
-        layer_norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        hidden_dropout=float(cfg.get("hidden_dropout", 0.0)),
-        attention_dropout=float(cfg.get("attention_dropout", 0.0)),
-        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        layer_norm_epsilon=_number(cfg, "layer_norm_epsilon", 1e-5),
+        hidden_dropout=_number(cfg, "hidden_dropout", 0.0, below=1.0),
+        attention_dropout=_number(cfg, "attention_dropout", 0.0, below=1.0),
+        init_method_std=_number(cfg, "initializer_range", 0.02),
     )
+
+
+def _number(cfg: dict, key: str, default: float, below: float = math.inf) -> float:
+    value = cfg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+            not math.isfinite(value) or not 0 <= value < below:
+        limit = "" if below == math.inf else f" below {below:g}"
+        raise UserError(f"config.json: {key} must be a non-negative number{limit}, got {value!r}")
+    return float(value)
 
 
 def hf_config_from_shape(shape: BloomShape, extra: dict | None = None) -> dict:
@@ -134,7 +144,7 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
                         f"(config.json plus {' or '.join(WEIGHT_FILES)})")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"cannot read {path}: {e}") from e
     if not isinstance(cfg, dict):
         raise UserError(f"{path} is not a JSON object")
@@ -156,18 +166,48 @@ def _canonical_name(name: str) -> str:
     return "transformer." + name  # a BloomModel checkpoint saved without the prefix
 
 
+def _weight_file(hf_dir: Path, name, source: str) -> Path:
+    """`hf_dir / name` for a weight file that `source` names, refused unless it stays inside the
+    directory: no absolute path, no `..`, no symlink leading elsewhere. One exception: the
+    snapshots of the HF hub cache (`models--ORG--NAME/snapshots/REV/`) link every file to
+    `../../blobs/`, so there the repository's cache directory is the boundary."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UserError(f"{source} names weight file {name!r}, which is not a file name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise UserError(f"{source} names weight file {name!r}, a path outside {hf_dir}; "
+                        f"refusing to read it (shards are file names inside the directory)")
+    root = hf_dir.resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        root = root.parent.parent
+    path = hf_dir / name
+    try:
+        inside = path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop; a name the OS refuses
+        raise UserError(f"{source}: weight file {name!r} cannot be resolved: {e}") from None
+    if not inside:
+        raise UserError(f"{source}: weight file {name!r} is a symlink leading out of {hf_dir} "
+                        f"(to {path.resolve()}); refusing to read it")
+    return path
+
+
 def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
     """('safetensors' | 'bin', shard files in order)."""
     for single, index, kind in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, "safetensors"),
                                 (BIN_FILE, BIN_INDEX, "bin")):
         if (hf_dir / single).is_file():
-            return kind, [hf_dir / single]
+            return kind, [_weight_file(hf_dir, single, str(hf_dir))]
         if (hf_dir / index).is_file():
             try:
                 weight_map = json.loads((hf_dir / index).read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
                 raise UserError(f"cannot read the weight map of {hf_dir / index}: {e}") from e
-            shards = [hf_dir / f for f in dict.fromkeys(sorted(weight_map.values()))]
+            if not isinstance(weight_map, dict) or \
+                    not all(isinstance(f, str) for f in weight_map.values()):
+                raise UserError(f"{hf_dir / index}: weight_map must map tensor names to shard "
+                                f"file names")
+            shards = [_weight_file(hf_dir, f, str(hf_dir / index))
+                      for f in dict.fromkeys(sorted(weight_map.values()))]
             missing = [s.name for s in shards if not s.is_file()]
             if missing:
                 raise UserError(f"{hf_dir}: shard(s) {', '.join(missing)} listed in {index} "
@@ -179,18 +219,28 @@ def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
 def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(canonical name, tensor) for every tensor of an HF Bloom directory, shard by shard. A
     tied `lm_head.weight`, when a file has one, is yielded too; `collect_hf_state` checks it."""
+    import torch
     from safetensors import safe_open
 
     kind, files = _weight_files(Path(hf_dir))
     for file in files:
         if kind == "safetensors":
-            with safe_open(str(file), framework="pt") as f:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors' SafetensorError for a damaged header
+                raise UserError(f"cannot read {file} as safetensors: {e}") from None
+            with handle as f:
                 for name in f.keys():
-                    yield _canonical_name(name), f.get_tensor(name)
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as e:
+                        raise UserError(f"cannot read {name} from {file}: {e}") from None
+                    yield _canonical_name(name), tensor
             continue
         state = _torch_load(file)
-        if not isinstance(state, dict):
-            raise UserError(f"{file} does not hold a state dict")
+        if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise UserError(f"{file} does not hold a state dict (tensors by name)")
         for name in list(state):
             # clone: detach from the mmap'd file and from storage shared with other entries
             # (a tied head saved by torch.save), which safetensors refuses to write.
@@ -211,18 +261,9 @@ def _torch_load(file: Path):
         raise UserError(f"cannot load {file} with torch.load(weights_only=True): {e}") from e
 
 
-def expected_parameters(shape: BloomShape) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every stored parameter (the tied head excluded)."""
-    import torch
-
-    from bloomtrain.model import BloomForCausalLM
-
-    with torch.device("meta"):
-        model = BloomForCausalLM(shape)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
 def check_state(shape: BloomShape, names_shapes: dict[str, tuple[int, ...]], where) -> None:
+    from bloomtrain.model import expected_parameters
+
     expected = expected_parameters(shape)
     missing = [n for n in expected if n not in names_shapes]
     unexpected = [n for n in names_shapes if n not in expected]
@@ -246,6 +287,7 @@ def open_checkpoint(path: str | os.PathLike):
     from bloomtrain import checkpoint
 
     reader = checkpoint.CheckpointReader(path, kinds=checkpoint.MODEL_KINDS)
+    reader.check_complete()  # before anything builds the model its manifest describes
     tok = [k for k in reader.manifest["files"] if k.startswith("tokenizer/")]
     checkpoint.verify(reader.path, reader.manifest, files=tok)
     return reader
@@ -377,8 +419,8 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir()
         # One full parameter at a time, assembled from whatever layout wrote the checkpoint.
         entries = [(n, info[n][0], info[n][1], (lambda n=n: reader.load(n))) for n in names]
         write_safetensors_streaming(tmp / SAFETENSORS_FILE, entries, {"format": "pt"})
@@ -397,13 +439,23 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
         if output_dir.exists():
             old = output_dir.with_name(f".{output_dir.name}.old.{os.getpid()}")
             os.replace(output_dir, old)
-            os.replace(tmp, output_dir)
+            try:
+                os.replace(tmp, output_dir)
+            except BaseException:
+                os.replace(old, output_dir)  # the previous export back under its name
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, output_dir)
         fsync_dir(output_dir.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            # Only a write runs out of space; the temporary directory is gone by now.
+            raise disk_full_error(
+                f"exporting {ckpt} to {output_dir}", e, output_dir.parent,
+                "nothing was written under that name, and an export already there is "
+                "unchanged. Free disk space or choose another --output") from e
         raise
     log(f"exported {ckpt} -> {output_dir} ({len(names)} tensors, {dtype}"
         f"{', tokenizer' if copied else ', no tokenizer'})")

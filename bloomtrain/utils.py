@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -47,6 +49,44 @@ def atomic_output(path: str | os.PathLike, mode: str = "wb") -> Iterator:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+# What a write fails with when the disk, or the user's quota on it, is full: the user frees
+# space or writes elsewhere.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def disk_space(path: str | os.PathLike) -> str:
+    """How much space the filesystem holding `path` has left, for the message of a failed write:
+    `1.3 MiB free (1,363,148 bytes) of 16.0 MiB on the filesystem of PATH`. Asked of the nearest
+    existing parent, since the failed output itself has usually been removed by then."""
+    p = Path(path).absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    try:
+        u = shutil.disk_usage(p)
+    except OSError as e:
+        return f"free space on the filesystem of {p} unknown ({e})"
+    return (f"{_fmt_bytes(u.free)} free ({u.free:,} bytes) of {_fmt_bytes(u.total)} on the "
+            f"filesystem of {p}")
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS
+
+
+def disk_full_error(what: str, err: OSError, where: str | os.PathLike, fix: str) -> UserError:
+    """The UserError for `what` (e.g. `writing dataset P.bin/.idx`) running out of space: the
+    error, the free space left on the filesystem of `where`, and what to change (`fix`). Made
+    after the partial output is removed, so the free space it names is what a retry has."""
+    return UserError(f"{what} failed: {err.strerror or err} ({disk_space(where)}); {fix}")
 
 
 def replace_parameters(modules, new: dict) -> None:

@@ -26,7 +26,7 @@ fragment index, writes the manifest, renames the directory into place and only t
 
 **Async saving** (`checkpoint.async_save`, on by default): the state is copied to CPU memory on the
 training thread, then a background thread writes the files and commits. The commit's gather and
-barrier run on a separate gloo process group, so they never interleave with training collectives
+broadcasts run on a separate gloo process group, so they never interleave with training collectives
 on the main groups, which is why it is safe with both gloo and NCCL. A later save, or the end of
 training, waits for the previous one and re-raises its error, if any.
 

@@ -5,15 +5,18 @@ it without depending on each other.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
+from bloomtrain.model.presets import BloomShape
 from bloomtrain.utils import UserError
 
 FORMAT = "bloomtrain-checkpoint"
@@ -21,6 +24,13 @@ FORMAT_VERSION = 2
 MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 TIED_ALIAS = {LM_HEAD: EMBEDDING}  # the tied LM head is stored once, as the embedding
+# Bytes per element of the dtypes safetensors stores that torch names the same way. A
+# manifest's dtype strings are looked up on the torch module, so anything else (say "load")
+# must never get that far.
+TENSOR_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+                 "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+                 "bool": 1}
+_FRAGMENT_KEYS = ("files", "keys", "dtypes", "tp_dim", "tp_rank", "tp_size", "offset", "numel")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DISPLACED_DIR = re.compile(r"^\.step_(\d+)\.old$")
 
@@ -41,37 +51,210 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def member_path(root: Path, name: Any, what: str = "file") -> Path:
+    """`root / name` for a name a manifest gives, refused unless it stays inside `root`: no
+    absolute path, no `..`, and no symlink on the way that leads out. A checkpoint may come
+    from anyone, and its manifest must not make us read (or hash, or copy) files elsewhere."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{root}: the manifest names {what} {name!r}, which is not a "
+                              f"file name; the manifest is corrupt")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise CheckpointError(f"{root}: the manifest names {what} {name!r}, a path outside the "
+                              f"checkpoint directory; refusing to read it (a checkpoint's files "
+                              f"are relative names inside it)")
+    full = root / name
+    try:
+        inside = full.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop; a name the OS refuses
+        raise CheckpointError(f"{root}: {what} {name!r} cannot be resolved: {e}") from None
+    if not inside:
+        raise CheckpointError(f"{root}: {what} {name!r} is a symlink leading out of the "
+                              f"checkpoint directory (to {full.resolve()}); refusing to read it")
+    return full
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_model_shape(bad, shape) -> None:
+    if not isinstance(shape, dict):
+        raise bad(f"model_shape must be an object, got {type(shape).__name__}")
+    names = [f.name for f in dataclasses.fields(BloomShape)]
+    if sorted(shape) != sorted(names):
+        missing = sorted(set(names) - set(shape))
+        extra = sorted(map(str, set(shape) - set(names)))
+        raise bad(f"model_shape must have exactly the keys {names} (missing {missing}, "
+                  f"unknown {extra})")
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size"):
+        if not _is_int(shape[name]) or shape[name] <= 0:
+            raise bad(f"model_shape.{name} must be a positive integer, got {shape[name]!r}")
+    for name in ("layer_norm_epsilon", "hidden_dropout", "attention_dropout", "init_method_std"):
+        v = shape[name]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise bad(f"model_shape.{name} must be a non-negative number, got {v!r}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if shape[name] >= 1:
+            raise bad(f"model_shape.{name} must be below 1, got {shape[name]!r}")
+    if shape["hidden_size"] % shape["num_heads"]:
+        raise bad(f"model_shape.hidden_size ({shape['hidden_size']}) is not divisible by "
+                  f"num_heads ({shape['num_heads']})")
+
+
+def _check_fragments(bad, name: str, t, files: dict, file_bytes: dict[str, int]) -> None:
+    """Types of every fragment entry, and that the fragments of each tp chunk tile it exactly:
+    the reader copies each one into place, so an overlap or a gap would load silently wrong
+    (or uninitialized) values. Adds each fragment's bytes to `file_bytes` under its file."""
+    if not isinstance(t, dict) or not isinstance(t.get("shape"), list) or \
+            not all(_is_int(d) and d >= 0 for d in t["shape"]):
+        raise bad(f"tensor {name}: shape must be a list of non-negative integers")
+    shape = t["shape"]
+    frags = t.get("fragments")
+    if not isinstance(frags, list) or not frags or not all(isinstance(f, dict) for f in frags):
+        raise bad(f"tensor {name}: fragments must be a non-empty list of objects")
+    kinds = None
+    for i, fr in enumerate(frags):
+        where = f"tensor {name} fragment {i}"
+        missing = [k for k in _FRAGMENT_KEYS if k not in fr]
+        if missing:
+            raise bad(f"{where} lacks {missing}")
+        for key in ("tp_rank", "tp_size", "offset", "numel"):
+            if not _is_int(fr[key]) or fr[key] < 0:
+                raise bad(f"{where}: {key} must be a non-negative integer, got {fr[key]!r}")
+        if fr["numel"] == 0 or fr["tp_size"] == 0 or fr["tp_rank"] >= fr["tp_size"]:
+            raise bad(f"{where}: needs numel >= 1 and 0 <= tp_rank < tp_size >= 1")
+        if (fr["tp_size"], fr["tp_dim"]) != (frags[0]["tp_size"], frags[0]["tp_dim"]):
+            raise bad(f"tensor {name} mixes tp splits ({frags[0]['tp_size']} along "
+                      f"{frags[0]['tp_dim']} and {fr['tp_size']} along {fr['tp_dim']})")
+        if not all(isinstance(fr[k], dict) for k in ("files", "keys", "dtypes")):
+            raise bad(f"{where}: files, keys and dtypes must be objects")
+        here = set(fr["keys"])
+        if here != set(fr["files"]) or here != set(fr["dtypes"]) or "model" not in here or \
+                not here <= set(MODEL_KINDS + OPTIM_KINDS):
+            raise bad(f"{where}: files, keys and dtypes must name the same kinds, 'model' and "
+                      f"optionally {list(OPTIM_KINDS)}; got {sorted(map(str, here))}")
+        if kinds is not None and here != kinds:
+            raise bad(f"tensor {name}: its fragments hold different kinds of state")
+        kinds = here
+        for kind in here:
+            file, dtype = fr["files"][kind], fr["dtypes"][kind]
+            if not isinstance(fr["keys"][kind], str):
+                raise bad(f"{where}: the {kind} key must be a string")
+            if not isinstance(file, str) or file not in files:
+                raise bad(f"{where}: the {kind} file {file!r} is not among the manifest's files")
+            if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
+                raise bad(f"{where}: dtype {dtype!r} is not one of {sorted(TENSOR_DTYPES)}")
+            if dtype != frags[0]["dtypes"][kind]:
+                raise bad(f"tensor {name}: its fragments disagree on the {kind} dtype")
+            file_bytes[file] = file_bytes.get(file, 0) + fr["numel"] * TENSOR_DTYPES[dtype]
+    tp_size, tp_dim = frags[0]["tp_size"], frags[0]["tp_dim"]
+    if tp_size > len(frags):  # also keeps a huge tp_size from costing anything below
+        raise bad(f"tensor {name}: tp_size {tp_size} but only {len(frags)} fragment(s); the "
+                  f"checkpoint is incomplete")
+    if tp_size == 1:
+        if tp_dim is not None:
+            raise bad(f"tensor {name}: tp_dim must be null when tp_size is 1")
+    elif not _is_int(tp_dim) or not 0 <= tp_dim < len(shape) or shape[tp_dim] % tp_size:
+        raise bad(f"tensor {name}: tp_dim {tp_dim!r} must be a dim of its shape {shape} whose "
+                  f"size divides by tp_size {tp_size}")
+    chunk = math.prod(shape) // tp_size
+    by_rank: dict[int, list[tuple[int, int]]] = {r: [] for r in range(tp_size)}
+    for fr in frags:
+        by_rank[fr["tp_rank"]].append((fr["offset"], fr["numel"]))
+    for rank, pieces in by_rank.items():
+        end = 0
+        for offset, numel in sorted(pieces):
+            if offset < end:
+                raise bad(f"tensor {name}: fragments overlap at element {offset} of tp chunk "
+                          f"{rank}")
+            if offset > end:
+                raise bad(f"tensor {name}: elements {end}-{offset - 1} of tp chunk {rank} are "
+                          f"in no fragment; the checkpoint is incomplete")
+            end = offset + numel
+        if end != chunk:
+            raise bad(f"tensor {name}: the fragments of tp chunk {rank} cover {end} elements, "
+                      f"the shape {shape} gives {chunk}; the checkpoint is incomplete")
+
+
+def check_manifest(path: str | os.PathLike, manifest: Any) -> None:
+    """Structure and types of everything the reader follows in a manifest, and that every
+    file it names stays inside the checkpoint directory `path`. Raises CheckpointError naming
+    the manifest and what is wrong, so that nothing later fails with a KeyError or TypeError
+    half-way through a load."""
+    path = Path(path)
+    mf = path / "manifest.json"
+
+    def bad(message: str) -> CheckpointError:
+        return CheckpointError(f"{mf}: {message}")
+
+    if not isinstance(manifest, dict):
+        raise bad("not a JSON object")
+    if not _is_int(manifest.get("step")) or manifest["step"] < 0:
+        raise bad(f"step must be a non-negative integer, got {manifest.get('step')!r}")
+    _check_model_shape(bad, manifest.get("model_shape"))
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise bad("files must be an object of file name -> {sha256, bytes}")
+    for name, info in files.items():
+        member_path(path, name)
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str) or \
+                not _is_int(info.get("bytes")) or info["bytes"] < 0:
+            raise bad(f"files[{name!r}] must be {{sha256: string, bytes: integer >= 0}}")
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer is not None and not member_path(path, tokenizer, "tokenizer directory").is_dir():
+        raise bad(f"the tokenizer directory {tokenizer!r} it names is missing")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict):
+        raise bad("tensors must be an object of tensor name -> {shape, fragments}")
+    file_bytes: dict[str, int] = {}
+    for name, t in tensors.items():
+        _check_fragments(bad, name, t, files, file_bytes)
+    # The reader allocates each tensor before it reads the files; this bounds that by what is
+    # on disk (the file sizes are checked against `bytes` before anything is read).
+    for file, needed in file_bytes.items():
+        if needed > files[file]["bytes"]:
+            raise bad(f"its fragments put {needed} bytes of tensors in {file}, which has "
+                      f"{files[file]['bytes']}")
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     mf = path / "manifest.json"
     if not mf.is_file():
         raise CheckpointError(f"{path} is not a bloomtrain checkpoint (no manifest.json)")
     try:
-        manifest = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise CheckpointError(f"{mf} is corrupt: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mf} is not a bloomtrain checkpoint manifest")
     version = manifest.get("format_version", 0)
+    if not _is_int(version):
+        raise CheckpointError(f"{mf}: format_version must be an integer, got {version!r}")
     if version > FORMAT_VERSION:
         raise CheckpointError(f"{path} was written by a newer bloomtrain (format {version}); "
                               f"upgrade bloomtrain to load it")
     if version < FORMAT_VERSION:
         raise CheckpointError(f"{path} uses checkpoint format {version}, which this bloomtrain "
                               f"no longer reads; export it with the bloomtrain that wrote it")
+    check_manifest(path, manifest)
     return manifest
 
 
 def verify(path: str | os.PathLike, manifest: dict | None = None, check_sums: bool = True,
            files: list[str] | None = None) -> dict[str, Any]:
-    """Check files (all, or `files`) against the manifest: present, right size and, with
-    `check_sums`, right sha256; and that the fragment index covers every tensor. Raises
-    CheckpointError."""
+    """Check the manifest (check_manifest: its structure, that the fragment index tiles every
+    tensor, that no file name leaves `path`) and files (all, or `files`) against it: present,
+    right size and, with `check_sums`, right sha256. Raises CheckpointError."""
     path = Path(path)
-    manifest = manifest or read_manifest(path)
+    if manifest is None:
+        manifest = read_manifest(path)
+    else:
+        check_manifest(path, manifest)
     for name in files if files is not None else manifest["files"]:
         info = manifest["files"].get(name)
-        f = path / name
+        f = member_path(path, name)
         if info is None or not f.is_file():
             raise CheckpointError(f"{path}: file {name} is missing")
         if f.stat().st_size != info["bytes"]:
@@ -79,21 +262,6 @@ def verify(path: str | os.PathLike, manifest: dict | None = None, check_sums: bo
                                   f"({f.stat().st_size} bytes, manifest says {info['bytes']})")
         if check_sums and sha256_file(f) != info["sha256"]:
             raise CheckpointError(f"{path}: file {name} fails its checksum")
-    for name, t in manifest.get("tensors", {}).items():
-        numel = 1
-        for d in t["shape"]:
-            numel *= d
-        sizes = {f["tp_size"] for f in t["fragments"]}
-        if len(sizes) != 1:
-            raise CheckpointError(f"{path}: {name} mixes tp sizes {sorted(sizes)}")
-        (tp_size,) = sizes
-        chunks: dict[int, int] = {}
-        for f in t["fragments"]:
-            chunks[f["tp_rank"]] = chunks.get(f["tp_rank"], 0) + f["numel"]
-        if sorted(chunks) != list(range(tp_size)) or \
-                any(n != numel // tp_size for n in chunks.values()):
-            raise CheckpointError(f"{path}: the fragments of {name} do not cover it; the "
-                                  f"checkpoint is incomplete")
     return manifest
 
 
@@ -136,7 +304,15 @@ def resolve(path: str | os.PathLike) -> Path:
     if (path / "manifest.json").is_file():
         return path
     if (path / "latest").is_file():
-        cand = path / (path / "latest").read_text().strip()
+        try:
+            name = (path / "latest").read_text(encoding="utf-8").strip()
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path / 'latest'}: {e}") from None
+        # `latest` holds one step directory's name; anything else would point elsewhere.
+        cand = member_path(path, name, "checkpoint (in `latest`)")
+        if len(PurePosixPath(name).parts) != 1:
+            raise CheckpointError(f"{path / 'latest'} names {name!r}, not a step directory of "
+                                  f"{path}")
         if (cand / "manifest.json").is_file():
             return cand
     found = find_latest_valid(path, log=lambda *_: None)

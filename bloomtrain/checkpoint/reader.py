@@ -5,17 +5,42 @@ writer or from the layout that wrote the checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from bloomtrain.checkpoint.format import (MODEL_KINDS, TIED_ALIAS, CheckpointError, read_manifest,
-                                          resolve, verify)
+from bloomtrain.checkpoint.format import (MODEL_KINDS, TIED_ALIAS, CheckpointError, member_path,
+                                          read_manifest, resolve, verify)
 from bloomtrain.model.presets import BloomShape
+
+_BLOCK = re.compile(r"transformer\.h\.(0|[1-9][0-9]*)\.(.+)")
+
+
+@functools.lru_cache(maxsize=8)
+def _one_block_parameters(shape: BloomShape) -> dict[str, tuple[int, ...]]:
+    from bloomtrain.model import expected_parameters
+
+    # Parameter shapes depend neither on the depth nor on the head count: one block of the
+    # model stands for all of them, so a manifest claiming a million layers costs nothing.
+    return expected_parameters(shape.replace(num_layers=1, num_heads=1))
+
+
+def expected_shape(shape: BloomShape, name: str) -> tuple[int, ...] | None:
+    """The shape of parameter `name` in a BLOOM model of `shape`; None if it has no such
+    parameter. The tied LM head is stored as the embedding, so it is not one."""
+    params = _one_block_parameters(shape)
+    block = _BLOCK.fullmatch(name)
+    if block is None:
+        return params.get(name) if not name.startswith("transformer.h.") else None
+    if int(block.group(1)) >= shape.num_layers:
+        return None
+    return params.get(f"transformer.h.0.{block.group(2)}")
 
 
 class CheckpointReader:
@@ -25,13 +50,35 @@ class CheckpointReader:
     def __init__(self, path: str | os.PathLike, kinds: tuple[str, ...] = MODEL_KINDS,
                  check_sums: bool = True):
         self.path = resolve(path)
-        self.manifest = read_manifest(self.path)
+        self.manifest = read_manifest(self.path)  # checked: types, fragments tile, file names
         self.shape = BloomShape(**self.manifest["model_shape"])
         self.tensors: dict[str, dict] = self.manifest["tensors"]
+        for name, t in self.tensors.items():
+            want = expected_shape(self.shape, name)
+            if want is None:
+                raise CheckpointError(f"{self.path}: tensor {name} is not a parameter of a "
+                                      f"{self.shape.num_layers}-layer BLOOM (the manifest's "
+                                      f"model_shape); the manifest is corrupt")
+            if tuple(t["shape"]) != want:
+                raise CheckpointError(f"{self.path}: tensor {name} has shape {t['shape']}, but "
+                                      f"the manifest's model_shape implies {list(want)}; the "
+                                      f"manifest is corrupt")
         needed = {fr["files"][k] for t in self.tensors.values() for fr in t["fragments"]
                   for k in kinds if k in fr.get("files", {})}
         verify(self.path, self.manifest, check_sums=check_sums, files=sorted(needed))
         self._handles: dict[str, Any] = {}
+
+    def check_complete(self) -> None:
+        """Refuse a checkpoint that lacks some parameter of its model_shape. The reader itself
+        also reads partial ones; loading a model, exporting or resuming needs them all."""
+        params = _one_block_parameters(self.shape)
+        per_block = sum(n.startswith("transformer.h.") for n in params)
+        want = len(params) - per_block + per_block * self.shape.num_layers
+        # Every name was checked to be a parameter of the shape, and names are distinct.
+        if len(self.tensors) != want:
+            raise CheckpointError(f"{self.path}: holds {len(self.tensors)} of the {want} "
+                                  f"parameters of its {self.shape.num_layers}-layer BLOOM "
+                                  f"(model_shape); the checkpoint is incomplete")
 
     def has(self, kind: str) -> bool:
         return any(kind in fr["keys"] for t in self.tensors.values() for fr in t["fragments"])
@@ -40,15 +87,43 @@ class CheckpointReader:
         return list(self.tensors)
 
     def dtype(self, name: str, kind: str = "model") -> torch.dtype:
-        return getattr(torch, self.tensors[name]["fragments"][0]["dtypes"][kind])
+        # Every fragment of a tensor holds the same kinds in the same dtypes (check_manifest).
+        dtypes = self.tensors[name]["fragments"][0]["dtypes"]
+        if kind not in dtypes:
+            raise CheckpointError(f"{self.path}: {name} has no {kind} state")
+        return getattr(torch, dtypes[kind])
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name]["shape"])
 
     def _file(self, fname: str):
         if fname not in self._handles:
-            self._handles[fname] = safe_open(str(self.path / fname), framework="pt")
+            try:
+                self._handles[fname] = safe_open(str(member_path(self.path, fname)),
+                                                 framework="pt")
+            except CheckpointError:
+                raise
+            except Exception as e:  # OSError, or safetensors' own SafetensorError
+                raise CheckpointError(f"{self.path}: cannot open {fname} as safetensors: "
+                                      f"{e}") from None
         return self._handles[fname]
+
+    def _read(self, name: str, fr: dict, kind: str) -> torch.Tensor:
+        """One fragment's flat tensor, checked against what the manifest says it is: the
+        checksums cover the files, but not a manifest rewritten to match altered ones."""
+        fname, key = fr["files"][kind], fr["keys"][kind]
+        try:
+            data = self._file(fname).get_tensor(key)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read {key} from {fname}: {e}") from None
+        want = getattr(torch, fr["dtypes"][kind])
+        if tuple(data.shape) != (fr["numel"],) or data.dtype != want:
+            raise CheckpointError(f"{self.path}: {key} in {fname} is {data.dtype} "
+                                  f"{list(data.shape)}, the manifest says {want} "
+                                  f"[{fr['numel']}] for {name}; the checkpoint is corrupt")
+        return data
 
     def load(self, name: str, kind: str = "model") -> torch.Tensor:
         name = TIED_ALIAS.get(name, name)
@@ -65,7 +140,7 @@ class CheckpointReader:
         for fr in frags:
             if kind not in fr["keys"]:
                 raise CheckpointError(f"{self.path}: {name} has no {kind} state")
-            data = self._file(fr["files"][kind]).get_tensor(fr["keys"][kind])
+            data = self._read(name, fr, kind)
             locals_[fr["tp_rank"]][fr["offset"]:fr["offset"] + fr["numel"]].copy_(data)
         for c, loc in zip(chunks, locals_):
             c.copy_(loc.view(c.shape))
@@ -89,7 +164,9 @@ class CheckpointReader:
             flat = torch.empty(math.prod(shape), dtype=self.dtype(name, kind))
             for fr in frags:
                 if fr["tp_rank"] == tp_rank:
-                    data = self._file(fr["files"][kind]).get_tensor(fr["keys"][kind])
+                    if kind not in fr["keys"]:
+                        raise CheckpointError(f"{self.path}: {name} has no {kind} state")
+                    data = self._read(name, fr, kind)
                     flat[fr["offset"]:fr["offset"] + fr["numel"]].copy_(data)
             return flat.view(shape)
         return self.load(name, kind).chunk(tp_size, tp_dim)[tp_rank].clone()

@@ -2,6 +2,11 @@
 
 The commit (manifest, renames, `latest`) is what makes a step visible, and it happens only once
 every rank's files are complete; see the package docstring for the atomicity and async rules.
+
+A failed save (a full disk on any rank, most often) is collective: every rank ends in the same
+broadcast of rank 0's verdict and raises the same CheckpointSaveError, the temporary directory
+is removed, and `latest` keeps naming the previous checkpoint. What the trainer does next is
+`checkpoint.on_save_error` (bloomtrain.train.checkpointing).
 """
 from __future__ import annotations
 
@@ -23,7 +28,16 @@ from bloomtrain.checkpoint.fragments import Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
 from bloomtrain.safetensors_io import write_safetensors_streaming
-from bloomtrain.utils import atomic_output, fsync_dir
+from bloomtrain.utils import atomic_output, disk_space, fsync_dir
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed on some rank; raised on every rank alike. Nothing of it is left
+    behind and the previous checkpoint is still the latest."""
+
+
+def _fmt_mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2 ** 20:.1f} MiB"
 
 
 def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict, list[dict]]:
@@ -53,7 +67,11 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
         entries = [(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), (lambda t=t: t))
                    for key, t in tensors.items()]
         # Straight to disk inside the temporary checkpoint directory, hashed on the way.
-        sha, size = write_safetensors_streaming(tmp / name, entries, {"format": "pt"})
+        try:
+            sha, size = write_safetensors_streaming(tmp / name, entries, {"format": "pt"})
+        except OSError as e:
+            # A failed write() carries no file name; the report names it.
+            raise OSError(e.errno, f"{e.strerror or e} writing {tmp / name}") from e
         files[name] = {"sha256": sha, "bytes": size}
         for entry in index:
             for kind, key in entry["keys"].items():
@@ -65,9 +83,9 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
 class CheckpointWriter:
     """Writes checkpoints from every rank of a job. Collective: all ranks call `save` together.
 
-    `group` is used for the commit (gather of file info, barriers). Created here as a separate
-    gloo group when torch.distributed is initialized, so async commits never share a process
-    group with training collectives.
+    `group` is used for the commit (gather of file info, broadcasts of the outcome). Created
+    here as a separate gloo group when torch.distributed is initialized, so async commits never
+    share a process group with training collectives.
 
     `single_process`: write as rank 0 of 1 with no group even inside a distributed job, for a
     save one process makes alone (`save_checkpoint`); creating the group is itself collective
@@ -87,9 +105,6 @@ class CheckpointWriter:
         self._error: BaseException | None = None
 
     # Collectives of the commit, on the checkpoint group, through comm like every other.
-    def _barrier(self) -> None:
-        comm.barrier(self.group, "checkpoint")
-
     def _gather(self, obj) -> list | None:
         return comm.gather_object(obj, 0, self.group, "checkpoint")
 
@@ -165,37 +180,70 @@ class CheckpointWriter:
         root = self.root
         final = root / step_dir_name(step)
         tmp = root / f".{final.name}.tmp"
-        if self.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a previous, killed attempt
-            tmp.mkdir()
-        self._barrier()
-        try:
-            files, index = _write_shard(tmp, self.rank, fragments) if fragments else ({}, [])
-            report = {"ok": True, "files": files, "index": index, "rank_meta": rank_meta}
-        except OSError as e:
-            report = {"ok": False, "error": f"rank {self.rank}: {e}"}
-        reports = self._gather(report)
+        # Whatever fails, and on whichever rank, every rank goes through the same collectives
+        # (broadcast, gather, broadcast) and raises the same error: a rank that failed alone
+        # must neither leave the others waiting nor let them believe the step committed.
         status = None
         if self.rank == 0:
             try:
-                status = self._commit(step, tmp, final, reports, shape, meta, tokenizer, keep_last)
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # a previous, killed attempt
+                tmp.mkdir()
             except OSError as e:
-                status = f"rank 0: {e}"
-            except CheckpointError as e:
-                status = str(e)
-            if status is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+                status = self._failure(final, tmp, f"rank 0: creating {tmp}: {e}")
+        # Also the barrier: no rank writes before the directory exists.
         status = self._broadcast(status)
+        if status is None:
+            num_bytes = sum(t.numel() * t.element_size()
+                            for f in fragments for t in f.tensors.values())
+            try:
+                files, index = _write_shard(tmp, self.rank, fragments) if fragments else ({}, [])
+                report = {"ok": True, "files": files, "index": index, "rank_meta": rank_meta,
+                          "bytes": num_bytes}
+            except Exception as e:  # reported, so that the others do not wait for this rank
+                report = {"ok": False, "error": f"rank {self.rank}: {e}", "bytes": num_bytes}
+            reports = self._gather(report)
+            if self.rank == 0:
+                needed = sum(r["bytes"] for r in reports)
+                status = self._commit(step, tmp, final, reports, shape, meta, tokenizer,
+                                      keep_last, needed)
+            status = self._broadcast(status)
         if status is not None:
-            raise CheckpointError(f"saving checkpoint {final} failed ({status}); the previous "
-                                  f"checkpoint is intact. Free disk space or fix "
-                                  f"checkpoint.dir, then resume")
+            raise CheckpointSaveError(status)
 
-    def _commit(self, step, tmp, final, reports, shape, meta, tokenizer, keep_last) -> str | None:
+    def _failure(self, final: Path, tmp: Path, error: str, needed: int | None = None) -> str:
+        """Rank 0, after a failed save: remove its partial files, then say what failed, where,
+        how much space is left (after the removal: what a retry has) and which checkpoint is
+        still the latest."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            latest = (f"the latest checkpoint is still "
+                      f"{final.parent / (final.parent / 'latest').read_text().strip()}")
+        except OSError:
+            latest = "there is no earlier checkpoint"
+        size = "" if needed is None else f"; its tensors take {_fmt_mib(needed)}"
+        return (f"saving checkpoint {final} failed ({error}); {disk_space(final.parent)}{size}. "
+                f"Its partial files were removed and {latest}. Free disk space, or set "
+                f"checkpoint.dir to a writable filesystem with room for it")
+
+    def _commit(self, step, tmp, final, reports, shape, meta, tokenizer, keep_last,
+                needed) -> str | None:
+        """Rank 0: make the step visible, or, if any rank failed or the commit itself fails,
+        remove what was written and return the failure's message (never raise: the other
+        ranks wait for it)."""
         errors = [r["error"] for r in reports if not r["ok"]]
         if errors:
-            return "; ".join(errors)
+            return self._failure(final, tmp, "; ".join(errors), needed)
+        try:
+            self._commit_files(step, tmp, final, reports, shape, meta, tokenizer)
+        except Exception as e:
+            return self._failure(final, tmp, f"rank 0: {e}", needed)
+        if keep_last:
+            prune(final.parent, keep_last)
+        self.log(f"[checkpoint] saved {final}")
+        return None
+
+    def _commit_files(self, step, tmp, final, reports, shape, meta, tokenizer) -> None:
         files, tensors, ranks = {}, {}, {}
         for rank, r in enumerate(reports):
             files.update(r["files"])
@@ -227,20 +275,26 @@ class CheckpointWriter:
         fsync_dir(tmp)
         verify(tmp, manifest, check_sums=False)  # every fragment present, every file complete
         old = final.with_name(f".{final.name}.old")
-        if final.exists():
+        displaced = final.exists()
+        if displaced:
             # Re-saving a step: the old copy goes only once the new one is in. A kill between
             # the two renames leaves `.step_N.old`, which list_checkpoints still offers.
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
+        try:
+            fsync_dir(final.parent)
+            with atomic_output(final.parent / "latest", "w") as f:
+                f.write(final.name + "\n")
+        except BaseException:
+            # `latest` could not be written (a disk full to the last block): take the new step
+            # back out, so that no reader, find_latest_valid included, takes up a step this
+            # save reports as failed; a re-saved step gets its previous copy back.
+            shutil.rmtree(final, ignore_errors=True)
+            if displaced:
+                os.replace(old, final)
+            raise
         shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(final.parent)
-        with atomic_output(final.parent / "latest", "w") as f:
-            f.write(final.name + "\n")
-        if keep_last:
-            prune(final.parent, keep_last)
-        self.log(f"[checkpoint] saved {final}")
-        return None
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],

@@ -297,17 +297,35 @@ class GPTDataset:
         idx = int(idx)
         if not 0 <= idx < n:
             raise IndexError(f"sample {idx} out of range for {self.name} dataset of {n} samples")
+        # The index arrays come from cache files that anyone could have replaced; their shapes
+        # are checked on load, their values here, where each is used (a pass over all of them
+        # would read gigabytes at every start of a large run).
         i = int(self.shuffle_idx[idx])
+        if not 0 <= i < len(self.sample_idx) - 1:
+            raise self._corrupt(f"shuffle_idx[{idx}] = {i} is not a sample")
         doc_f, offset_f = (int(v) for v in self.sample_idx[i])
         doc_l, offset_l = (int(v) for v in self.sample_idx[i + 1])
+        if not 0 <= doc_f <= doc_l < len(self.doc_idx):
+            raise self._corrupt(f"sample_idx rows {i}, {i + 1} point at doc_idx entries "
+                                f"{doc_f}, {doc_l} of {len(self.doc_idx)}")
         get = self.indexed_dataset.get
-        if doc_f == doc_l:
-            tokens = get(self.doc_idx[doc_f], offset=offset_f, length=offset_l - offset_f + 1)
-            return np.array(tokens, dtype=np.int64)
-        parts = [get(self.doc_idx[doc_f], offset=offset_f)]
-        parts.extend(get(self.doc_idx[d]) for d in range(doc_f + 1, doc_l))
-        parts.append(get(self.doc_idx[doc_l], length=offset_l + 1))
+        try:
+            if doc_f == doc_l:
+                tokens = get(self.doc_idx[doc_f], offset=offset_f,
+                             length=offset_l - offset_f + 1)
+                return np.array(tokens, dtype=np.int64)
+            parts = [get(self.doc_idx[doc_f], offset=offset_f)]
+            parts.extend(get(self.doc_idx[d]) for d in range(doc_f + 1, doc_l))
+            parts.append(get(self.doc_idx[doc_l], length=offset_l + 1))
+        except IndexError as e:  # a document or token range outside the dataset
+            raise self._corrupt(f"sample {idx}: {e}") from None
         return np.concatenate(parts).astype(np.int64)
+
+    def _corrupt(self, detail: str) -> UserError:
+        stem = self.paths["doc"].name.removesuffix("_doc_idx.npy")
+        return UserError(f"the sample-index cache {self.cache_dir / stem}_*_idx.npy of dataset "
+                         f"{self.indexed_dataset.prefix} is corrupt ({detail}); delete those "
+                         f"files and they are rebuilt")
 
     def __repr__(self) -> str:
         return (f"GPTDataset({self.name!r}, {self.indexed_dataset.prefix!r}, samples={len(self)}, "

@@ -25,6 +25,7 @@ from bloomtrain.utils import UserError, fsync_dir, tmp_name
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D: 34 bytes
+_CHECK_CHUNK = 1 << 22  # index entries validated at a time on open
 
 # Megatron-DeepSpeed's codes. Its 6 and 7 are `np.float` and `np.double`, both float64;
 # Megatron-Core later redefined 7 as float32, so a code-7 file from Megatron-Core reads wrong here.
@@ -38,6 +39,11 @@ DTYPE_CODES: dict[int, type] = {
     7: np.float64,
     8: np.uint16,
 }
+
+
+class IndexedDatasetError(UserError):
+    """A `.bin`/`.idx` pair that is truncated, corrupt or not MMIDIDX; the message names the
+    file and what is wrong with it."""
 
 
 def _code_of(dtype) -> int:
@@ -90,27 +96,36 @@ class MMapIndexedDataset:
                 raise UserError(f"indexed dataset file {path} not found; pass the prefix without "
                                 f".bin/.idx (e.g. out/corpus_text_document) and run "
                                 f"`bloomtrain preprocess` to create it")
+        # Everything the header claims is checked against the file sizes before anything is
+        # mapped or read through it: the files may come from anywhere, and numpy trusts offsets.
         idx_size = idx_file.stat().st_size
         if idx_size < _HEADER.size:
-            raise UserError(f"{idx_file} is {idx_size} bytes, shorter than the MMIDIDX header; "
-                            f"the file is truncated, rebuild it with `bloomtrain preprocess`")
+            raise IndexedDatasetError(f"{idx_file} is {idx_size} bytes, shorter than the "
+                                      f"{_HEADER.size}-byte MMIDIDX header; the file is "
+                                      f"truncated, rebuild it with `bloomtrain preprocess`")
         with open(idx_file, "rb") as f:
             magic, version, code, num_seqs, num_doc_idx = _HEADER.unpack(f.read(_HEADER.size))
         if magic != _MAGIC:
             hint = (" (this is Megatron's legacy TNTIDX 'cached' format; convert it with "
                     "Megatron's --dataset-impl mmap)") if magic.startswith(b"TNTIDX") else ""
-            raise UserError(f"{idx_file} is not an MMIDIDX index: magic {magic!r}{hint}")
+            raise IndexedDatasetError(f"{idx_file} is not an MMIDIDX index: magic "
+                                      f"{magic!r}{hint}")
         if version != _VERSION:
-            raise UserError(f"{idx_file} has MMIDIDX version {version}; only version {_VERSION} "
-                            f"is supported")
+            raise IndexedDatasetError(f"{idx_file} has MMIDIDX version {version}; only version "
+                                      f"{_VERSION} is supported")
         if code not in DTYPE_CODES:
-            raise UserError(f"{idx_file} has unknown dtype code {code}")
+            raise IndexedDatasetError(f"{idx_file} has unknown dtype code {code}; known codes "
+                                      f"are {sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected_idx = _HEADER.size + num_seqs * 12 + num_doc_idx * 8
         if idx_size != expected_idx:
-            raise UserError(f"{idx_file} is {idx_size} bytes but its header describes "
-                            f"{expected_idx} ({num_seqs} sequences, {num_doc_idx - 1} documents); "
-                            f"the file is truncated or corrupt, rebuild it")
+            raise IndexedDatasetError(f"{idx_file} is {idx_size} bytes but its header describes "
+                                      f"{expected_idx} ({num_seqs} sequences, {num_doc_idx} "
+                                      f"doc_idx entries); the file is truncated or corrupt, "
+                                      f"rebuild it")
+        if num_doc_idx == 0:
+            raise IndexedDatasetError(f"{idx_file} has an empty doc_idx (it always starts with "
+                                      f"0); the index is corrupt, rebuild it")
         self._idx_mmap = np.memmap(idx_file, mode="r", order="C")
         offset = _HEADER.size
         self._sizes = np.frombuffer(self._idx_mmap, np.int32, num_seqs, offset)
@@ -118,17 +133,58 @@ class MMapIndexedDataset:
         self._pointers = np.frombuffer(self._idx_mmap, np.int64, num_seqs, offset)
         offset += self._pointers.nbytes
         self._doc_idx = np.frombuffer(self._idx_mmap, np.int64, num_doc_idx, offset)
-
         bin_size = bin_file.stat().st_size
-        expected_bin = (int(self._pointers[-1]) + int(self._sizes[-1]) * self.dtype.itemsize
-                        if num_seqs else 0)
-        if bin_size != expected_bin:
-            # Also catches a .bin replaced while an old .idx stayed (a kill between the renames).
-            raise UserError(f"{bin_file} is {bin_size} bytes but {idx_file} describes "
-                            f"{expected_bin}; the dataset is truncated or its two files do not "
-                            f"belong together, rebuild it with `bloomtrain preprocess`")
+        self._check_arrays(idx_file, bin_file, bin_size)
         # np.memmap refuses empty files; an empty dataset has nothing to map.
         self._bin_mmap = np.memmap(bin_file, mode="r", order="C") if bin_size else b""
+
+    def _check_arrays(self, idx_file: Path, bin_file: Path, bin_size: int) -> None:
+        """Every sequence lies inside .bin, right after the previous one (as every MMIDIDX
+        writer lays them out), and doc_idx runs from 0 to the number of sequences without going
+        back. Checked in chunks so that a large index needs no more than a few MiB extra."""
+        itemsize, n = self.dtype.itemsize, len(self._sizes)
+        end = 0  # where the sequences checked so far end in .bin, in bytes
+        for lo in range(0, n, _CHECK_CHUNK):
+            sizes = self._sizes[lo:lo + _CHECK_CHUNK]
+            if sizes.min() < 0:
+                i = lo + int(np.argmax(sizes < 0))
+                raise IndexedDatasetError(f"{idx_file}: sequence {i} has negative size "
+                                          f"{int(self._sizes[i])}; the index is corrupt, "
+                                          f"rebuild it")
+            nbytes = sizes.astype(np.int64) * itemsize
+            # The chunk holds at most 2**22 sizes below 2**31 each: no int64 overflow.
+            starts = np.empty_like(nbytes)
+            starts[0] = end
+            np.cumsum(nbytes[:-1], out=starts[1:])
+            starts[1:] += end
+            bad = np.flatnonzero(self._pointers[lo:lo + len(sizes)] != starts)
+            if bad.size:
+                i = lo + int(bad[0])
+                raise IndexedDatasetError(f"{idx_file}: sequence {i} starts at byte "
+                                          f"{int(self._pointers[i])} of {bin_file.name} but the "
+                                          f"sequences before it end at byte "
+                                          f"{int(starts[bad[0]])}; the index is corrupt, "
+                                          f"rebuild it")
+            end = int(starts[-1]) + int(nbytes[-1])
+            if end > bin_size:
+                break  # reported below; the rest cannot fit either
+        if end != bin_size:
+            # Also catches a .bin replaced while an old .idx stayed (a kill between the renames).
+            raise IndexedDatasetError(f"{bin_file} is {bin_size} bytes but {idx_file} describes "
+                                      f"{end if end <= bin_size else f'more than {end}'}; the "
+                                      f"dataset is truncated or its two files do not belong "
+                                      f"together, rebuild it with `bloomtrain preprocess`")
+        doc_idx = self._doc_idx
+        for lo in range(0, len(doc_idx), _CHECK_CHUNK):
+            # One element of overlap so that the step between chunks is checked too.
+            chunk = doc_idx[max(lo - 1, 0):lo + _CHECK_CHUNK]
+            if chunk.min() < 0 or chunk.max() > n or (np.diff(chunk) < 0).any():
+                raise IndexedDatasetError(f"{idx_file}: doc_idx must rise from 0 to the number "
+                                          f"of sequences ({n}) and holds values outside that or "
+                                          f"out of order; the index is corrupt, rebuild it")
+        if doc_idx[0] != 0:
+            raise IndexedDatasetError(f"{idx_file}: doc_idx starts at {int(doc_idx[0])}, not 0; "
+                                      f"the index is corrupt, rebuild it")
 
     # Memory maps must not travel through pickle (DataLoader workers, spawn): reopen by prefix.
     def __getstate__(self):
@@ -241,7 +297,8 @@ class IndexedDatasetBuilder:
         if isinstance(tokens, np.ndarray) and tokens.dtype == self.dtype:
             return np.ascontiguousarray(tokens).reshape(-1)
         raw = np.asarray(tokens).reshape(-1)
-        if raw.size and np.issubdtype(raw.dtype, np.integer) and np.issubdtype(self.dtype, np.integer):
+        if raw.size and np.issubdtype(raw.dtype, np.integer) and \
+                np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             if raw.min() < info.min or raw.max() > info.max:
                 raise UserError(f"token id {raw.max() if raw.max() > info.max else raw.min()} "
@@ -306,7 +363,8 @@ class IndexedDatasetBuilder:
             self._bin.flush()
             os.fsync(self._bin.fileno())
             self._bin.close()
-            sizes = np.frombuffer(self._sizes, dtype=np.int32) if self._sizes else np.zeros(0, np.int32)
+            sizes = (np.frombuffer(self._sizes, dtype=np.int32) if self._sizes
+                     else np.zeros(0, np.int32))
             pointers = np.zeros(len(sizes), dtype=np.int64)
             if len(sizes) > 1:
                 np.cumsum(sizes[:-1], dtype=np.int64, out=pointers[1:])

@@ -28,7 +28,7 @@ from bloomtrain.data.sources import (
     skip_message,
 )
 from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
-from bloomtrain.utils import UserError
+from bloomtrain.utils import UserError, disk_full_error, is_disk_full
 
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20
@@ -241,8 +241,14 @@ def preprocess(
             raise UserError(f"no usable documents in {len(paths)} input file(s); nothing written"
                             + (f" (first problem: {stats.reports[0]})" if stats.reports else ""))
         builder.finalize()
-    except BaseException:
+    except BaseException as e:
         builder.abort()
+        if is_disk_full(e):
+            # Only a write runs out of space; the temporaries are gone by now.
+            raise disk_full_error(
+                f"writing dataset {prefix}.bin/.idx", e, Path(prefix).parent,
+                "nothing was written under those names, and a dataset already there is "
+                "unchanged. Free disk space or choose another --output-prefix") from e
         raise
     finally:
         if pool is not None:

@@ -7,6 +7,7 @@ as in BLOOM's tokenizer. Any local HF tokenizer directory with a `tokenizer.json
 from __future__ import annotations
 
 import json
+import operator
 import os
 import shutil
 from pathlib import Path
@@ -43,18 +44,27 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    counted = {"docs": 0}
+    counted = {"docs": 0, "invalid": 0}
 
     def texts():
         for text in iter_texts(paths):
+            # JSON can spell lone surrogates ("\ud800"), which no UTF-8 byte sequence
+            # represents; the trainer would stop on them, so such documents are skipped like
+            # other unusable ones.
+            if _invalid_unicode_at(text) is not None:
+                counted["invalid"] += 1
+                continue
             counted["docs"] += 1
             yield text
 
     tok.train_from_iterator(texts(), trainer=trainer)
     if counted["docs"] == 0:
-        raise UserError(f"no usable text in {len(paths)} input file(s) to train a tokenizer on")
+        raise UserError(f"no usable text in {len(paths)} input file(s) to train a tokenizer on"
+                        + (f" ({counted['invalid']} document(s) skipped for lone surrogates)"
+                           if counted["invalid"] else ""))
     if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
-        raise RuntimeError(f"special tokens landed at {[tok.token_to_id(t) for t in SPECIAL_TOKENS]}")
+        landed = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+        raise RuntimeError(f"special tokens landed at {landed}")
 
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -82,6 +92,27 @@ def _write_json(path: Path, obj) -> None:
         f.write((json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
+def _invalid_unicode_at(text: str) -> int | None:
+    """Index of the first code point UTF-8 cannot encode (a lone surrogate), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _check_text(text, what: str) -> None:
+    """Why `text` cannot be encoded, as a UserError; called once the tokenizer has refused it,
+    so valid text pays nothing for the diagnosis."""
+    if not isinstance(text, str):
+        raise UserError(f"{what} must be a str, got {type(text).__name__}")
+    at = _invalid_unicode_at(text)
+    if at is not None:
+        raise UserError(f"{what} holds a lone surrogate U+{ord(text[at]):04X} at character "
+                        f"{at}, which is not valid Unicode and has no UTF-8 bytes to tokenize; "
+                        f"fix or drop that text")
+
+
 def _token_content(value) -> str | None:
     # HF configs store a special token either as a string or as an AddedToken dict.
     if isinstance(value, dict):
@@ -91,7 +122,12 @@ def _token_content(value) -> str | None:
 
 class Tokenizer:
     """A loaded tokenizer.json with the ids the data pipeline needs. Encoding never adds special
-    tokens (any BOS/EOS template is ignored); the pipeline appends the end-of-document id itself."""
+    tokens (any BOS/EOS template is ignored); the pipeline appends the end-of-document id itself.
+
+    Loading runs no code from the directory: tokenizer.json is parsed by the `tokenizers`
+    library (Rust, data only) and tokenizer_config.json is read as plain JSON for the special
+    token names. Its `auto_map` and any tokenization_*.py beside it are never imported, and
+    transformers' AutoTokenizer (with its trust_remote_code) is never used."""
 
     def __init__(self, path: str | os.PathLike):
         from tokenizers import Tokenizer as HFTokenizer
@@ -113,9 +149,13 @@ class Tokenizer:
         config_file = file.parent / "tokenizer_config.json"
         if config_file.is_file():
             try:
-                self.config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, ValueError, RecursionError) as e:
                 raise UserError(f"cannot read {config_file}: {e}") from e
+            if not isinstance(config, dict):
+                raise UserError(f"{config_file} must hold a JSON object, got "
+                                f"{type(config).__name__}")
+            self.config = config
 
     def _special_id(self, default: str, config_key: str) -> int | None:
         token_id = self._tok.token_to_id(default)
@@ -141,14 +181,37 @@ class Tokenizer:
         return self._special_id("<pad>", "pad_token")
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _check_text(text, "text to encode")
+            raise
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        texts = list(texts)
+        try:
+            return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        except TypeError:
+            for i, text in enumerate(texts):
+                _check_text(text, f"text {i} of the batch")
+            raise
 
     def decode(self, ids) -> str:
+        vocab_size = self.vocab_size
+        checked = []
+        for i in ids:
+            try:
+                token_id = operator.index(i)
+            except TypeError:
+                raise UserError(f"token ids must be integers, got {i!r}") from None
+            # The Rust side would overflow on negative ids and silently drop ids past the end.
+            if not 0 <= token_id < vocab_size:
+                raise UserError(f"token id {token_id} is outside the vocabulary of {self.path} "
+                                f"(ids 0-{vocab_size - 1}); were these ids made with another "
+                                f"tokenizer?")
+            checked.append(token_id)
         # Special tokens are kept so that decode(encode(s)) == s even when s contains "</s>".
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._tok.decode(checked, skip_special_tokens=False)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))

@@ -6,6 +6,7 @@ from bloomtrain.model.bloom import (  # noqa: F401
     alibi_causal_bias,
     alibi_slopes,
     build_model,
+    expected_parameters,
     init_weights,
     lm_loss,
 )

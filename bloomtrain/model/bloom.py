@@ -261,3 +261,11 @@ def build_model(shape: BloomShape, seed: int = 1234, device=None,
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
+
+
+def expected_parameters(shape: BloomShape) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every stored parameter of a BLOOM of `shape` (the tied head excluded),
+    from the model built on the meta device: no memory, and always the model's own names."""
+    with torch.device("meta"):
+        model = BloomForCausalLM(shape)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -9,6 +9,14 @@ default generators, which tensor parallelism's dropout streams fork from) are re
 when the rank grid is unchanged, so dropout continues exactly; otherwise every rank takes rank
 0's. A loss-spike rollback (train.on_loss_spike=rollback) loads the run's last checkpoint through
 the same path.
+
+A save that fails (the writer has made every rank agree on that, and left nothing behind) is
+handled by `checkpoint.on_save_error`: `continue` logs it and the run tries again at its next save
+interval, `stop` ends the run with the error. The run's last save, at its end or on a stop signal,
+has no next interval: its failure ends the run with an error either way, so that a run never
+exits 0 without its final state on disk. An async save's failure is known only when the next
+save, a rollback or the end of the run waits for it; the run's `last` checkpoint moves to a save
+only once it has committed.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bloomtrain import checkpoint as ckpt
+from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.config import Config, UserError
 
 
@@ -73,9 +82,18 @@ class TrainCheckpoints:
         self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
         c = cfg.checkpoint
         self.writer = ckpt.CheckpointWriter(c.dir, c.async_save, log=log) if c.dir else None
-        # (step, path) of the newest training checkpoint of this run: the one it resumed from or
-        # last saved. What a loss-spike rollback goes back to.
-        self.last: tuple[int, Path] | None = None
+        # (step, path) of the newest committed training checkpoint of this run: the one it
+        # resumed from or last saved.
+        self.committed: tuple[int, Path] | None = None
+        # An async save in flight: (step, path, whether it is the run's last save).
+        self._pending: tuple[int, Path, bool] | None = None
+
+    @property
+    def last(self) -> tuple[int, Path] | None:
+        """(step, path) of the newest checkpoint of this run, an async save in flight included
+        (if it fails, this goes back to the one before). What a loss-spike rollback goes back
+        to."""
+        return self._pending[:2] if self._pending is not None else self.committed
 
     def topology_meta(self) -> dict:
         layout, p = self.parts.layout, self.cfg.parallel
@@ -85,21 +103,68 @@ class TrainCheckpoints:
                 "num_virtual_stages": p.num_virtual_stages}
 
     def save(self, state: TrainState) -> Path | None:
+        """Save `state` (collective) at a save interval; its checkpoint's path, or None when the
+        save failed and training goes on (checkpoint.on_save_error=continue)."""
+        return self._save(state, final=False)
+
+    def save_final(self, state: TrainState) -> Path | None:
+        """Save `state` (collective) as the run's last save: at its end or on a stop signal. A
+        failure raises whatever checkpoint.on_save_error says."""
+        return self._save(state, final=True)
+
+    def _save(self, state: TrainState, final: bool) -> Path | None:
         if self.writer is None:
             return None
+        self._settle()  # the previous async save: committed, or its failure handled
         engine = self.parts.engine
         meta = {**state.manifest(), "optimizer": engine.scalar_state(),
                 "config": self.cfg.to_dict(), "topology": self.topology_meta()}
-        path = self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
-                                rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
-                                keep_last=self.cfg.checkpoint.keep_last, owned=True)
-        self.last = (state.step, path)
+        try:
+            path = self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
+                                    rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
+                                    keep_last=self.cfg.checkpoint.keep_last, owned=True)
+        except CheckpointSaveError as e:
+            self._failed(e, final)
+            return None
+        self._pending = (state.step, path, final)
+        if not self.cfg.checkpoint.async_save:
+            self._settle()  # written and committed already
         return path
+
+    def saved_step(self) -> int | None:
+        """The step of the newest committed checkpoint of this run, once any save in flight has
+        committed or failed."""
+        self._settle()
+        return self.committed[0] if self.committed is not None else None
 
     def wait(self) -> None:
         """An async save must be committed before the process ends."""
-        if self.writer is not None:
+        self._settle()
+
+    def _settle(self) -> None:
+        if self.writer is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
             self.writer.wait()
+        except CheckpointSaveError as e:
+            self._failed(e, pending is not None and pending[2])
+            return
+        if pending is not None:
+            self.committed = pending[:2]
+
+    def _failed(self, err: CheckpointSaveError, final: bool) -> None:
+        """Every rank gets here alike (the writer broadcast the verdict), so every rank goes on
+        or stops together."""
+        if final:
+            raise CheckpointSaveError(f"{err}. It was the run's last save, so the run ends with "
+                                      f"this error: its final state is not saved") from err
+        if self.cfg.checkpoint.on_save_error == "stop":
+            raise CheckpointSaveError(f"{err}. Stopping (checkpoint.on_save_error=stop; with "
+                                      f"continue, training goes on and retries at the next "
+                                      f"save)") from err
+        self.log(f"[checkpoint] WARNING {err}. Training goes on and tries again at the next "
+                 f"save (checkpoint.on_save_error=continue)")
 
     def _find(self) -> Path | None:
         c = self.cfg.checkpoint
@@ -147,7 +212,7 @@ class TrainCheckpoints:
         if manifest.get("train_state"):  # an imported HF checkpoint starts from step 0
             state = TrainState.from_manifest(manifest)
             self._restore_rng(manifest)
-            self.last = (state.step, Path(path))
+            self.committed = (state.step, Path(path))
         return state, manifest
 
     def _local_state(self, reader):

@@ -240,7 +240,6 @@ class Trainer:
         self.spikes.load(state, self.resumed)
         meter = SpikeMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
                            t.activation_checkpointing == "full")
-        saved_step = state.step if self.resumed else None  # a resumed step needs no new save
         with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats, \
                 contextlib.closing(self.data.stream), contextlib.closing(self.metrics):
             while state.consumed_samples < self.data.train_samples:
@@ -275,16 +274,21 @@ class Trainer:
                 if stop:
                     self.print(f"[train] stopping at step {state.step}: {stop}; saving")
                 if stop or self.control.time_to_save(state.step):
-                    result.checkpoint = str(self.checkpoints.save(state))
-                    saved_step = state.step
+                    # A failed save returns None (checkpoint.on_save_error=continue): the next
+                    # interval tries again. On a stop there is no next one: it raises.
+                    save = self.checkpoints.save_final if stop else self.checkpoints.save
+                    path = save(state)
+                    if path is not None:
+                        result.checkpoint = str(path)
                     self.control.saved()
                 if stop:
                     result.exit_reason = stop
                     return result
             if not (t.eval_interval and state.step % t.eval_interval == 0):
                 self._eval_and_log(result)
-            if cfg.checkpoint.dir and saved_step != state.step:
-                result.checkpoint = str(self.checkpoints.save(state))
+            # A resumed step, or one whose interval save committed, needs no new save.
+            if cfg.checkpoint.dir and self.checkpoints.saved_step() != state.step:
+                result.checkpoint = str(self.checkpoints.save_final(state))
         return result
 
     # ---- reporting ------------------------------------------------------------------------------

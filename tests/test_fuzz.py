@@ -1,0 +1,566 @@
+"""Fuzzing of everything bloomtrain reads from disk or the command line (hypothesis): indexed
+datasets, checkpoint manifests, configs and overrides, tokenizer text.
+
+Each property draws at least 500 cases, derandomized so that CI sees the same ones every run.
+The rule for all of them: bad input ends in our UserError (or its subclass for the file kind),
+with a message that names the file or key, never in an IndexError, TypeError, struct.error or
+the like, and good input still works. Where the oracle can tell which inputs are bad, the
+property also checks that those are refused, so a validation that accepted everything would
+fail here.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import struct
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from bloomtrain.checkpoint import CheckpointError  # noqa: E402
+from bloomtrain.config import Config, UserError  # noqa: E402
+from bloomtrain.data.indexed import (DTYPE_CODES, IndexedDatasetError,  # noqa: E402
+                                     MMapIndexedDataset, write_dataset)
+
+# too_slow: input generation runs on a 2-core CI machine shared with other jobs, where its
+# speed varies several-fold; the health check would fail runs at random, not on a bug.
+FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+def _put(path: Path, data: bytes) -> None:
+    """Replace `path` by a new file (a new inode): a map of the previous example's file stays
+    valid, where rewriting the file in place could make it fault. One directory serves every
+    example; creating and removing one per example took most of the time on overlay file
+    systems."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---- indexed datasets (.bin/.idx) ---------------------------------------------------------------
+
+HEADER = struct.Struct("<9sQBQQ")
+DOCS = [[[5, 6, 7], [8]], [[9, 10]], [[11, 12, 13, 14], [15, 16], [17]]]
+
+
+@pytest.fixture(scope="module")
+def dataset_files(tmp_path_factory):
+    """(root, .idx bytes, .bin bytes) of a small valid uint16 dataset."""
+    root = tmp_path_factory.mktemp("fuzz_indexed")
+    write_dataset(root / "base", DOCS, dtype=np.uint16)
+    return root, (root / "base.idx").read_bytes(), (root / "base.bin").read_bytes()
+
+
+def _write_pair(root: Path, idx: bytes, bin_: bytes) -> str:
+    _put(root / "data.idx", idx)
+    _put(root / "data.bin", bin_)
+    return str(root / "data")
+
+
+def _consistent(idx: bytes, bin_size: int) -> bool:
+    """The test's own reading of the format: does this .idx describe a readable dataset?"""
+    if len(idx) < HEADER.size:
+        return False
+    magic, version, code, n, d = HEADER.unpack_from(idx)
+    if magic != b"MMIDIDX\x00\x00" or version != 1 or code not in DTYPE_CODES or d == 0:
+        return False
+    if len(idx) != HEADER.size + 12 * n + 8 * d:
+        return False
+    itemsize = np.dtype(DTYPE_CODES[code]).itemsize
+    sizes = np.frombuffer(idx, np.int32, n, HEADER.size).astype(np.int64)
+    pointers = np.frombuffer(idx, np.int64, n, HEADER.size + 4 * n)
+    doc_idx = np.frombuffer(idx, np.int64, d, HEADER.size + 12 * n)
+    if (sizes < 0).any():
+        return False
+    ends = np.cumsum(sizes * itemsize)
+    starts = ends - sizes * itemsize
+    if not np.array_equal(pointers, starts) or (int(ends[-1]) if n else 0) != bin_size:
+        return False
+    return doc_idx[0] == 0 and (np.diff(doc_idx) >= 0).all() and doc_idx.max() <= n
+
+
+def _open_or_error(prefix: str):
+    """The dataset with every sequence read back, or the IndexedDatasetError; anything else
+    propagates and fails the property."""
+    try:
+        ds = MMapIndexedDataset(prefix)
+    except IndexedDatasetError as e:
+        assert prefix in str(e), f"the message does not name the file: {e}"
+        return e
+    for i in range(len(ds)):
+        assert len(ds[i]) == ds.sizes[i]
+    assert ds.num_docs == len(ds.doc_idx) - 1 >= 0
+    return ds
+
+
+@FUZZ
+@given(field=st.sampled_from(["magic", "version", "code", "num_seqs", "num_doc_idx"]),
+       data=st.data())
+def test_index_header_fields(dataset_files, field, data):
+    """One header field replaced by any other value: refused, unless it is a dtype code of the
+    same width (uint16 -> int16 reads the same bytes; the format cannot tell). Counts as large
+    as 2**64-1 are refused before anything is allocated."""
+    root, idx, bin_ = dataset_files
+    header = dict(zip(["magic", "version", "code", "num_seqs", "num_doc_idx"],
+                      HEADER.unpack_from(idx)))
+    strategy = {"magic": st.binary(min_size=9, max_size=9),
+                "code": st.integers(0, 255)}.get(field, st.integers(0, 2 ** 64 - 1))
+    value = data.draw(strategy.filter(lambda v: v != header[field]), label=field)
+    header[field] = value
+    bad = HEADER.pack(*header.values()) + idx[HEADER.size:]
+    prefix = _write_pair(root, bad, bin_)
+    tracemalloc.start()
+    try:
+        outcome = _open_or_error(prefix)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 20), f"opening a {len(bad)}-byte index allocated {peak} bytes"
+    same_width = field == "code" and value in DTYPE_CODES and \
+        np.dtype(DTYPE_CODES[value]).itemsize == 2
+    assert isinstance(outcome, IndexedDatasetError) != same_width
+
+
+@FUZZ
+@given(data=st.data())
+def test_index_truncated_or_extended(dataset_files, data):
+    """Either file cut at any byte (so every header field and array too) or grown: refused."""
+    root, idx, bin_ = dataset_files
+    which = data.draw(st.sampled_from(["idx", "bin"]))
+    original = idx if which == "idx" else bin_
+    if data.draw(st.booleans(), label="cut"):
+        changed = original[:data.draw(st.integers(0, len(original) - 1), label="length")]
+    else:
+        changed = original + data.draw(st.binary(min_size=1, max_size=64), label="tail")
+    prefix = _write_pair(root, changed if which == "idx" else idx,
+                         changed if which == "bin" else bin_)
+    assert isinstance(_open_or_error(prefix), IndexedDatasetError)
+
+
+@FUZZ
+@given(data=st.data())
+def test_index_arrays_overwritten(dataset_files, data):
+    """Random bytes over the sizes, pointers and doc_idx arrays (header intact): refused exactly
+    when the arrays no longer describe the .bin (negative sizes, pointers outside it or out of
+    order, a doc_idx that does not rise from 0 to N); otherwise every sequence reads."""
+    root, idx, bin_ = dataset_files
+    body = bytearray(idx)
+    for _ in range(data.draw(st.integers(1, 4), label="patches")):
+        at = data.draw(st.integers(HEADER.size, len(idx) - 1), label="at")
+        patch = data.draw(st.binary(min_size=1, max_size=16), label="patch")
+        body[at:at + len(patch)] = patch[:len(idx) - at]
+    outcome = _open_or_error(_write_pair(root, bytes(body), bin_))
+    assert isinstance(outcome, IndexedDatasetError) != _consistent(bytes(body), len(bin_))
+
+
+@FUZZ
+@given(n=st.integers(0, 6) | st.integers(0, 2 ** 64 - 1), d=st.integers(0, 6),
+       code=st.sampled_from(sorted(DTYPE_CODES)), data=st.data())
+def test_index_any_counts_and_bytes(dataset_files, n, d, code, data):
+    """A valid magic and version with any counts, array bytes of the length they imply (or a
+    little off) and any .bin: refused unless the bytes happen to be a consistent dataset.
+    Small arrays of zeros are, so both outcomes occur."""
+    root, _, _ = dataset_files
+    exact = 12 * n + 8 * d
+    length = max(0, (exact if exact <= 256 else 64) + data.draw(st.sampled_from([0, 0, 0, -1, 3])))
+    byte = st.sampled_from([0, 0, 0, 1, 2, 4, 8, 255])  # small values make consistent arrays
+    body = data.draw(st.binary(min_size=length, max_size=length)
+                     | st.lists(byte, min_size=length, max_size=length).map(bytes), label="body")
+    bin_ = data.draw(st.binary(max_size=16), label="bin")
+    idx = HEADER.pack(b"MMIDIDX\x00\x00", 1, code, n, d) + body
+    outcome = _open_or_error(_write_pair(root, idx, bin_))
+    assert isinstance(outcome, IndexedDatasetError) != _consistent(idx, len(bin_))
+
+
+# ---- checkpoint manifests -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint_base(tmp_path_factory, one_thread):
+    """(step dir, work dir, manifest, paths) of a tiny single-process checkpoint with optimizer
+    state. The work dir is a step directory holding the same data files (hard links: not
+    symlinks, which the reader refuses) where each example writes its manifest; `paths` lists
+    every location in the manifest."""
+    import torch
+
+    from bloomtrain import checkpoint
+    from bloomtrain.model import BloomShape, build_model
+
+    shape = BloomShape(vocab_size=16, hidden_size=8, num_layers=2, num_heads=2, ffn_hidden_size=32)
+    state = build_model(shape, seed=0).state_dict()
+    optim = {f"exp_avg.{n}": torch.randn_like(t) for n, t in state.items() if n != "lm_head.weight"}
+    root = tmp_path_factory.mktemp("fuzz_ckpt")
+    step = checkpoint.save_checkpoint(root / "base", 7, state, shape, optim_state=optim)
+    manifest = json.loads((step / "manifest.json").read_text())
+    work = root / "work" / step.name
+    work.mkdir(parents=True)
+    for f in step.iterdir():
+        if f.name != "manifest.json":
+            os.link(f, work / f.name)
+    return step, work, manifest, [p for p, _ in _paths(manifest) if p]
+
+
+def _checkpoint_with(work: Path, manifest, extra: dict[str, bytes] | None = None) -> Path:
+    for name, data in (extra or {}).items():
+        _put(work / name, data)
+    _put(work / "manifest.json", json.dumps(manifest).encode())
+    return work
+
+
+@functools.lru_cache(maxsize=None)
+def _original(base: Path, name: str):
+    from bloomtrain.checkpoint import CheckpointReader
+
+    return CheckpointReader(base).load(name).reshape(-1)
+
+
+def _load_all(step: Path):
+    """What load_model and export do with a checkpoint: every parameter, checked. The loaded
+    tensors, or the CheckpointError (naming the checkpoint)."""
+    from bloomtrain import hf
+
+    try:
+        reader = hf.open_checkpoint(step)
+        out = {n: reader.load(n) for n in reader.names()}
+        out.update({f"exp_avg.{n}": reader.load(n, "exp_avg") for n in reader.names()
+                    if reader.has("exp_avg")})
+        return out
+    except CheckpointError as e:
+        assert str(step) in str(e), f"the message does not name the checkpoint: {e}"
+        return e
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _paths(obj, prefix=()):
+    """Every (path, value) in a JSON tree, containers included."""
+    yield prefix, obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree[k]
+    if value is _DELETE:
+        del tree[path[-1]]
+    else:
+        tree[path[-1]] = value
+
+
+_DELETE = object()
+SCALARS = {type(None): st.none(), bool: st.booleans(), int: st.integers(-2 ** 63, 2 ** 64),
+           float: st.floats(allow_nan=False), str: st.text(max_size=12)}
+JSON = st.recursive(st.one_of(*SCALARS.values()),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+BY_TYPE = {**SCALARS, list: st.lists(JSON, max_size=3),
+           dict: st.dictionaries(st.text(max_size=6), JSON, max_size=3)}
+
+
+def _other_type(value):
+    """JSON values of another type than `value`; a float's "type" includes int, since a JSON
+    number written without a point reads back as one."""
+    same = (int, float) if type(value) is float else (type(value),)
+    return st.one_of(*(s for t, s in BY_TYPE.items() if t not in same))
+
+
+# What the reader follows; `ranks` and the trainer's keys are the trainer's business.
+CHECKED = ("format", "format_version", "step", "model_shape", "files", "tensors", "tokenizer")
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_damaged(checkpoint_base, data):
+    """A key the reader follows deleted, or its value replaced by one of another type: no model
+    loads from it, and the error is a CheckpointError naming the checkpoint."""
+    base, work, manifest, paths = checkpoint_base
+    candidates = [p for p in paths if p[0] in CHECKED]
+    path = candidates[data.draw(st.integers(0, len(candidates) - 1), label="where")]
+    value = _get(manifest, path)
+    parent_is_list = isinstance(_get(manifest, path[:-1]), list)
+    # Deleting `tokenizer` (null here) changes nothing: a checkpoint need not have one.
+    delete = not parent_is_list and path != ("tokenizer",) and \
+        data.draw(st.booleans(), label="delete")
+    replacement = _DELETE if delete else data.draw(_other_type(value), label="value")
+    bad = json.loads(json.dumps(manifest))
+    _set(bad, path, replacement)
+    outcome = _load_all(_checkpoint_with(work, bad))
+    assert isinstance(outcome, CheckpointError), (path, replacement)
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_any_value(checkpoint_base, data):
+    """Any JSON value anywhere (same type included, so offsets, sizes and counts that are merely
+    wrong): a CheckpointError, or a checkpoint whose every tensor loads with its model shape."""
+    from bloomtrain.checkpoint.reader import expected_shape
+    from bloomtrain.model import BloomShape
+
+    base, work, manifest, paths = checkpoint_base
+    bad = json.loads(json.dumps(manifest))
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        path = paths[data.draw(st.integers(0, len(paths) - 1), label="where")]
+        value = data.draw(JSON | st.integers(0, 64), label="value")
+        try:
+            _set(bad, path, value)
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier edit replaced a container on the way
+    outcome = _load_all(_checkpoint_with(work, bad))
+    if not isinstance(outcome, CheckpointError):
+        shape = BloomShape(**bad["model_shape"])
+        for name, t in outcome.items():
+            assert tuple(t.shape) == expected_shape(shape, name.removeprefix("exp_avg."))
+
+
+SHAPE_INTS = ("vocab_size", "hidden_size", "num_layers", "ffn_hidden_size")
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_shapes_disagree_with_model(checkpoint_base, data):
+    """A tensor's shape, or a dimension of model_shape, changed: the tensors no longer fit the
+    model the manifest describes, and nothing loads. (num_heads is left out: no parameter's
+    shape depends on it.) A model_shape with a billion layers costs nothing to refuse."""
+    base, work, manifest, _ = checkpoint_base
+    bad = json.loads(json.dumps(manifest))
+    if data.draw(st.booleans(), label="model_shape"):
+        key = data.draw(st.sampled_from(SHAPE_INTS), label="key")
+        bad["model_shape"][key] = data.draw(
+            st.integers(1, 10 ** 9).filter(lambda v: v != manifest["model_shape"][key]))
+    else:
+        name = data.draw(st.sampled_from(sorted(bad["tensors"])), label="tensor")
+        old = bad["tensors"][name]["shape"]
+        new = data.draw(st.lists(st.integers(0, 64), min_size=1, max_size=3)
+                        .filter(lambda s: s != old), label="shape")
+        bad["tensors"][name]["shape"] = new
+    assert isinstance(_load_all(_checkpoint_with(work, bad)), CheckpointError)
+
+
+@FUZZ
+@given(data=st.data())
+def test_manifest_fragments_overlap_or_gap(checkpoint_base, data):
+    """One tensor split into fragments at random cuts, stored in a new file, with the pieces
+    then moved: exact tiles load the original values, overlaps and gaps are refused before any
+    data is read."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save
+
+    base, work, manifest, _ = checkpoint_base
+    name = data.draw(st.sampled_from(sorted(manifest["tensors"])), label="tensor")
+    numel = math.prod(manifest["tensors"][name]["shape"])
+    cuts = sorted(data.draw(st.sets(st.integers(1, numel - 1), max_size=4), label="cuts")) \
+        if numel > 1 else []
+    pieces = list(zip([0] + cuts, cuts + [numel]))
+    moved = [(a, b) for a, b in pieces]
+    for i in range(len(moved)):
+        if data.draw(st.integers(0, 3), label="move?") == 0:  # shift start and/or end
+            a, b = moved[i]
+            a2 = data.draw(st.integers(max(0, a - 2), min(numel - 1, a + 2)), label="start")
+            b2 = data.draw(st.integers(a2 + 1, min(numel, b + 2)), label="end")
+            moved[i] = (a2, b2)
+    if data.draw(st.booleans(), label="drop one") and len(moved) > 1:
+        moved.pop(data.draw(st.integers(0, len(moved) - 1)))
+    full = _original(base, name)
+    tensors = {f"piece{i}": full[a:b].clone() for i, (a, b) in enumerate(moved)}
+    blob = save(tensors, {"format": "pt"})
+    bad = json.loads(json.dumps(manifest))
+    bad["files"]["pieces.safetensors"] = {"sha256": hashlib.sha256(blob).hexdigest(),
+                                          "bytes": len(blob)}
+    template = bad["tensors"][name]["fragments"][0]
+    bad["tensors"][name]["fragments"] = [
+        {**template, "offset": a, "numel": b - a,
+         "files": {"model": "pieces.safetensors"}, "keys": {"model": f"piece{i}"},
+         "dtypes": {"model": template["dtypes"]["model"]}}
+        for i, (a, b) in enumerate(moved)]
+    for t in bad["tensors"].values():  # keep the kinds of all tensors alike
+        for fr in t["fragments"]:
+            for kind in ("exp_avg", "exp_avg_sq"):
+                for key in ("files", "keys", "dtypes"):
+                    fr[key].pop(kind, None)
+    outcome = _load_all(_checkpoint_with(work, bad, {"pieces.safetensors": blob}))
+    s = sorted(moved)
+    tiles = s[0][0] == 0 and s[-1][1] == numel and all(x[1] == y[0] for x, y in zip(s, s[1:]))
+    if tiles:
+        assert torch.equal(outcome[name].reshape(-1), full)
+    else:
+        assert isinstance(outcome, CheckpointError)
+        assert any(w in str(outcome) for w in ("overlap", "in no fragment", "cover")), outcome
+
+
+# ---- config YAML and overrides ------------------------------------------------------------------
+
+def _config_fields():
+    import dataclasses
+
+    out = {}
+    for section in dataclasses.fields(Config):
+        default = getattr(Config(), section.name)
+        if dataclasses.is_dataclass(default):
+            out[section.name] = [f.name for f in dataclasses.fields(default)]
+    return out
+
+
+FIELDS = _config_fields()
+VALUES = (st.none() | st.booleans() | st.integers(-10, 10 ** 6) | st.integers()
+          | st.floats() | st.text(max_size=8)
+          | st.sampled_from(["1e-4", "nan", "inf", "-1", "0x10", "1_000", "true", "[1, 2]",
+                             "9" * 5000, 10 ** 400, "[" * 5000, "{a: " * 2000])
+          | st.lists(st.integers(-5, 5) | st.text(max_size=4), max_size=4)
+          | st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+KEYS = st.sampled_from(sorted(f"{s}.{k}" for s, ks in FIELDS.items() for k in ks)) \
+    | st.text(max_size=12) | st.sampled_from(["run_dir", "model", "train.train_iters.x", "a..b"])
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz_config")
+
+
+def _accepted(cfg: Config) -> None:
+    """A config that passed: checked per key, and written to and read back from config.yaml
+    (what the run directory keeps) unchanged."""
+    cfg.check()
+    again = Config.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+
+
+@FUZZ
+@given(doc=st.dictionaries(st.sampled_from(sorted(FIELDS) + ["run_dir", "extra"]) | VALUES
+                           .filter(lambda v: isinstance(v, (str, int, bool, type(None)))),
+                           st.dictionaries(st.sampled_from(sorted({k for ks in FIELDS.values()
+                                                                   for k in ks}))
+                                           | st.text(max_size=6), VALUES, max_size=6) | VALUES,
+                           max_size=5))
+def test_config_yaml_of_random_types(config_dir, doc):
+    """Sections and keys, known and not, holding values of every YAML type: a UserError, or a
+    config that checks and survives a config.yaml round trip."""
+    try:
+        text = yaml.safe_dump(doc)
+    except yaml.YAMLError:
+        assume(False)
+    path = config_dir / "c.yaml"
+    _put(path, text.encode())
+    try:
+        _accepted(Config.load(str(path)))
+    except UserError:
+        pass
+
+
+@FUZZ
+@given(overrides=st.lists(st.tuples(KEYS, VALUES | st.text(max_size=20)), max_size=6),
+       raw=st.booleans())
+def test_config_overrides_of_random_types(overrides, raw):
+    """`key=value` overrides with any key and any value text (YAML-dumped values or raw
+    text): a UserError, or a config that checks and round-trips."""
+    args = []
+    for key, value in overrides:
+        text = value if raw and isinstance(value, str) else \
+            yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+        args.append(f"{key}={text}")
+    try:
+        _accepted(Config.load(None, args + ["train.train_iters=1"]))
+    except UserError:
+        pass
+
+
+@FUZZ
+@given(content=st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
+       | st.sampled_from([b"[" * 5000, b"a: " + b"1" * 5000, b"train: {train_iters: .nan}",
+                          b"\xff\xfe", b"- 1\n- 2\n", b"model: !!python/object:os.system {}"]))
+def test_config_file_of_random_bytes(config_dir, content):
+    """Any bytes as a config file (invalid UTF-8, deep nesting, 5000-digit integers, NaN,
+    Python tags): a UserError, or a config that checks and round-trips."""
+    path = config_dir / "c.yaml"
+    _put(path, content)
+    try:
+        _accepted(Config.load(str(path), ["train.train_iters=1"]))
+    except UserError:
+        pass
+
+
+# ---- tokenizer text -----------------------------------------------------------------------------
+
+# Every code point, lone surrogates included (hypothesis' text() never draws them).
+ANY_TEXT = st.lists(st.characters() | st.integers(0xD800, 0xDFFF).map(chr)
+                    | st.sampled_from(["</s>", "<pad>", "\r\n", "\x00", "\ufeff"]),
+                    max_size=20).map("".join)
+
+
+def _has_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir):
+    from bloomtrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)
+
+
+@FUZZ
+@given(text=ANY_TEXT | st.binary(max_size=40).map(
+    lambda b: b.decode("utf-8", errors="surrogateescape")))
+def test_tokenizer_round_trip_or_clear_error(tok, text):
+    """Any Unicode round-trips exactly; text UTF-8 cannot encode (lone surrogates, as JSON's
+    "\\ud800" or invalid UTF-8 read with surrogateescape give) is a UserError saying so."""
+    if _has_surrogate(text):
+        with pytest.raises(UserError, match="lone surrogate"):
+            tok.encode(text)
+        with pytest.raises(UserError, match="text 1 of the batch"):
+            tok.encode_batch(["ok", text])
+    else:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.encode_batch([text, text]) == [ids, ids]
+
+
+@FUZZ
+@given(ids=st.lists(st.integers(-2 ** 70, 2 ** 70) | st.integers(0, 600), max_size=20))
+def test_tokenizer_decode_any_ids(tok, ids):
+    """Ids inside the vocabulary decode (to valid Unicode even when they cut a character);
+    any other id is a UserError that names it, not an OverflowError or a silent drop."""
+    if all(0 <= i < tok.vocab_size for i in ids):
+        tok.decode(ids).encode("utf-8")
+    else:
+        with pytest.raises(UserError, match="outside the vocabulary"):
+            tok.decode(ids)
+
+
+@FUZZ
+@given(line=st.binary(max_size=60) | ANY_TEXT.map(lambda t: json.dumps({"text": t}).encode())
+       | st.text(max_size=20).map(lambda t: b'{"text": "' + t.encode() + b'\\ud800"}'))
+def test_jsonl_records_of_any_bytes(tok, line):
+    """A JSON-lines record of any bytes, as preprocess reads it: skipped with a reason, or text
+    that round-trips, or (lone surrogates spelled as JSON escapes) a UserError from encode."""
+    from bloomtrain.data.sources import SKIP_REASONS, parse_record
+
+    text, reason = parse_record("json", line, "text")
+    if text is None:
+        assert reason in SKIP_REASONS
+        return
+    if _has_surrogate(text):
+        with pytest.raises(UserError, match="lone surrogate"):
+            tok.encode(text)
+    else:
+        assert tok.decode(tok.encode(text)) == text
+
+
