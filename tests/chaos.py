@@ -403,3 +403,81 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- single-rank failures (tests/test_lost_rank.py, test_restart.py, test_multinode.py) --------
+class Job:
+    """A `bloomtrain` command in a session of its own (so that one process-group scan finds the
+    launcher and every worker it started), its output read line by line with the time each line
+    arrived."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.lines: list[tuple[float, str]] = []
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bloomtrain", *args],
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.pgid = self.proc.pid
+        self.exited_at: float | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def first(self, text: str) -> float | None:
+        """When the first line holding `text` arrived."""
+        return next((t for t, line in list(self.lines) if text in line), None)
+
+    def wait(self, timeout: float, after: str | None = None, limit: float | None = None) -> int:
+        """The exit code. Fails (killing the job) past `timeout` s from the start, or past
+        `limit` s after the first line holding `after`."""
+        deadline = self.started + timeout
+        while self.proc.poll() is None:
+            seen = self.first(after) if after is not None and limit is not None else None
+            if time.monotonic() > (deadline if seen is None else min(deadline, seen + limit)):
+                self.kill()
+                raise AssertionError(f"the job was still running {limit if seen else timeout} "
+                                     f"s {'after ' + repr(after) if seen else 'in'}:\n"
+                                     f"{self.output()[-6000:]}")
+            time.sleep(0.1)
+        self.exited_at = time.monotonic()
+        self._reader.join(timeout=10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """For teardown: the whole session, whatever is left of it."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        wait_group_gone(self.pgid)
+
+    def output(self) -> str:
+        return "".join(line for _, line in list(self.lines))
+
+    def last_line(self) -> str:
+        lines = [line.strip() for _, line in list(self.lines) if line.strip()]
+        return lines[-1] if lines else ""
+
+
+def group_left_after(pgid: int, timeout: float = 15.0) -> list[int]:
+    """The processes of group `pgid` still there `timeout` s from now; waits for them to go on
+    their own (multiprocessing's resource tracker ends when the launcher does), kills none."""
+    deadline = time.monotonic() + timeout
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -1,18 +1,29 @@
-"""`bloomtrain train --config FILE [section.key=value ...] [--nproc N]`."""
+"""`bloomtrain train --config FILE [section.key=value ...] [--nproc N] [--nnodes N --node-rank R
+--rdzv-endpoint HOST:PORT] [--max-restarts N]`."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch.distributed as dist
 
-from bloomtrain.config import Config
+from bloomtrain.config import Config, UserError
 from bloomtrain.layout import validate
-from bloomtrain.train.launch import launch_local
+from bloomtrain.train.launch import LaunchSpec, launch_local
 from bloomtrain.train.loop import train
+
+# The launcher's options and their defaults: given under torchrun, they would do nothing.
+LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": 600,
+                   "max_restarts": 0}
 
 
 def worker_entry(config_path, overrides):
     cfg = Config.load(config_path, overrides)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and os.environ.get("RANK") == "0":
+        print(f"[launch] restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')}: "
+              f"every worker started again after one failed; resuming "
+              f"(checkpoint.resume={cfg.checkpoint.resume})", file=sys.stderr, flush=True)
     try:
         train(cfg)
     finally:
@@ -20,11 +31,39 @@ def worker_entry(config_path, overrides):
             dist.destroy_process_group()
 
 
+def launch_spec(args, cfg: Config) -> LaunchSpec | None:
+    """The launch the command line asks for; None when this process is a worker itself (under
+    torchrun or srun) or runs the job alone."""
+    spec = LaunchSpec(nproc=1 if args.nproc is None else args.nproc, nnodes=args.nnodes,
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_timeout=args.rdzv_timeout, max_restarts=args.max_restarts)
+    if "WORLD_SIZE" in os.environ:
+        given = [f"--{k.replace('_', '-')}" for k, v in LAUNCH_DEFAULTS.items()
+                 if getattr(args, k) != v]
+        if given:
+            raise UserError(f"{' '.join(given)} are bloomtrain's launcher options, but this "
+                            f"process already runs under a launcher (WORLD_SIZE is set); give "
+                            f"them to torchrun (--nnodes, --node-rank, --rdzv-endpoint, "
+                            f"--max-restarts), or run `bloomtrain train` without torchrun")
+        return None
+    spec.check()
+    if spec.max_restarts and (cfg.checkpoint.resume != "auto" or not cfg.checkpoint.dir):
+        raise UserError(f"--max-restarts {spec.max_restarts} restarts the workers, which then "
+                        f"resume from checkpoint.resume={cfg.checkpoint.resume!r}"
+                        f"{'' if cfg.checkpoint.dir else ' with no checkpoint.dir'}: set "
+                        f"checkpoint.dir and checkpoint.resume=auto so that a restart continues "
+                        f"from the job's last checkpoint")
+    if spec.world_size == 1 and not spec.max_restarts:
+        return None
+    return spec
+
+
 def cmd_train(args) -> int:
     cfg = Config.load(args.config, args.overrides)
-    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        validate(cfg, args.nproc)  # fail before starting any worker
-        launch_local(args.nproc, worker_entry, args.config, args.overrides)
+    spec = launch_spec(args, cfg)
+    if spec is not None:
+        validate(cfg, spec.world_size)  # fail before starting any worker
+        launch_local(spec.nproc, worker_entry, args.config, args.overrides, spec=spec)
         return 0
     train(cfg)
     if dist.is_initialized():
@@ -34,11 +73,32 @@ def cmd_train(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a BLOOM model",
-                       description="Train a BLOOM model from a YAML config plus overrides.")
+                       description="Train a BLOOM model from a YAML config plus overrides. With "
+                                   "--nproc (and --nnodes), bloomtrain starts the workers itself "
+                                   "through torch's elastic launcher; under torchrun or srun "
+                                   "each process joins the job from the environment.")
     p.add_argument("--config", help="YAML config file (sections model, parallel, data, optim, "
                                     "train, checkpoint, run_dir)")
     p.add_argument("--nproc", type=int, default=None,
-                   help="launch N local worker processes (not needed under torchrun/srun)")
+                   help="launch N worker processes on this node (not needed under torchrun/srun)")
+    node = p.add_argument_group("several nodes and restarts (as torchrun does them)")
+    node.add_argument("--nnodes", type=int, default=LAUNCH_DEFAULTS["nnodes"],
+                      help="number of nodes; run the same command on each (default 1)")
+    node.add_argument("--node-rank", type=int, default=LAUNCH_DEFAULTS["node_rank"],
+                      help="this node's number, 0 to nnodes-1; node 0 runs at --rdzv-endpoint "
+                           "and hosts the rendezvous (default 0)")
+    node.add_argument("--rdzv-endpoint", default=LAUNCH_DEFAULTS["rdzv_endpoint"],
+                      metavar="HOST:PORT",
+                      help="node 0's address and a free port there, the same on every node "
+                           "(c10d rendezvous); needed with --nnodes > 1")
+    node.add_argument("--rdzv-timeout", type=int, default=LAUNCH_DEFAULTS["rdzv_timeout"],
+                      metavar="SECONDS",
+                      help="how long a node waits for the others to arrive (default 600)")
+    node.add_argument("--max-restarts", type=int, default=LAUNCH_DEFAULTS["max_restarts"],
+                      metavar="N",
+                      help="after a worker fails, restart every worker of the job up to N times; "
+                           "they resume from the last checkpoint (needs checkpoint.dir and "
+                           "checkpoint.resume=auto; default 0)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. train.train_iters=100 parallel.tp=2")
     p.set_defaults(func=cmd_train)

@@ -28,6 +28,11 @@ on whom. Under torchrun every rank prints its own summary line to stderr.
 Fault injection, for tests only: BLOOMTRAIN_TEST_SLEEP="RANK:STEP:SECONDS" makes global rank RANK
 sleep SECONDS in the heartbeat of step STEP, i.e. inside that step and outside any collective.
 It is read when the watchdog is built; a real job never sets it.
+BLOOMTRAIN_TEST_KILL="RANK:STEP[,RANK:STEP...]" makes global rank RANK SIGKILL itself in step
+STEP, as soon as its training thread is inside a collective or p2p op of that step (a GPU or
+node lost mid-step); entry i applies to restart i of the elastic launcher
+(TORCHELASTIC_RESTART_COUNT, which torch counts per node), so each kill fires once and a
+restarted job runs into the next.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -48,6 +54,7 @@ from bloomtrain.parallel import comm
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its limit
 REPORTS_ENV = "BLOOMTRAIN_HANG_REPORTS"
 SLEEP_ENV = "BLOOMTRAIN_TEST_SLEEP"
+KILL_ENV = "BLOOMTRAIN_TEST_KILL"
 # After a collective raised a timeout or connection error: how long the error may take to end
 # the process on its own before the watchdog does.
 GRACE_S = 10.0
@@ -73,6 +80,20 @@ def parse_sleep(value: str | None) -> tuple[int, int, float] | None:
     except ValueError:
         raise ValueError(f"{SLEEP_ENV}={value!r}: expected RANK:STEP:SECONDS, e.g. 1:2:600") \
             from None
+
+
+def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
+    """The (rank, step) KILL_ENV names for restart `restart` of the job, if any."""
+    if not value:
+        return None
+    try:
+        kills = [tuple(int(x) for x in item.split(":")) for item in value.split(",")]
+    except ValueError:
+        kills = [()]
+    if any(len(k) != 2 for k in kills):
+        raise ValueError(f"{KILL_ENV}={value!r}: expected RANK:STEP[,RANK:STEP...], one per "
+                         f"restart, e.g. 2:3,1:6")
+    return kills[restart] if restart < len(kills) else None
 
 
 def error_text(error: BaseException) -> str:
@@ -145,6 +166,8 @@ class Watchdog:
         self._seen_last: tuple | None = None
         self._active_at = 0.0
         self._inject = parse_sleep(os.environ.get(SLEEP_ENV))
+        self._kill = parse_kill(os.environ.get(KILL_ENV),
+                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._lock = threading.Lock()
         self._reported = False
         self._failed_at: float | None = None
@@ -183,6 +206,21 @@ class Watchdog:
             print(f"[bloomtrain] {SLEEP_ENV}: rank {self.rank} sleeps {seconds:g} s in step "
                   f"{step} (fault injection for tests)", file=sys.stderr, flush=True)
             time.sleep(seconds)
+        if self._kill == (self.rank, step):
+            threading.Thread(target=self._kill_in_step, args=(threading.get_ident(), step),
+                             name="bloomtrain-test-kill", daemon=True).start()
+
+    def _kill_in_step(self, thread_id: int, step: int) -> None:
+        """KILL_ENV: SIGKILL this process once `thread_id` is in an op of step `step` (or as
+        the step ends, should every op of it pass between two polls)."""
+        entry = None
+        while entry is None and self._beat is not None and self._beat[0] == step:
+            entry = comm.INFLIGHT.busy.get(thread_id)
+            time.sleep(0.0002)
+        where = f"in {entry[0]}/{entry[1]}" if entry is not None else "at its end"
+        print(f"[bloomtrain] {KILL_ENV}: rank {self.rank} SIGKILLs itself in step {step}, "
+              f"{where} (fault injection for tests)", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- detection ------------------------------------------------------------------------------
     def check(self, now: float | None = None) -> Hang | None:
