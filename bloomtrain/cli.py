@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "bloomtrain.data.inspect",
     "bloomtrain.hf",
     "bloomtrain.generate",
+    "bloomtrain.serve.cli",
     "bloomtrain.pipeline_timeline",
     "bloomtrain.planner.cli",
     "bloomtrain.report.cli",

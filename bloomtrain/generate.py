@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bloomtrain.utils import UserError
+
+if TYPE_CHECKING:  # the CLI parser imports this module and must not wait for torch
+    import torch
 
 
 def process_logits(logits: "torch.Tensor", temperature: float = 1.0, top_k: int = 0,
@@ -42,6 +46,19 @@ def process_logits(logits: "torch.Tensor", temperature: float = 1.0, top_k: int 
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores
+
+
+def next_tokens(logits: "torch.Tensor", do_sample: bool, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None,
+                generator: "torch.Generator | None" = None) -> "torch.Tensor":
+    """The next token [b] for each row of `logits` [b, V]: argmax of the scores (greedy), or a
+    draw from their softmax with `generator`. Shared by `generate` and the serving engine."""
+    import torch
+
+    scores = process_logits(logits, temperature, top_k, top_p, vocab_limit, do_sample)
+    if do_sample:
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+    return scores.argmax(dim=-1)
 
 
 def generate(model, input_ids: "torch.Tensor", max_new_tokens: int, do_sample: bool = False,
@@ -91,12 +108,8 @@ def _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k
             logits, past = model(step_input, past_kvs=past, return_presents=True)
         else:
             logits = model(out)
-        scores = process_logits(logits[:, -1, :], temperature, top_k, top_p, vocab_limit,
-                                do_sample)
-        if do_sample:
-            next_tok = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
-        else:
-            next_tok = scores.argmax(dim=-1)
+        next_tok = next_tokens(logits[:, -1, :], do_sample, temperature, top_k, top_p,
+                               vocab_limit, generator)
         if len(eos_t):
             next_tok = torch.where(finished, eos_t[0], next_tok)
             finished |= torch.isin(next_tok, eos_t)
@@ -109,7 +122,9 @@ def _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
-def _tokenizer_path(checkpoint: str, explicit: str | None) -> Path:
+def tokenizer_path(checkpoint: str, explicit: str | None) -> Path:
+    """`explicit`, else the tokenizer an HF directory or a bloomtrain checkpoint carries (used by
+    `generate` and `serve`)."""
     from bloomtrain import checkpoint as ckpt_mod
     from bloomtrain import hf
 
@@ -151,9 +166,12 @@ def _main(args) -> int:
     if not Path(args.checkpoint).exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
 
-    tokenizer = load_tokenizer(_tokenizer_path(args.checkpoint, args.tokenizer))
+    tokenizer = load_tokenizer(tokenizer_path(args.checkpoint, args.tokenizer))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.checkpoint, device=device)
+    if args.quantize:
+        from bloomtrain.serve.quantize import quantize_model
+        quantize_model(model, args.quantize)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UserError("--prompt encodes to no tokens")
@@ -210,4 +228,7 @@ def register(subparsers) -> None:
                    help="tokenizer.json or a directory holding one (default: the checkpoint's)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: per-output-channel int8 weights for the linear layers and the "
+                   "tied embedding, dequantized in the matmul (a quarter of fp32's bytes)")
     p.set_defaults(func=_main)

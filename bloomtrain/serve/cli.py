@@ -1,0 +1,238 @@
+"""`bloomtrain serve --checkpoint DIR_OR_HF [--port 8000] [--nproc N parallel.tp=N]
+[--quantize int8]`: build the model, the KV cache, the engine and the HTTP server, and run them
+until SIGTERM. With --nproc N the N tensor-parallel ranks are started by bloomtrain's local
+launcher (torch's elastic launcher); under torchrun each process joins as one rank."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+from bloomtrain.utils import UserError
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+def _tp_from_overrides(overrides: list[str]) -> int | None:
+    tp = None
+    for ov in overrides:
+        m = re.fullmatch(r"parallel\.tp=(\d+)", ov.strip())
+        if not m:
+            raise UserError(f"serve takes only parallel.tp=N as an override, got {ov!r} (a "
+                            f"served model has no pipeline or data parallelism)")
+        tp = int(m.group(1))
+        if tp < 1:
+            raise UserError(f"parallel.tp must be >= 1, got {tp}")
+    return tp
+
+
+def _engine_config(opts: dict):
+    from bloomtrain.serve.config import EngineConfig
+    return EngineConfig(max_model_len=opts["max_model_len"], block_size=opts["block_size"],
+                        kv_cache_tokens=opts["kv_cache_tokens"],
+                        max_num_seqs=opts["max_num_seqs"],
+                        max_batched_tokens=opts["max_batched_tokens"],
+                        prefill_chunk=opts["prefill_chunk"], max_queue=opts["max_queue"])
+
+
+def _main(args) -> int:
+    from bloomtrain.generate import tokenizer_path
+
+    import importlib.util
+
+    if importlib.util.find_spec("aiohttp") is None:
+        raise UserError("bloomtrain serve needs aiohttp: pip install 'bloomtrain[serve]'")
+    tp = _tp_from_overrides(args.overrides)
+    nproc = args.nproc
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {nproc}")
+    under_launcher = "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher else (nproc or 1)
+    tp = tp or world
+    if tp != world:
+        raise UserError(f"parallel.tp={tp} needs {tp} processes, one per rank (serving has no "
+                        f"pipeline or data parallelism); "
+                        + (f"the job has {world}" if under_launcher else f"add --nproc {tp}"))
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if args.drain_timeout < 0:
+        raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
+    opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}
+    opts["tp"] = tp
+    opts["tokenizer"] = str(tokenizer_path(args.checkpoint, args.tokenizer))
+    _engine_config(opts).check()  # before any process starts
+    if tp > 1 and not under_launcher:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        from bloomtrain.train.launch import launch_local
+        try:
+            launch_local(tp, serve_worker, opts)
+        except SignalException as e:
+            # SIGTERM/SIGINT reached the launcher, which passed it on to the ranks and waited
+            # for them: rank 0 drained and stopped the others.
+            print(f"[serve] stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+        return 0
+    serve_worker(opts)
+    return 0
+
+
+def _device(requested: str | None):
+    import torch
+
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def serve_worker(opts: dict) -> None:
+    """One rank: rank 0 serves HTTP and schedules, the others run the batches it sends."""
+    _serve_rank(opts)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        # Under torch's elastic agent (--nproc, torchrun) a rank that returns waits for the
+        # agent to collect its return value. An agent stopping on SIGTERM never does: it waits
+        # for the ranks to exit and kills them after 30 s. The drain is done, so exit now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _serve_rank(opts: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.serve.tp import (TensorParallelExecutor, build_runner, serving_layout,
+                                     worker_loop)
+    from bloomtrain.topology import Topology
+    from bloomtrain.train.launch import process_group_backend
+
+    device = _device(opts["device"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    topo = Topology.single()
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(process_group_backend("auto", device))
+        topo = Topology.build(layout=serving_layout(world))
+    try:
+        if topo.rank != 0:
+            # The launcher passes SIGTERM to every rank; only rank 0 decides when to stop
+            # (after draining), and tells the others.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if opts["threads"]:
+            torch.set_num_threads(opts["threads"])
+        dtype = None if opts["dtype"] == "auto" else opts["dtype"]
+        runner = build_runner(opts["checkpoint"], _engine_config(opts), topo, device, dtype,
+                              opts["quantize"])
+        if topo.rank != 0:
+            worker_loop(runner)
+            return
+        executor = TensorParallelExecutor(runner) if topo.tp_size > 1 else runner.forward
+        try:
+            _serve(opts, executor, runner, load_tokenizer(opts["tokenizer"]))
+        finally:
+            if topo.tp_size > 1:
+                executor.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(opts: dict, executor, runner, tokenizer) -> None:
+    import asyncio
+
+    from bloomtrain.serve.engine import Engine
+    from bloomtrain.serve.metrics import ServeMetrics
+    from bloomtrain.serve.quantize import model_bytes
+    from bloomtrain.serve.server import create_app, run_server
+
+    model, cache = runner.model, runner.cache
+    if tokenizer.vocab_size > model.shape.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model.shape.vocab_size}; pass the tokenizer it was trained with")
+    try:
+        eos = tokenizer.eod_id
+    except UserError:
+        eos = None
+    metrics = ServeMetrics()
+    engine = Engine(executor, _engine_config(opts), vocab_size=model.shape.vocab_size,
+                    vocab_limit=tokenizer.vocab_size, eos_token_id=eos, tokenizer=tokenizer,
+                    metrics=metrics)
+    name = opts["model_name"] or Path(opts["checkpoint"]).resolve().name
+    print(f"[serve] model {name}: {model_bytes(model) / 2**20:.1f} MiB of weights"
+          f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
+          f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size})",
+          flush=True)
+    # The engine thread and the event loop share the GIL. torch ops release it; a 0.5 ms switch
+    # interval (Python's default is 5 ms) gives it back to the engine promptly when the loop
+    # is busy writing events.
+    sys.setswitchinterval(0.0005)
+    engine.start()
+    try:
+        app = create_app(engine, tokenizer, metrics, model_name=name)
+        asyncio.run(run_server(app, opts["host"], opts["port"], opts["drain_timeout"]))
+    finally:
+        engine.close()
+    print("[serve] stopped", flush=True)
+
+
+def register(subparsers) -> None:
+    from bloomtrain.serve.config import EngineConfig
+
+    d = EngineConfig()
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a bloomtrain checkpoint or an HF Bloom directory: POST "
+        "/v1/completions (OpenAI's completions API, streaming by server-sent events), GET "
+        "/health, GET /metrics (Prometheus). Continuous batching over a paged KV cache; "
+        "--nproc N parallel.tp=N splits the model over N tensor-parallel ranks; --quantize "
+        "int8 stores int8 weights. SIGTERM drains the requests in flight, then exits.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR_OR_HF",
+                   help="a bloomtrain checkpoint (step dir or root) or an HF Bloom directory")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json or a directory holding one (default: the checkpoint's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="TCP port (default: 8000; 0 picks a free one and prints it)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="start N local tensor-parallel ranks (not needed under torchrun)")
+    p.add_argument("overrides", nargs="*", metavar="parallel.tp=N",
+                   help="tensor-parallel size (default: the number of processes)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: per-output-channel int8 weights, dequantized in the matmul")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads per rank (default: torch's)")
+    p.add_argument("--model-name", default=None,
+                   help="the `model` the API reports (default: the checkpoint dir's name)")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help=f"prompt + generated tokens per sequence (default: {d.max_model_len})")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"sequences in the running batch (default: {d.max_num_seqs})")
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
+                   help=f"tokens per step (default: {d.max_batched_tokens})")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"prompt tokens per chunk (default: {d.prefill_chunk})")
+    p.add_argument("--block-size", type=int, default=d.block_size,
+                   help=f"tokens per KV-cache block (default: {d.block_size})")
+    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens,
+                   help=f"KV-cache pool size in tokens (default: {d.kv_cache_tokens})")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help=f"waiting sequences before requests get 503 (default: {d.max_queue})")
+    p.add_argument("--drain-timeout", type=float, default=25.0, metavar="S",
+                   help="on SIGTERM, seconds to let requests in flight finish (default: 25; "
+                   "under --nproc the launcher kills the ranks 30 s after SIGTERM)")
+    p.set_defaults(func=_main)

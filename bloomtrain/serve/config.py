@@ -1,0 +1,44 @@
+"""The serving engine's settings (bloomtrain serve's flags), checked before anything starts.
+Torch-free, so that building the CLI parser stays cheap."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bloomtrain.utils import UserError
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 2048        # prompt + generated tokens of one sequence
+    block_size: int = 16             # tokens per KV-cache block
+    kv_cache_tokens: int = 16384     # pool size, in tokens (rounded down to whole blocks)
+    max_num_seqs: int = 32           # running batch limit
+    max_batched_tokens: int = 256    # tokens per step (prefill chunks + decodes)
+    prefill_chunk: int = 64          # prompt tokens per chunk
+    max_queue: int = 256             # waiting sequences before new requests get 503
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+    def check(self) -> None:
+        for name in ("max_model_len", "block_size", "kv_cache_tokens", "max_num_seqs",
+                     "max_batched_tokens", "prefill_chunk", "max_queue"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{flag} must be a positive integer, got {v!r}")
+        if self.max_batched_tokens < self.prefill_chunk + self.max_num_seqs:
+            raise UserError(
+                f"--max-batched-tokens ({self.max_batched_tokens}) must be at least "
+                f"--prefill-chunk + --max-num-seqs ({self.prefill_chunk} + {self.max_num_seqs})"
+                f", so that a prompt chunk always fits beside a full batch of decodes")
+        if self.num_blocks < blocks_for(self.max_model_len, self.block_size):
+            raise UserError(
+                f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold one sequence of "
+                f"--max-model-len ({self.max_model_len}) tokens; raise it or lower "
+                f"--max-model-len")

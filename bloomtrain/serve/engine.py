@@ -1,0 +1,533 @@
+"""The serving engine: requests in, results out, one model step at a time around the scheduler
+(bloomtrain.serve.scheduler: continuous batching over the paged KV cache, chunked prefill,
+preemption) and an executor that runs a StepBatch (bloomtrain.serve.runner's forward, or
+tp.TensorParallelExecutor). A step takes the requests and aborts that arrived since the last,
+schedules, runs the model, picks each sampling sequence's next token, detokenizes it (stop
+strings included) and hands the results to each sequence's sink; a finished or aborted sequence
+leaves the batch, its blocks back in the pool, within that step. With the runner's
+batch-invariant numerics a request's logits, and so its greedy tokens and its seeded samples,
+are the same whatever else is in the batch.
+
+Sampling uses `bloomtrain.generate.next_tokens`, the code `bloomtrain generate` runs: greedy
+when temperature is 0, else temperature, top-k and top-p in HF's order, each request drawing
+from its own generator (seeded when the request gives a seed).
+
+Threads: `submit` and `abort` may be called from any thread (the HTTP event loop); `step` runs
+on one thread only, the engine's (`start`), or the caller's (`generate`). Results go to each
+sequence's `sink` as `SeqOutput`s, called on the engine thread.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bloomtrain.generate import next_tokens
+from bloomtrain.serve.config import EngineConfig
+from bloomtrain.serve.scheduler import Entry, Scheduler, Sequence
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "SeqOutput", "RequestError", "QueueFull",
+           "EngineClosed"]
+
+MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (the HTTP layer answers 400)."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full (the HTTP layer answers 503 with Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine no longer takes requests (shutting down, or failed)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0         # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                   # 0: no limit
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None      # top alternatives per token (0..5); None: no logprobs
+    prompt_logprobs: bool = False    # also for the prompt tokens (OpenAI's echo + logprobs)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]     # the `logprobs` most likely tokens, most likely first
+
+
+@dataclass
+class SeqOutput:
+    """What a step produced for one sequence."""
+
+    seq_id: int
+    token_ids: list[int]                           # new tokens (an end-of-text token excluded)
+    text: str                                      # new text (stop strings cut)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list | None = None            # once: [None, TokenLogprob, ...]
+    finish_reason: str | None = None               # stop | length | abort | error
+    error: str | None = None
+
+
+class TextStream:
+    """Incremental detokenization with stop strings. A token can end inside a multi-byte
+    character (byte-level BPE), so text is released only once it decodes cleanly (vLLM's
+    prefix/read offsets). Text that could be the start of a stop string is held back until
+    it is known not to be; a stop string found ends the text before it (OpenAI's `stop`)."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.max_stop = max((len(s) for s in stop), default=0)
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.stop:
+                start = max(0, len(self.text) - self.max_stop + 1)
+                self.text += new
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[:min(hits)]
+                    self.stopped = True
+            else:
+                self.text += new
+        return self._release(self._held())
+
+    def finish(self) -> str:
+        return self._release(0)
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        if self.stopped:
+            return 0
+        for k in range(min(self.max_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def _release(self, held: int) -> str:
+        end = max(self.emitted, len(self.text) - held)
+        out = self.text[self.emitted:end]
+        self.emitted = end
+        return out
+
+
+def logprob_entries(vocab_limit: int, rows: torch.Tensor, chosen: list[int], top: int
+                    ) -> list[TokenLogprob]:
+    """Log-probabilities (over the tokenizer's vocabulary) of `chosen` [n] under `rows` [n, V],
+    each with the `top` most likely tokens."""
+    lp = torch.log_softmax(rows[:, :vocab_limit], dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen)[:, None])[:, 0].tolist()
+    tops = [[] for _ in chosen]
+    if top > 0:
+        values, indices = lp.topk(top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return [TokenLogprob(t, p, tp) for t, p, tp in zip(chosen, picked, tops)]
+
+
+def sample_next(entries: list[Entry], logits: torch.Tensor, vocab_limit: int) -> dict[int, int]:
+    """{sequence id: next token} for the entries that sample, from the last of their logit rows:
+    greedy rows in one argmax, sampled ones each with its own generator (`next_tokens`, the
+    code `bloomtrain generate` runs)."""
+    samplers = [e for e in entries if e.sample]
+    rows = [e.logit_row + e.num_logits - 1 for e in samplers]
+    out: dict[int, int] = {}
+    greedy = [k for k, e in enumerate(samplers) if not e.seq.params.do_sample]
+    if greedy:
+        picked = next_tokens(logits[[rows[k] for k in greedy]], False,
+                             vocab_limit=vocab_limit).tolist()
+        for k, t in zip(greedy, picked):
+            out[samplers[k].seq.id] = t
+    for k, e in enumerate(samplers):
+        p = e.seq.params
+        if p.do_sample:
+            out[e.seq.id] = int(next_tokens(logits[rows[k]:rows[k] + 1], True, p.temperature,
+                                            p.top_k, p.top_p, vocab_limit, e.seq.generator)[0])
+    return out
+
+
+def check_request(cfg: EngineConfig, prompt_ids: list[int], params: SamplingParams,
+                  vocab_limit: int, has_tokenizer: bool) -> None:
+    """Raise RequestError saying why an engine of `cfg` cannot serve the request."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty; give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_limit]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
+                           f"[0, {vocab_limit})")
+    if params.max_tokens < 0:
+        raise RequestError(f"max_tokens must be >= 0, got {params.max_tokens}")
+    total = len(prompt_ids) + params.max_tokens
+    if total > cfg.max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {cfg.max_model_len} tokens; the "
+            f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens} "
+            f"more ({total}); shorten the prompt or lower max_tokens")
+    if params.stop and not has_tokenizer:
+        raise RequestError("stop strings need a tokenizer")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
+                           f"{params.logprobs}")
+
+
+class Engine:
+    """`execute(StepBatch) -> logits [rows, vocab]` runs the model (a ModelRunner's forward,
+    or the tensor-parallel executor). `vocab_limit` masks the padded embedding rows beyond the
+    tokenizer; `eos_token_id` ends a sequence; `tokenizer` (optional) gives text and stop
+    strings."""
+
+    def __init__(self, execute, config: EngineConfig, *, vocab_size: int,
+                 vocab_limit: int | None = None, eos_token_id: int | None = None,
+                 tokenizer=None, metrics=None):
+        config.check()
+        self.execute = execute
+        self.config = config
+        self.vocab_size = vocab_size
+        self.vocab_limit = vocab_limit if vocab_limit is not None else vocab_size
+        self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.scheduler = Scheduler(config, on_admit=self._admitted, on_preempt=self._preempted)
+        self.pool = self.scheduler.pool
+        self.waiting = self.scheduler.waiting
+        self.running = self.scheduler.running
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Sequence] = []
+        self._aborts: set[int] = set()
+        self._queued = 0            # submitted, not yet admitted once
+        self._live: set[int] = set()
+        self._closed = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        # When set, called once per step with that step's [(sink, SeqOutput)] instead of each
+        # sink being called on the engine thread: the HTTP server hands them to its event loop
+        # in one wake-up rather than one per sequence.
+        self.dispatch = None
+        self._pending: list = []
+        if metrics is not None:
+            metrics.engine = self
+
+    # ---- gauges (read from any thread; approximate while a step runs) ------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def blocks_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def blocks_total(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_live(self) -> int:
+        """Sequences submitted and not finished."""
+        with self._lock:
+            return len(self._live)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError saying why this engine cannot serve the request."""
+        check_request(self.config, prompt_ids, params, self.vocab_limit,
+                      self.tokenizer is not None)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink) -> int:
+        """Queue a sequence; `sink(SeqOutput)` receives its results. Returns its id. Raises
+        RequestError, QueueFull or EngineClosed."""
+        self.check_request(prompt_ids, params)
+        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is shutting down" if self.error is None
+                                   else f"the engine failed: {self.error!r}")
+            if self._queued >= self.config.max_queue:
+                raise QueueFull(f"{self._queued} requests are waiting "
+                                f"(--max-queue {self.config.max_queue})")
+            seq = Sequence(next(self._ids), prompt_ids, params, sink, text)
+            self._inbox.append(seq)
+            self._queued += 1
+            self._live.add(seq.id)
+            self._wake.notify()
+        return seq.id
+
+    def abort(self, seq_id: int) -> None:
+        """Drop a sequence (its client went away): it leaves the batch at the next step and
+        its blocks go back to the pool."""
+        with self._lock:
+            if seq_id in self._live:
+                self._aborts.add(seq_id)
+                self._wake.notify()
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="bloomtrain-engine", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop taking requests, stop the loop after its current step, abort what is left."""
+        with self._lock:
+            self._closed = True
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._finish_all("abort")
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not (self._inbox or self._aborts or self.waiting
+                                                  or self.running):
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as e:  # a failed step: fail every request, take no more
+            self.error = e
+            with self._lock:
+                self._closed = True
+            self._finish_all("error", repr(e))
+
+    def _finish_all(self, reason: str, error: str | None = None) -> None:
+        with self._lock:
+            seqs = list(self._inbox) + list(self.waiting) + list(self.running)
+            self._inbox.clear()
+        self.waiting.clear()
+        self.running.clear()
+        for seq in seqs:
+            self._finish(seq, reason, error=error, release=False)
+        self._flush()
+
+    def step(self) -> bool:
+        """Run one iteration. Returns False when there was nothing to do."""
+        self._take_inbox()
+        entries, batch = self.scheduler.schedule()
+        if entries:
+            logits = self.execute(batch)
+            if self.metrics is not None:
+                with self.metrics.lock:
+                    self.metrics.steps.inc()
+            self._process(entries, logits)
+        self._flush()
+        return bool(entries)
+
+    def generate(self, prompts: list[list[int]], params, arrival_steps=None) -> list[dict]:
+        """Serve `prompts` to completion on this thread (see `generate_offline`)."""
+        return generate_offline(self, prompts, params, arrival_steps)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in new:
+            if seq.params.max_tokens == 0 and seq.prompt_logprobs is None:
+                self._admitted(seq)
+                self._finish(seq, "length", release=False)  # nothing to compute
+            else:
+                self.waiting.append(seq)
+        if aborts:
+            for seq in [s for s in self.waiting if s.id in aborts]:
+                self.waiting.remove(seq)
+                self._finish(seq, "abort")
+            for seq in [s for s in self.running if s.id in aborts]:
+                self._finish(seq, "abort")
+
+    def _preempted(self, seq: Sequence) -> None:
+        if self.metrics is not None:
+            with self.metrics.lock:
+                self.metrics.preemptions.inc()
+
+    def _admitted(self, seq: Sequence) -> None:
+        if not seq.admitted:
+            seq.admitted = True
+            with self._lock:
+                self._queued -= 1
+            if self.metrics is not None:
+                with self.metrics.lock:
+                    self.metrics.prompt_tokens.inc(seq.num_prompt)
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def _process(self, entries: list[Entry], logits: torch.Tensor) -> None:
+        logits = logits.cpu()
+        new_tokens = sample_next(entries, logits, self.vocab_limit)
+        now = time.monotonic()
+        for e in entries:
+            seq = e.seq
+            out = SeqOutput(seq.id, [], "")
+            lps = seq.prompt_logprobs
+            if lps is not None and not seq.prompt_logprobs_sent:
+                # Row j predicts position start + j + 1. Positions already scored (before a
+                # preemption) are not scored twice.
+                first = max(e.start + 1, len(lps))
+                last = min(e.start + e.num, seq.num_prompt - 1)
+                if last >= first:
+                    row = e.logit_row + first - e.start - 1
+                    lps += logprob_entries(self.vocab_limit, logits[row:row + last - first + 1],
+                                                 seq.tokens[first:last + 1],
+                                                 seq.params.logprobs or 0)
+                if len(lps) == seq.num_prompt:
+                    out.prompt_logprobs = lps
+                    seq.prompt_logprobs_sent = True
+            if not e.sample:
+                if seq.num_computed == len(seq.tokens) and seq.params.max_tokens == 0:
+                    self._emit(seq, out, finish="length")
+                elif out.prompt_logprobs is not None:
+                    self._emit(seq, out)
+                continue
+            token = new_tokens[seq.id]
+            if seq.params.logprobs is not None:
+                row = e.logit_row + e.num_logits - 1
+                out.logprobs = logprob_entries(self.vocab_limit, logits[row:row + 1], [token],
+                                                     seq.params.logprobs)
+            self._token_metrics(seq, now)
+            if token == self.eos_token_id:
+                out.logprobs = []  # the end-of-text token is not part of the completion
+                self._emit(seq, out, finish="stop")
+                continue
+            seq.tokens.append(token)
+            out.token_ids = [token]
+            finish = None
+            if seq.text is not None:
+                out.text = seq.text.push(token)
+                if seq.text.stopped:
+                    finish = "stop"
+            if finish is None and seq.num_output >= seq.params.max_tokens:
+                finish = "length"
+            self._emit(seq, out, finish=finish)
+
+    def _token_metrics(self, seq: Sequence, now: float) -> None:
+        if self.metrics is None:
+            seq.last_token_time = now
+            return
+        with self.metrics.lock:
+            if seq.last_token_time is None:
+                self.metrics.ttft.observe(now - seq.arrival)
+            else:
+                self.metrics.itl.observe(now - seq.last_token_time)
+            self.metrics.generation_tokens.inc()
+        seq.last_token_time = now
+
+    def _emit(self, seq: Sequence, out: SeqOutput, finish: str | None = None) -> None:
+        if finish is not None:
+            if seq.text is not None:
+                out.text += seq.text.finish()
+            self._finish(seq, finish, out=out)
+            return
+        self._deliver(seq, out)
+
+    def _deliver(self, seq: Sequence, out: SeqOutput) -> None:
+        if self.dispatch is not None:
+            self._pending.append((seq.sink, out))
+            return
+        try:
+            seq.sink(out)
+        except Exception:  # a broken sink (its client gone) must not take the engine down
+            if out.finish_reason is None:
+                self.abort(seq.id)
+
+    def _flush(self) -> None:
+        if self.dispatch is None or not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        try:
+            self.dispatch(pending)
+        except Exception:  # the receiving loop is gone (shutdown): so are its requests
+            pass
+
+    def _finish(self, seq: Sequence, reason: str, out: SeqOutput | None = None,
+                error: str | None = None, release: bool = True) -> None:
+        if release:
+            self.scheduler.release(seq)
+        with self._lock:
+            if seq.id not in self._live:
+                return
+            self._live.discard(seq.id)
+            if not seq.admitted:
+                self._queued -= 1
+        out = out or SeqOutput(seq.id, [], "")
+        out.finish_reason, out.error = reason, error
+        if self.metrics is not None:
+            with self.metrics.lock:
+                self.metrics.requests.inc(1, reason)
+                self.metrics.latency.observe(time.monotonic() - seq.arrival)
+        self._deliver(seq, out)
+
+
+def generate_offline(engine: "Engine", prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams],
+                 arrival_steps: list[int] | None = None) -> list[dict]:
+    """Serve `prompts` to completion on this thread, prompt i joining at step
+    `arrival_steps[i]` (default: all at once). Returns, per prompt, {"token_ids", "text",
+    "finish_reason", "logprobs", "prompt_logprobs"}. For offline use and tests; not
+    together with `Engine.start`."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    arrival_steps = arrival_steps or [0] * len(prompts)
+    results = [{"token_ids": [], "text": "", "finish_reason": None, "logprobs": [],
+                "prompt_logprobs": None} for _ in prompts]
+    ids = {}
+
+    def sink_for(i):
+        def sink(out: SeqOutput):
+            r = results[i]
+            r["token_ids"] += out.token_ids
+            r["text"] += out.text
+            r["logprobs"] += out.logprobs
+            if out.prompt_logprobs is not None:
+                r["prompt_logprobs"] = out.prompt_logprobs
+            if out.finish_reason is not None:
+                r["finish_reason"] = out.finish_reason
+        return sink
+
+    order = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
+    step = 0
+    while order or engine.num_live:
+        while order and arrival_steps[order[0]] <= step:
+            i = order.pop(0)
+            ids[i] = engine.submit(prompts[i], params[i], sink_for(i))
+        engine.step()
+        step += 1
+    return results

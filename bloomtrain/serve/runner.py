@@ -1,0 +1,214 @@
+"""One forward step of the serving engine: the new tokens of every scheduled sequence packed into
+one padding-free batch of rows, attention per sequence over its blocks of the paged KV cache.
+
+A step holds, per sequence, `q_len` new tokens (a prefill chunk, or one token when decoding) at
+positions [ctx_len - q_len, ctx_len). Row-wise work (embedding, LayerNorms, every matmul, GeLU)
+runs on all rows at once; attention runs per sequence, since each has its own context:
+- prefill chunks: one call each, with the model's ALiBi + causal bias (`alibi_causal_bias`:
+  slope * (k - q) from the sequence's own positions, so its scores never depend on where it
+  sits in the batch);
+- decodes (q_len = 1): all in one batched call, each sequence's keys gathered from its blocks
+  and padded to the longest context of the step, rounded up to a multiple of `DECODE_BUCKET`;
+  padding keys are masked with -inf.
+Attention is HF BloomAttention's math (baddbmm of the bias and q kᵀ / sqrt(d), softmax in fp32,
+bmm), not SDPA: on CPU, SDPA's fused kernel gives a head slightly different bits depending on
+which thread its work item lands on, and so on the batch size.
+
+Batch invariance. A request must produce the same tokens whatever else is being served, so no
+sequence's numbers may depend on the batch. On CPU its logits are bitwise the same, because:
+1. the rows of a matmul are padded to at least `MIN_ROWS`. CPU GEMMs (MKL) take a different
+   kernel, with a different summation order, for a handful of rows than for many, while for 16
+   rows and more each output row is computed the same way whatever the row count;
+2. prompts are cut into chunks at fixed positions (multiples of the chunk size), so a prefill's
+   shapes depend on its own sequence only;
+3. batched matmuls (bmm) compute each matrix of the batch alone, and a decode's attention does
+   not change when its keys are padded by whole multiples of 32 masked positions: the padding
+   only adds exact zeros, after the real positions, to the sums of the softmax and of p·V, whose
+   vector lanes stay where they were. tests/test_serve.py checks this, and the end-to-end
+   result, on the machine it runs on.
+On CUDA, cuBLAS picks kernels (split-K among them) by problem size, so there batched and alone
+agree to float rounding, not bitwise.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bloomtrain.model.bloom import alibi_causal_bias
+from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
+
+MIN_ROWS = 16
+DECODE_BUCKET = 32
+
+
+def _attention(q, k, v, bias):
+    """q [n, q_len, hd], k and v [n, L, hd], bias [n, q_len, L] -> [n, q_len, hd] for n
+    independent (head, sequence) pairs, as HF's BloomAttention computes it."""
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0,
+                           alpha=1.0 / math.sqrt(q.shape[-1]))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, v)
+
+
+@dataclass
+class SeqStep:
+    """One sequence's part of a step: its rows [row, row + q_len) of the packed batch, and its
+    context length after the step (positions already cached + q_len)."""
+
+    row: int
+    q_len: int
+    ctx_len: int
+    blocks: list[int]
+
+
+@dataclass
+class StepBatch:
+    input_ids: list[int]
+    seqs: list[SeqStep]
+    logit_rows: list[int]  # rows whose next-token logits are wanted, in this order
+
+    def pack(self) -> torch.Tensor:
+        """The batch as one int64 tensor, for the broadcast to the other tensor-parallel ranks:
+        [T, S, R, B, ids (T), (row, q_len, ctx_len, num_blocks) per sequence, blocks (B),
+        logit rows (R)]."""
+        blocks = [b for s in self.seqs for b in s.blocks]
+        meta = [v for s in self.seqs for v in (s.row, s.q_len, s.ctx_len, len(s.blocks))]
+        head = [len(self.input_ids), len(self.seqs), len(self.logit_rows), len(blocks)]
+        return torch.tensor(head + self.input_ids + meta + blocks + self.logit_rows,
+                            dtype=torch.int64)
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor) -> "StepBatch":
+        v = t.tolist()
+        num_ids, num_seqs, num_rows, _ = v[:4]
+        at = 4
+        ids = v[at:at + num_ids]
+        at += num_ids
+        meta = v[at:at + 4 * num_seqs]
+        at += 4 * num_seqs
+        seqs = []
+        for i in range(num_seqs):
+            row, q_len, ctx_len, n = meta[4 * i:4 * i + 4]
+            seqs.append(SeqStep(row, q_len, ctx_len, v[at:at + n]))
+            at += n
+        return cls(ids, seqs, v[at:at + num_rows])
+
+
+@dataclass
+class _Plan:
+    """A StepBatch as the tensors the forward needs (built the same way on every rank)."""
+
+    ids: torch.Tensor                 # [rows] (padded to MIN_ROWS)
+    num_tokens: int
+    write_slots: torch.Tensor         # [num_tokens]
+    prefills: list                    # (start, end, slots [L], bias [nh, q, L])
+    decodes: list                     # (rows [D], slots [D, Lp], bias [nh * D, 1, Lp])
+    logit_rows: torch.Tensor          # [>= MIN_ROWS]
+    num_logits: int
+
+
+class ModelRunner:
+    """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
+    keeping keys and values in `cache`. `tp_group` is None or the group the model is split
+    over; every rank of it runs the same batches, and `forward` returns the logits over the
+    whole vocabulary on each."""
+
+    def __init__(self, model, cache: PagedKVCache, tp_group=None):
+        self.model = model
+        self.cache = cache
+        self.tp_group = tp_group
+        tr = model.transformer
+        self.slopes = tr.alibi_slopes  # this rank's heads under tensor parallelism
+        self.head_dim = model.shape.head_dim
+        self.dtype = tr.word_embeddings_layernorm.weight.dtype
+        self.device = tr.word_embeddings_layernorm.weight.device
+
+    # ---- the plan -------------------------------------------------------------------------------
+
+    def _plan(self, batch: StepBatch) -> _Plan:
+        dev, bs = self.device, self.cache.block_size
+        num_tokens = len(batch.input_ids)
+        ids = batch.input_ids + [0] * (max(num_tokens, MIN_ROWS) - num_tokens)
+        write_slots = [0] * num_tokens
+        prefills, decoding = [], []
+        for s in batch.seqs:
+            if s.q_len > 1:
+                slots = slots_of(torch.tensor(s.blocks, device=dev), s.ctx_len, bs)
+                write_slots[s.row:s.row + s.q_len] = slots[s.ctx_len - s.q_len:].tolist()
+                bias = alibi_causal_bias(self.slopes, s.q_len, s.ctx_len, self.dtype, dev)
+                prefills.append((s.row, s.row + s.q_len, slots, bias[0]))
+            else:
+                decoding.append(s)
+                p = s.ctx_len - 1
+                write_slots[s.row] = s.blocks[p // bs] * bs + p % bs
+        decodes = []
+        if decoding:
+            longest = max(s.ctx_len for s in decoding)
+            padded = -(-longest // DECODE_BUCKET) * DECODE_BUCKET
+            width = -(-padded // bs)
+            # Padding blocks point at block 0: real memory, finite values, masked below.
+            tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
+                                  device=dev)
+            slots = slots_of(tables, padded, bs)  # [D, Lp]
+            ctx = torch.tensor([s.ctx_len for s in decoding], device=dev, dtype=torch.float32)
+            # ALiBi as alibi_causal_bias builds it: slope * (k - q) in fp32, -inf after q.
+            rel = torch.arange(padded, device=dev, dtype=torch.float32) - (ctx[:, None] - 1)
+            bias = self.slopes.to(dev, torch.float32)[:, None, None] * rel  # [nh, D, Lp]
+            bias = bias.masked_fill(rel > 0, float("-inf"))
+            rows = torch.tensor([s.row for s in decoding], device=dev)
+            decodes.append((rows, slots, bias.to(self.dtype).view(-1, 1, padded)))
+        num_logits = len(batch.logit_rows)
+        logit_rows = batch.logit_rows + [0] * (max(num_logits, MIN_ROWS) - num_logits)
+        return _Plan(torch.tensor(ids, device=dev), num_tokens,
+                     torch.tensor(write_slots, device=dev, dtype=torch.int64), prefills,
+                     decodes, torch.tensor(logit_rows, device=dev), num_logits)
+
+    # ---- the forward ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Write the batch's keys and values into the cache and return the fp32 logits
+        [len(batch.logit_rows), vocab] (the padded vocabulary)."""
+        plan = self._plan(batch)
+        tr = self.model.transformer
+        x = tr.embed(plan.ids[None])[0]  # [rows, h]
+        for layer, block in enumerate(tr.h):
+            x = self._block(layer, block, x, plan)
+        hidden = tr.ln_f(x.index_select(0, plan.logit_rows))
+        logits = self.model.lm_head(hidden)  # [R, V / tp]
+        if self.tp_group is not None:
+            logits = self._gather_vocab(logits)
+        return logits[:plan.num_logits].float()
+
+    def _block(self, layer: int, block, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        attn = block.self_attention
+        qkv = attn.query_key_value(block.input_layernorm(x))
+        num_heads = qkv.shape[-1] // (3 * self.head_dim)  # this rank's heads
+        qkv = qkv.view(-1, num_heads, 3, self.head_dim)  # [rows, nh, (q, k, v), hd]
+        q = qkv[:, :, 0]  # [rows, nh, hd]
+        self.cache.write(layer, plan.write_slots, qkv[:plan.num_tokens, :, 1:])
+        ctx = torch.zeros_like(q)  # padding rows attend to nothing
+        for start, end, slots, bias in plan.prefills:
+            keys, values = self.cache.read(layer, slots)  # [nh, L, hd]
+            out = _attention(q[start:end].transpose(0, 1), keys, values, bias)  # [nh, q, hd]
+            ctx[start:end] = out.transpose(0, 1)
+        for rows, slots, bias in plan.decodes:
+            keys, values = self.cache.read(layer, slots)  # [nh, D, Lp, hd]
+            n = bias.shape[0]  # nh * D matrices, head-major like the cache
+            qd = q.index_select(0, rows).transpose(0, 1).reshape(n, 1, self.head_dim)
+            out = _attention(qd, keys.view(n, -1, self.head_dim),
+                             values.view(n, -1, self.head_dim), bias)  # [nh * D, 1, hd]
+            ctx.index_copy_(0, rows, out.view(num_heads, -1, self.head_dim).transpose(0, 1))
+        x = x + attn.dense(ctx.view(x.shape[0], num_heads * self.head_dim))
+        return x + block.mlp(block.post_attention_layernorm(x))
+
+    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        from bloomtrain.parallel import comm
+
+        tp = comm.group_size(self.tp_group)
+        out = local.new_empty((tp * local.shape[0], local.shape[1]))
+        comm.all_gather_into_tensor(out, local.contiguous(), self.tp_group, "tp")
+        # [tp * R, V/tp] -> [R, V]: rank i holds vocabulary rows [i V/tp, (i+1) V/tp).
+        return out.view(tp, local.shape[0], -1).transpose(0, 1).reshape(local.shape[0], -1)

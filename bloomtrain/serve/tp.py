@@ -1,0 +1,121 @@
+"""Tensor-parallel inference (Megatron-LM's split, arXiv 1909.08053): the model is cut by the
+training plan (`apply_tensor_parallel`: column-parallel query_key_value and dense_h_to_4h,
+row-parallel dense and dense_4h_to_h, vocab-parallel embedding and LM head, ALiBi slopes cut to
+each rank's heads), and every rank keeps the keys and values of its own heads.
+
+Rank 0 runs the HTTP server and the scheduler. Each step it broadcasts the StepBatch (one int64
+tensor, after a one-element header giving its length, or -1 for "stop") to the tp group; then
+every rank runs the same forward, whose all-reduces sum the row-parallel partial products, and
+the vocab-parallel logits are all-gathered so rank 0 can sample. The other ranks only loop:
+receive a batch, run it.
+"""
+from __future__ import annotations
+
+import torch
+
+from bloomtrain.parallel import comm
+from bloomtrain.serve.runner import ModelRunner, StepBatch
+
+COMM_NAME = "serve"
+_STOP = -1
+
+
+def _config(tp: int, precision: str = "fp32"):
+    from bloomtrain.config import Config
+    return Config.from_dict({"parallel": {"tp": tp},
+                             "train": {"precision": precision, "attention": "sdpa"}})
+
+
+def serving_layout(tp: int):
+    """The ParallelLayout of a served model: tp ranks, no pipeline, no data parallelism."""
+    from bloomtrain.layout import ParallelLayout
+    return ParallelLayout.from_config(_config(tp).parallel, tp)
+
+
+def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize=None):
+    """A bloomtrain checkpoint or HF directory as an inference model: split over `topo`'s tp
+    group when it has one (built with `serving_layout`), by the training path
+    (`parallelize`: the tensor-parallel plan, one pipeline chunk, no ZeRO engine), then
+    quantized when asked (after the split, with full-row scales; see
+    bloomtrain.serve.quantize), then moved to `device`."""
+    from bloomtrain import load_model
+    from bloomtrain.parallel.parallelize import parallelize
+    from bloomtrain.serve.quantize import quantize_model
+
+    model = load_model(checkpoint, device="cpu", dtype=dtype)
+    if topo is not None and topo.tp_size > 1:
+        # A loaded model's vocabulary is padded already; only its size has to split.
+        topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
+        dtype = model.transformer.word_embeddings_layernorm.weight.dtype
+        precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        # The modules of `model` are the chunk's: splitting them in place splits `model`.
+        parallelize(model, topo, _config(topo.tp_size, precision), device="cpu", engine=False)
+    if quantize:
+        quantize_model(model, quantize)
+    model.to(device)
+    return model.eval()
+
+
+def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
+                 quantize=None) -> ModelRunner:
+    """The model of `checkpoint` (as load_serving_model) with an empty KV cache of
+    `config.num_blocks` blocks for this rank's heads, ready to run StepBatches."""
+    from bloomtrain.serve.kv_cache import PagedKVCache
+
+    model = load_serving_model(checkpoint, topo, device, dtype, quantize)
+    shape = model.shape
+    tp = topo.tp_size if topo is not None else 1
+    cache = PagedKVCache(shape.num_layers, config.num_blocks, config.block_size,
+                         shape.num_heads // tp, shape.head_dim,
+                         model.transformer.word_embeddings_layernorm.weight.dtype, device)
+    return ModelRunner(model, cache, topo.tp_group if topo is not None else None)
+
+
+def _broadcast_batch(payload: torch.Tensor | None, group) -> None:
+    src = _group_src(group)
+    head = torch.tensor([_STOP if payload is None else payload.numel()], dtype=torch.int64)
+    comm.broadcast(head, src, group, COMM_NAME)
+    if payload is not None:
+        comm.broadcast(payload, src, group, COMM_NAME)
+
+
+def _group_src(group) -> int:
+    """The global rank of the group's first rank: the scheduler."""
+    import torch.distributed as dist
+    return dist.get_global_rank(group, 0)
+
+
+class TensorParallelExecutor:
+    """The engine's `execute` on rank 0: send the batch to the other ranks, run it here."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.closed = False
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        _broadcast_batch(batch.pack(), self.runner.tp_group)
+        return self.runner.forward(batch)
+
+    def close(self) -> None:
+        """Tell the other ranks to leave `worker_loop` (once)."""
+        if not self.closed:
+            self.closed = True
+            _broadcast_batch(None, self.runner.tp_group)
+
+
+def worker_loop(runner: ModelRunner) -> int:
+    """Ranks other than the scheduler's: run every batch rank 0 sends until it says stop.
+    Returns the number of steps run."""
+    group = runner.tp_group
+    src = _group_src(group)
+    steps = 0
+    while True:
+        head = torch.empty(1, dtype=torch.int64)
+        comm.broadcast(head, src, group, COMM_NAME)
+        n = int(head.item())
+        if n == _STOP:
+            return steps
+        payload = torch.empty(n, dtype=torch.int64)
+        comm.broadcast(payload, src, group, COMM_NAME)
+        runner.forward(StepBatch.unpack(payload))
+        steps += 1

@@ -1,0 +1,612 @@
+"""`bloomtrain serve`: continuous batching that never changes a request's tokens (against the
+request served alone and against HF `generate`), scheduling (join, leave, chunked prefill beside
+decodes, preemption), the HTTP API (bad requests, streaming, disconnects, overload, /metrics),
+and the CLI end to end: tensor parallelism (tp=2 equals tp=1) and the drain on SIGTERM.
+
+Models: an HF BloomForCausalLM (hidden 64, 4 heads, 2 layers, vocab 512) with weights widened
+as in tests/test_generate.py, so that greedy paths are not decided by 1e-6 differences between
+near-equal logits; the session's tiny BPE tokenizer sits in the same directory.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bloomtrain.serve.config import EngineConfig
+from bloomtrain.serve.engine import Engine, SamplingParams, TextStream
+from bloomtrain.serve.metrics import ServeMetrics
+from bloomtrain.serve.tp import build_runner
+
+transformers = pytest.importorskip("transformers")
+aiohttp = pytest.importorskip("aiohttp")
+transformers.logging.set_verbosity_error()
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 512
+ROOT = Path(__file__).resolve().parents[1]
+# Small on purpose: prompts span several chunks and blocks, and a step's token budget is
+# smaller than the prompts, so chunked prefill and decodes share steps.
+CFG = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=2048, max_num_seqs=8,
+                   max_batched_tokens=40, prefill_chunk=16, max_queue=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """(HF reference model, its save_pretrained directory holding the tokenizer too)."""
+    cfg = transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    ref = transformers.BloomForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("serve") / "tiny"
+    ref.save_pretrained(path)
+    for f in Path(tiny_tokenizer_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    return ref, path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from bloomtrain.data.tokenizer import load_tokenizer
+    return load_tokenizer(model_dir[1])
+
+
+def make_engine(path, cfg=CFG, wrap=None, tokenizer=None, metrics=None, quantize=None):
+    runner = build_runner(path, cfg, quantize=quantize)
+    execute = runner.forward if wrap is None else wrap(runner.forward)
+    eos = tokenizer.eod_id if tokenizer is not None else None
+    return Engine(execute, cfg, vocab_size=VOCAB, tokenizer=tokenizer, metrics=metrics,
+                  vocab_limit=tokenizer.vocab_size if tokenizer is not None else None,
+                  eos_token_id=eos)
+
+
+def random_prompts(lengths, seed=1, high=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, high, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(ref, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                           do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def lp_values(result):
+    return [(e.token_id, e.logprob, e.top) for e in result["logprobs"]]
+
+
+# ---- the engine: batch invariance, HF parity, scheduling -----------------------------------
+
+def test_batched_equals_alone_and_hf(model_dir):
+    """8 prompts of different lengths (1 to 70 tokens: one to five chunks) arriving at
+    different steps, greedy and seeded sampling mixed: every request gets exactly the tokens,
+    and bitwise the logprobs, it gets alone; the greedy ones equal HF generate."""
+    ref, path = model_dir
+    lengths = [1, 5, 16, 17, 33, 40, 64, 70]
+    prompts = random_prompts(lengths)
+    greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=2)
+    params = [greedy if i % 2 == 0 else
+              SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=i,
+                             logprobs=2) for i in range(len(prompts))]
+    batches = []
+    engine = make_engine(path, wrap=lambda f: lambda b: (batches.append(b), f(b))[1])
+    batched = engine.generate(prompts, params, arrival_steps=[0, 0, 1, 2, 4, 7, 9, 12])
+    # The batch really mixed prefill chunks and decodes of several sequences.
+    assert max(len(b.seqs) for b in batches) >= 6
+    assert any(any(s.q_len > 1 for s in b.seqs) and any(s.q_len == 1 for s in b.seqs)
+               for b in batches)
+    assert engine.pool.num_used == 0
+    for prompt, p, got in zip(prompts, params, batched):
+        alone = make_engine(path).generate([prompt], p)[0]
+        assert got["finish_reason"] == "length" and len(got["token_ids"]) == 24
+        assert got["token_ids"] == alone["token_ids"]
+        assert lp_values(got) == lp_values(alone)  # bitwise: the batch changed no number
+        if not p.do_sample:
+            assert got["token_ids"] == hf_greedy(ref, prompt, 24)
+
+
+def test_preemption_recomputes_the_same_tokens(model_dir):
+    """A pool too small for all sequences at once: the youngest are preempted (blocks freed)
+    and recomputed later, with the same tokens and logprobs as alone."""
+    ref, path = model_dir
+    cfg = EngineConfig(max_model_len=64, block_size=8, kv_cache_tokens=96, max_num_seqs=4,
+                       max_batched_tokens=40, prefill_chunk=16, max_queue=8)
+    prompts = random_prompts([20, 11, 25, 14], seed=2)
+    params = SamplingParams(max_tokens=30, temperature=0, logprobs=0)
+    metrics = ServeMetrics()
+    engine = make_engine(path, cfg, metrics=metrics)
+    batched = engine.generate(prompts, params)
+    assert metrics.preemptions.values[()] > 0
+    assert engine.pool.num_used == 0
+    for prompt, got in zip(prompts, batched):
+        alone = make_engine(path, cfg).generate([prompt], params)[0]
+        assert lp_values(got) == lp_values(alone)
+        assert got["token_ids"] == hf_greedy(ref, prompt, 30)
+
+
+def test_scheduler_joins_leaves_and_chunks_beside_decodes(model_dir):
+    """A request joins the batch at the step after it arrives; a long prompt is prefilled in
+    chunks at fixed positions while the running sequence decodes every step; a finished
+    sequence leaves, blocks returned, in the step it finishes."""
+    _, path = model_dir
+    log, pool = [], []
+    engine = None
+
+    def record(forward):
+        def execute(batch):
+            by_block = {s.blocks[0]: s.id for s in engine.running if s.blocks}
+            log.append([(by_block[s.blocks[0]], s.q_len, s.ctx_len) for s in batch.seqs])
+            pool.append((engine.pool.num_used, {s.id: len(s.blocks) for s in engine.running}))
+            return forward(batch)
+        return execute
+
+    engine = make_engine(path, wrap=record)
+    short, long_ = random_prompts([4, 100], seed=3)
+    out = engine.generate([short, long_], [SamplingParams(max_tokens=12, temperature=0),
+                                           SamplingParams(max_tokens=10, temperature=0)],
+                          arrival_steps=[0, 3])
+    assert [len(r["token_ids"]) for r in out] == [12, 10]
+    a, b = 0, 1  # sequence ids, in submission order
+    a_steps = [i for i, step in enumerate(log) if any(s == a for s, _, _ in step)]
+    b_steps = [i for i, step in enumerate(log) if any(s == b for s, _, _ in step)]
+    # A decodes in every step until its 12th token, B's prefill chunks beside it.
+    assert a_steps == list(range(12))
+    # B joined at the step after its arrival, and its 100-token prompt went in chunks cut at
+    # multiples of 16, one per step.
+    assert b_steps[:7] == list(range(3, 10))
+    prefill = [(q, ctx) for step in log for s, q, ctx in step if s == b and ctx <= 100]
+    assert [ctx - q for q, ctx in prefill] == [0, 16, 32, 48, 64, 80, 96]
+    # A left in the step it finished: B runs alone after it, and A's blocks are free.
+    assert len(log) > 12
+    for i in range(12, len(log)):
+        used, held = pool[i]
+        assert [s for s, _, _ in log[i]] == [b] and list(held) == [b] and used == held[b]
+    assert engine.pool.num_used == 0
+
+
+def test_text_stream_stop_strings_and_utf8(tokenizer):
+    text = "数据并行 and Привет! stop here, not there"
+    ids = tokenizer.encode(text)
+    for stop, want in ((("stop",), text[:text.index("stop")]),
+                       (("not", "here"), text[:text.index("here")]),
+                       ((), text)):
+        stream = TextStream(tokenizer, stop)
+        pieces = []
+        for t in ids:
+            pieces.append(stream.push(t))
+            assert "\ufffd" not in pieces[-1]  # half a character is never released
+            if stream.stopped:
+                break
+        pieces.append(stream.finish())
+        assert "".join(pieces) == want
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+
+class Gate:
+    """Wraps the engine's execute so a test can hold the engine before its next step."""
+
+    def __init__(self, execute):
+        self.execute = execute
+        self.open = threading.Event()
+        self.open.set()
+
+    def __call__(self, batch):
+        self.open.wait()
+        return self.execute(batch)
+
+
+@contextlib.asynccontextmanager
+async def serving(engine, tokenizer, metrics, start=True):
+    from aiohttp import web
+
+    from bloomtrain.serve.server import create_app
+
+    app = create_app(engine, tokenizer, metrics, model_name="tiny", max_body_bytes=1 << 16)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    if start:
+        engine.start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+            yield app, session
+    finally:
+        gate = engine.execute
+        if isinstance(gate, Gate):
+            gate.open.set()
+        await runner.cleanup()
+        engine.close()
+
+
+async def wait_for(predicate, timeout=60.0):
+    """Poll until `predicate()`; the timeout only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def sse_events(resp):
+    events = []
+    async for line in resp.content:
+        line = line.decode().strip()
+        if not line:
+            continue
+        assert line.startswith("data: ")
+        if line == "data: [DONE]":
+            return events, True
+        events.append(json.loads(line[len("data: "):]))
+    return events, False
+
+
+def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    ok = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    cases = [  # (body bytes or JSON object, status, words the message must hold)
+        (b'{"prompt": "x", ', 400, "malformed JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"prompt": "x", "max_tokens": NaN}', 400, "NaN"),
+        (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8"),
+        ({**ok, "prompt": "\ud800 lone"}, 400, "lone surrogate"),
+        ({**ok, "colour": "red"}, 400, "unknown field `colour`"),
+        ({**ok, "best_of": 2}, 400, "`best_of` is not supported"),
+        ({**ok, "max_tokens": -1}, 400, "`max_tokens` must be >= 0"),
+        ({**ok, "max_tokens": 10 ** 12}, 400, "maximum context length is 128"),
+        ({**ok, "max_tokens": 2.5}, 400, "`max_tokens` must be an integer"),
+        ({**ok, "prompt": "word " * 200}, 400, "maximum context length is 128"),
+        ({**ok, "prompt": ""}, 400, "empty"),
+        ({**ok, "prompt": []}, 400, "empty list"),
+        ({**ok, "prompt": [1, "a"]}, 400, "`prompt` must be"),
+        ({**ok, "prompt": [5, 99999]}, 400, "outside the vocabulary"),
+        ({"max_tokens": 3}, 400, "`prompt` is required"),
+        ({**ok, "temperature": "hot"}, 400, "`temperature` must be a number"),
+        ({**ok, "temperature": 3}, 400, "`temperature` must be in [0.0, 2.0]"),
+        ({**ok, "top_p": 0}, 400, "`top_p` must be in (0.0, 1.0]"),
+        ({**ok, "logprobs": 9}, 400, "`logprobs` must be in [0, 5]"),
+        ({**ok, "stream": "yes"}, 400, "`stream` must be true or false"),
+        ({**ok, "n": 2}, 400, "`n` > 1 is not supported"),
+        ({**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({**ok, "stream_options": {"include_usage": True}}, 400, "needs `stream: true`"),
+        (b"x" * (1 << 17), 413, "larger than the limit"),
+    ]
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            for body, status, words in cases:
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                async with session.post("/v1/completions", data=data) as resp:
+                    err = (await resp.json())["error"]
+                    assert (resp.status, words in err["message"]) == (status, True), \
+                        (body if isinstance(body, dict) else body[:40], err)
+            async with session.get("/v1/completions") as resp:
+                assert resp.status == 405 and "error" in await resp.json()
+            async with session.get("/nope") as resp:
+                assert resp.status == 404 and "error" in await resp.json()
+            async with session.post("/v1/completions", json=ok) as resp:
+                body = await resp.json()
+                assert resp.status == 200 and body["choices"][0]["finish_reason"] == "length"
+                assert body["usage"]["completion_tokens"] == 4
+            async with session.get("/health") as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "ok"
+
+    asyncio.run(main())
+    assert engine.pool.num_used == 0 and engine.error is None
+
+
+def test_streaming_equals_non_streaming(model_dir, tokenizer):
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    prompts = ["The quick brown fox", "Привет, мир!", "def f(x):"]
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            req = {"prompt": prompts, "max_tokens": 20, "temperature": 0, "logprobs": 1,
+                   "echo": True}
+            async with session.post("/v1/completions", json=req) as resp:
+                whole = await resp.json()
+            async with session.post("/v1/completions", json={**req, "stream": True,
+                                    "stream_options": {"include_usage": True}}) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                events, done = await sse_events(resp)
+            return whole, events, done
+
+    whole, events, done = asyncio.run(main())
+    assert done and len(events) > 20  # token by token, not one chunk at the end
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    for c in whole["choices"]:
+        i = c["index"]
+        mine = [ch for e in events[:-1] for ch in e["choices"] if ch["index"] == i]
+        assert "".join(ch["text"] for ch in mine) == c["text"]
+        assert c["text"].startswith(prompts[i])  # echo
+        assert [ch["finish_reason"] for ch in mine][-1] == c["finish_reason"] == "length"
+        tokens = [t for ch in mine for t in ch["logprobs"]["tokens"]]
+        assert tokens == c["logprobs"]["tokens"]
+        lps = c["logprobs"]["token_logprobs"]
+        n_prompt = len(tokenizer.encode(prompts[i]))
+        assert lps[0] is None and len(lps) == n_prompt + 20  # prompt scored too (echo)
+        assert all(lp <= 0 for lp in lps[1:])
+
+
+def test_prompt_logprobs_match_hf(model_dir, tokenizer):
+    """echo + logprobs + max_tokens 0 scores a prompt (how evaluation harnesses use the API);
+    the scores are HF's log-softmax. 1e-4: batched rows vs HF's, fp32 rounding only."""
+    ref, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    prompt = random_prompts([40], seed=5, high=tokenizer.vocab_size)[0]
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}) as resp:
+                return await resp.json()
+
+    body = asyncio.run(main())
+    got = body["choices"][0]["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt])).logits[0, :, :tokenizer.vocab_size]
+    want = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(prompt[1:])]
+    assert got[0] is None
+    assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-4)
+    assert body["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_frees_slot_and_blocks(model_dir, tokenizer, stream):
+    _, path = model_dir
+    cfg = EngineConfig(max_model_len=512, block_size=8, kv_cache_tokens=1024, max_num_seqs=8,
+                       max_batched_tokens=40, prefill_chunk=16, max_queue=8)
+    engine = make_engine(path, cfg, wrap=Gate, tokenizer=tokenizer,
+                         metrics=(metrics := ServeMetrics()))
+    gate = engine.execute
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (app, session):
+            from bloomtrain.serve.server import STATE
+            req = {"prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0,
+                   "stream": stream}
+            if stream:
+                resp = await session.post("/v1/completions", json=req)
+                await resp.content.readline()  # the first token's event
+                gate.open.clear()
+            else:
+                gate.open.clear()
+                task = asyncio.ensure_future(session.post("/v1/completions", json=req))
+            await wait_for(lambda: engine.blocks_used > 0 and engine.num_live == 1)
+            held = engine.blocks_used
+            if stream:
+                resp.close()  # hang up mid-stream
+            else:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await wait_for(lambda: app[STATE].inflight == 0)  # the handler saw it, aborted
+            gate.open.set()
+            await wait_for(lambda: engine.num_live == 0)
+            return held
+
+    held = asyncio.run(main())
+    assert held > 0
+    assert engine.blocks_used == 0 and engine.num_running == 0
+    assert metrics.requests.values == {("abort",): 1}
+
+
+def test_overload_is_503_with_retry_after(model_dir, tokenizer):
+    _, path = model_dir
+    cfg = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=1024, max_num_seqs=8,
+                       max_batched_tokens=40, prefill_chunk=16, max_queue=2)
+    engine = make_engine(path, cfg, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    req = {"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0}
+
+    async def main():
+        # The engine is not started yet, so accepted requests stay queued.
+        async with serving(engine, tokenizer, metrics, start=False) as (_, session):
+            tasks = [asyncio.ensure_future(session.post("/v1/completions", json=req))
+                     for _ in range(2)]
+            await wait_for(lambda: engine.num_waiting == 2)
+            async with session.post("/v1/completions", json=req) as resp:
+                over = (resp.status, resp.headers.get("Retry-After"), await resp.json())
+            engine.start()
+            done = [await t for t in tasks]
+            return over, [(r.status, (await r.json())["choices"][0]["finish_reason"])
+                          for r in done]
+
+    (status, retry, body), accepted = asyncio.run(main())
+    assert status == 503 and int(retry) >= 1 and "overloaded" in body["error"]["message"]
+    assert accepted == [(200, "length")] * 2
+
+
+def test_metrics_parse(model_dir, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            reqs = [session.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 7, "temperature": 0}) for p in ("a b c", "x y")]
+            for r in await asyncio.gather(*reqs):
+                assert r.status == 200
+            async with session.post("/v1/completions", data=b"{") as r:
+                assert r.status == 400
+            async with session.get("/metrics") as r:
+                assert r.headers["Content-Type"].startswith("text/plain")
+                return await r.text()
+
+    text = asyncio.run(main())
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in families.values() for s in f.samples}
+    assert families["bloomtrain_time_to_first_token_seconds"].type == "histogram"
+    assert value[("bloomtrain_requests_total", (("finish_reason", "length"),))] == 2
+    assert value[("bloomtrain_generation_tokens_total", ())] == 14
+    assert value[("bloomtrain_time_to_first_token_seconds_count", ())] == 2
+    assert value[("bloomtrain_inter_token_latency_seconds_count", ())] == 12
+    assert value[("bloomtrain_http_responses_total",
+                  (("code", "400"), ("endpoint", "/v1/completions")))] == 1
+    assert value[("bloomtrain_queue_depth", ())] == 0
+    assert value[("bloomtrain_kv_cache_blocks_used", ())] == 0
+    assert value[("bloomtrain_kv_cache_blocks_total", ())] == CFG.num_blocks
+
+
+# ---- the CLI, end to end: tensor parallelism, SIGTERM drain ---------------------------------
+
+def test_cli_rejects_bad_settings(model_dir, tmp_path, capsys):
+    from bloomtrain.cli import main
+
+    path = str(model_dir[1])
+    for argv, words in (
+            (["pipeline.pp=2"], "only parallel.tp=N"),
+            (["--nproc", "2", "parallel.tp=4"], "parallel.tp=4 needs 4 processes"),
+            (["parallel.tp=2"], "add --nproc 2"),
+            (["--max-batched-tokens", "20"], "at least --prefill-chunk + --max-num-seqs"),
+            (["--max-model-len", "100000"], "must hold one sequence of --max-model-len"),
+            (["--port", "70000"], "--port must be in [0, 65535]")):
+        assert main(["serve", "--checkpoint", path, *argv]) == 2
+        assert words in capsys.readouterr().err, argv
+    assert main(["serve", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+class ServerProcess:
+    """`bloomtrain serve` in a subprocess; its output lines are read on a thread."""
+
+    def __init__(self, args):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bloomtrain", "serve", "--port", "0", "--threads", "1",
+             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            cwd=ROOT)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_line(self, pattern, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.log.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.log)}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def test_cli_int8_and_sigterm_drain(model_dir, tokenizer):
+    """`--quantize int8` serves the int8 model (its tokens are the in-process int8 engine's);
+    SIGTERM while a stream is in flight: new connections are refused (or get 503), the stream
+    finishes in full, and the process exits 0."""
+    _, path = model_dir
+    server = ServerProcess(["--checkpoint", str(path), "--quantize", "int8",
+                            "--max-model-len", "512", "--kv-cache-tokens", "4096"])
+    try:
+        port = int(server.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+
+        async def main():
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                async with session.post("/v1/completions", json={
+                        "prompt": "The quick brown fox", "max_tokens": 16,
+                        "temperature": 0}) as r:
+                    text = (await r.json())["choices"][0]["text"]
+                resp = await session.post("/v1/completions", json={
+                    "prompt": "Привет", "max_tokens": 400, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}})
+                await resp.content.readline()
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(server.wait_line, r"draining 1 request\(s\) in flight")
+                try:
+                    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as fresh:
+                        async with fresh.get("/health") as r:
+                            late = r.status
+                except aiohttp.ClientConnectionError:
+                    late = "refused"
+                events, done = await sse_events(resp)
+                return text, late, events, done
+
+        text, late, events, done = asyncio.run(main())
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    assert late in ("refused", 503)
+    assert done and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 400
+    engine = make_engine(path, tokenizer=tokenizer, quantize="int8")
+    want = engine.generate([tokenizer.encode("The quick brown fox")],
+                           SamplingParams(max_tokens=16, temperature=0))[0]["text"]
+    assert text == want
+
+
+def test_cli_tp2_equals_tp1_and_sigterm_drains(model_dir, tokenizer):
+    """`--nproc 2 parallel.tp=2`: greedy tokens of concurrent requests equal tp=1's. SIGTERM
+    while a stream is in flight: the stream finishes in full, and the server exits 0."""
+    _, path = model_dir
+    prompts = ["The quick brown fox", "数据并行、张量并行", "def f(x):\n\treturn", "Emoji 🎉"]
+    server = ServerProcess(["--checkpoint", str(path), "--nproc", "2", "parallel.tp=2",
+                            "--max-model-len", "512", "--kv-cache-tokens", "4096"])
+    try:
+        port = int(server.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+
+        async def main():
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                reqs = [session.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": 16, "temperature": 0}) for p in prompts]
+                texts = [(await r.json())["choices"][0]["text"]
+                         for r in await asyncio.gather(*reqs)]
+                long_req = {"prompt": "The quick brown fox", "max_tokens": 400,
+                            "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+                resp = await session.post("/v1/completions", json=long_req)
+                await resp.content.readline()
+                server.proc.send_signal(signal.SIGTERM)
+                events, done = await sse_events(resp)
+                return texts, events, done
+
+        texts, events, done = asyncio.run(main())
+        server.wait_line(r"draining 1 request\(s\) in flight")
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    engine = make_engine(path, tokenizer=tokenizer)
+    want = engine.generate([tokenizer.encode(p) for p in prompts],
+                           SamplingParams(max_tokens=16, temperature=0))
+    assert texts == [w["text"] for w in want]
+    # The stream in flight at SIGTERM ran to its end.
+    assert done and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 400
