@@ -14,7 +14,7 @@ import pytest
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import watchdog
 from tests.chaos import Job, alive, full_state, group_left_after
-from tests.synthetic import write_synthetic_dataset
+from tests.synthetic import tiny_job_yaml, write_synthetic_dataset
 
 TIMEOUT_MINUTES = 0.25  # 15 s: far above a step of the tiny model on a loaded 2-core machine
 LOST, KILL_STEP = 2, 3
@@ -27,15 +27,10 @@ def dataset(tmp_path_factory):
 
 def test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it(dataset, tmp_path):
     cfg = tmp_path / "lost.yaml"
-    cfg.write_text(
-        f"model: {{preset: tiny, vocab_size: 256}}\n"
-        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
-        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: 400}}\n"
-        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: 6, precision: fp32,"
-        f" log_interval: 1, device: cpu, eval_iters: 1}}\n"
+    cfg.write_text(tiny_job_yaml(
+        dataset, tmp_path / "run",
         f"parallel: {{tp: 2, timeout_minutes: {TIMEOUT_MINUTES}}}\n"
-        f"checkpoint: {{dir: {tmp_path / 'ck'}, save_interval: 1, keep_last: 2}}\n"
-        f"run_dir: {tmp_path / 'run'}\n")
+        f"checkpoint: {{dir: {tmp_path / 'ck'}, save_interval: 1, keep_last: 2}}\n"))
     kill_line = f"{watchdog.KILL_ENV}: rank {LOST} SIGKILLs itself"
     job = Job(["train", "--config", str(cfg), "--nproc", "4"],
               env={watchdog.KILL_ENV: f"{LOST}:{KILL_STEP}"})

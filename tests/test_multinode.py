@@ -16,7 +16,7 @@ from bloomtrain.config import Config
 from bloomtrain.train import train
 from tests.chaos import Job, group_left_after
 from tests.dist import free_port
-from tests.synthetic import write_synthetic_dataset
+from tests.synthetic import tiny_job_yaml, write_synthetic_dataset
 
 # fp32, dropout 0: tp2·dp2 differs from one process only in the summation order of the
 # all-reduced partial matmuls and gradients (~1e-7 relative per step); over 6 AdamW steps the
@@ -32,13 +32,7 @@ def dataset(tmp_path_factory):
 
 def _config(tmp_path, dataset):
     cfg = tmp_path / "nodes.yaml"
-    cfg.write_text(
-        f"model: {{preset: tiny, vocab_size: 256}}\n"
-        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
-        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: 400}}\n"
-        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: 6, precision: fp32,"
-        f" log_interval: 1, device: cpu, eval_iters: 1}}\n"
-        f"run_dir: {tmp_path / 'one'}\n")
+    cfg.write_text(tiny_job_yaml(dataset, tmp_path / "one"))
     return cfg
 
 
