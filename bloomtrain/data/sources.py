@@ -30,7 +30,7 @@ SKIP_REASONS = ("invalid_json", "missing_key", "not_utf8", "empty")
 _REASON_TEXT = {
     "invalid_json": "invalid JSON",
     "missing_key": "missing key {key!r} or its value is not a string",
-    "not_utf8": "not valid UTF-8",
+    "not_utf8": "not valid UTF-8 (invalid bytes, or a lone surrogate escape such as \\ud800)",
     "empty": "empty document",
 }
 
@@ -185,6 +185,14 @@ def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | N
         return None, "missing_key"
     if not text:
         return None, "empty"
+    if not text.isascii():
+        # JSON may spell a lone surrogate ("\\ud800"): a str that no UTF-8 encoder (the
+        # tokenizer's included) accepts. Such a document is as unusable as invalid bytes, and is
+        # skipped like them rather than stopping the whole run at encode time.
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None, "not_utf8"
     return text, None
 
 

@@ -82,6 +82,7 @@ def test_bad_inputs_are_counted_reported_and_skipped(tiny_tokenizer_dir, tmp_pat
         b'{"other": "no text key"}',
         b'{"text": 5}',
         b'{"text": "caf\xe9"}',
+        b'{"text": "half a pair \\ud83d here"}',
         b'',
         b'{"text": ""}',
         b'{"text": "good two"}',
@@ -89,13 +90,15 @@ def test_bad_inputs_are_counted_reported_and_skipped(tiny_tokenizer_dir, tmp_pat
     logged = []
     stats = preprocess([data], tiny_tokenizer_dir, tmp_path / "o", progress=False, log=logged.append)
     assert stats.docs == 2
-    assert stats.skipped == {"invalid_json": 1, "missing_key": 2, "not_utf8": 1, "empty": 1}
+    assert stats.skipped == {"invalid_json": 1, "missing_key": 2, "not_utf8": 2, "empty": 1}
+    utf8 = "not valid UTF-8 (invalid bytes, or a lone surrogate escape such as \\ud800)"
     assert stats.reports == [
         f"{data}:2: invalid JSON",
         f"{data}:3: missing key 'text' or its value is not a string",
         f"{data}:4: missing key 'text' or its value is not a string",
-        f"{data}:5: not valid UTF-8",
-        f"{data}:7: empty document",
+        f"{data}:5: {utf8}",
+        f"{data}:6: {utf8}",
+        f"{data}:8: empty document",
     ]
     assert any(f"{data}:5" in line for line in logged)
     assert any("1 invalid_json" in line and "2 missing_key" in line for line in logged)
