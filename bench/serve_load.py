@@ -12,8 +12,11 @@ demo's validation split.
 The model is a trained demo-size one (hidden 128, 4 layers, vocab 4096): `--run-dir DIR` is a
 `bloomtrain demo` run directory; when DIR has no checkpoint yet, the bench trains one there first
 (`bloomtrain demo --run-dir DIR train.train_iters=100 train.precision=fp32`, a few minutes on a
-2-core CPU). The server and the baseline use the same torch thread count (--threads). Measures;
-asserts nothing. Prints a table, then one JSON line.
+2-core CPU). The server and the baseline use the same torch thread count (--threads). Rounds
+(--rounds, 3) each run the baseline and then every client count, so that a shared machine whose
+speed drifts moves both sides alike; reported are the medians over the rounds, the ratio being
+each round's against its own baseline. Measures; asserts nothing. Prints a table, then one JSON
+line.
 
     python bench/serve_load.py
     python bench/serve_load.py --run-dir /tmp/demo --clients 1,4,16 --requests 64 --threads 1
@@ -29,6 +32,7 @@ import os
 import queue
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -210,6 +214,8 @@ def main() -> int:
                     help="torch threads of the server and of the baseline (default: 1)")
     ap.add_argument("--valid-samples", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (baseline, then each client count); medians reported")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     torch.set_num_threads(args.threads)
@@ -229,25 +235,41 @@ def main() -> int:
           f" valid perplexity {quant['ppl_fp32']:.4f} -> {quant['ppl_int8']:.4f} "
           f"({100 * quant['ppl_delta_rel']:+.3f}%)", flush=True)
 
-    base = baseline(checkpoint, requests, eos, tokenizer.vocab_size)
-    print(f"baseline (generate, one request at a time): {base['output_tokens']} tokens in "
-          f"{base['wall_s']:.1f} s = {base['tokens_per_s']:.1f} tokens/s", flush=True)
-
+    # Rounds alternate the baseline and the server's loads, so that a machine whose speed
+    # drifts (a shared one) moves both sides alike; each round's ratio uses its own baseline,
+    # and the medians are reported.
     server = Server(checkpoint, args.threads, max(clients))
-    rows = []
+    bases, runs = [], {c: [] for c in clients}
     try:
         asyncio.run(run_load(server.url, requests[:2], 1))  # warm-up
-        for c in clients:
-            r = asyncio.run(run_load(server.url, requests, c))
-            r["vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
-            rows.append(r)
-            print(f"  {c:>2} clients: {r['tokens_per_s']:8.1f} tokens/s "
-                  f"({r['vs_baseline']:.2f}x baseline)", flush=True)
+        for r in range(args.rounds):
+            base = baseline(checkpoint, requests, eos, tokenizer.vocab_size)
+            bases.append(base)
+            print(f"round {r + 1}: baseline (generate, one request at a time) "
+                  f"{base['output_tokens']} tokens in {base['wall_s']:.1f} s = "
+                  f"{base['tokens_per_s']:.1f} tokens/s", flush=True)
+            for c in clients:
+                run = asyncio.run(run_load(server.url, requests, c))
+                run["vs_baseline"] = run["tokens_per_s"] / base["tokens_per_s"]
+                runs[c].append(run)
+                print(f"  {c:>2} clients: {run['tokens_per_s']:8.1f} tokens/s "
+                      f"({run['vs_baseline']:.2f}x baseline)", flush=True)
     finally:
         server.stop()
+    base = {"tokens_per_s": statistics.median(b["tokens_per_s"] for b in bases),
+            "output_tokens": bases[0]["output_tokens"], "rounds": bases}
+    rows = []
+    for c in clients:
+        row = {"clients": c, "output_tokens": runs[c][0]["output_tokens"]}
+        for key in ("tokens_per_s", "vs_baseline", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+                    "itl_p99_s"):
+            row[key] = statistics.median(run[key] for run in runs[c])
+        row["vs_baseline_rounds"] = [run["vs_baseline"] for run in runs[c]]
+        rows.append(row)
 
     print(f"\nmodel {checkpoint}, {args.requests} requests (prompts {PROMPT_LENGTHS}, outputs "
-          f"{OUTPUT_LENGTHS} tokens, greedy), torch threads {args.threads}")
+          f"{OUTPUT_LENGTHS} tokens, greedy), torch threads {args.threads}, medians of "
+          f"{args.rounds} rounds (x base: of each round's ratio to its own baseline)")
     print(f"{'clients':>7} {'tok/s':>8} {'x base':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>8} {'ITL p99':>8}")
     print(f"{'base':>7} {base['tokens_per_s']:>8.1f} {1.0:>6.2f}")
@@ -256,7 +278,8 @@ def main() -> int:
               f"{1e3 * r['ttft_p50_s']:>7.1f}ms {1e3 * r['ttft_p99_s']:>7.1f}ms "
               f"{1e3 * r['itl_p50_s']:>6.1f}ms {1e3 * r['itl_p99_s']:>6.1f}ms")
     print(json.dumps({"bench": "serve_load", "checkpoint": str(checkpoint),
-                      "requests": args.requests, "threads": args.threads, "baseline": base,
+                      "requests": args.requests, "threads": args.threads,
+                      "rounds": args.rounds, "baseline": base,
                       "results": rows, "int8": quant}))
     return 0
 

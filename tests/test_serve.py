@@ -216,19 +216,35 @@ class Gate:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, tokenizer, metrics, start=True):
+async def serving(engine, tokenizer, metrics, start=True, split=False):
+    """The HTTP app over `engine`: on an engine thread in this process, or (`split`) as
+    `bloomtrain serve` runs it, through an EngineClient and a pipe to `serve_engine`, which
+    runs the engine on its own thread here in place of the engine process. The app's metrics
+    are then the front end's own, filled from the engine's `metrics` when scraped."""
     from aiohttp import web
 
+    from bloomtrain.serve.remote import EngineClient, serve_engine
     from bloomtrain.serve.server import create_app
 
-    app = create_app(engine, tokenizer, metrics, model_name="tiny", max_body_bytes=1 << 16)
+    front, loop_thread = engine, None
+    if split:
+        import multiprocessing
+
+        here, there = multiprocessing.Pipe()
+        front = EngineClient(there, engine.config, vocab_limit=engine.vocab_limit,
+                             has_tokenizer=engine.tokenizer is not None)
+        metrics = ServeMetrics()
+        metrics.engine = front
+        loop_thread = threading.Thread(target=serve_engine, args=(engine, here),
+                                       kwargs={"log": lambda *a, **k: None}, daemon=True)
+    app = create_app(front, tokenizer, metrics, model_name="tiny", max_body_bytes=1 << 16)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     if start:
-        engine.start()
+        loop_thread.start() if split else engine.start()
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
             yield app, session
@@ -237,6 +253,10 @@ async def serving(engine, tokenizer, metrics, start=True):
         if isinstance(gate, Gate):
             gate.open.set()
         await runner.cleanup()
+        if split:
+            front.close()  # "bye": serve_engine returns
+            loop_thread.join(timeout=60)
+            assert not loop_thread.is_alive()
         engine.close()
 
 
@@ -316,13 +336,14 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
     assert engine.pool.num_used == 0 and engine.error is None
 
 
-def test_streaming_equals_non_streaming(model_dir, tokenizer):
+@pytest.mark.parametrize("split", [False, True], ids=["thread", "process"])
+def test_streaming_equals_non_streaming(model_dir, tokenizer, split):
     _, path = model_dir
     engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
     prompts = ["The quick brown fox", "Привет, мир!", "def f(x):"]
 
     async def main():
-        async with serving(engine, tokenizer, metrics) as (_, session):
+        async with serving(engine, tokenizer, metrics, split=split) as (_, session):
             req = {"prompt": prompts, "max_tokens": 20, "temperature": 0, "logprobs": 1,
                    "echo": True}
             async with session.post("/v1/completions", json=req) as resp:
@@ -373,8 +394,9 @@ def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     assert body["usage"]["completion_tokens"] == 0
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["thread", "process"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_frees_slot_and_blocks(model_dir, tokenizer, stream):
+def test_disconnect_frees_slot_and_blocks(model_dir, tokenizer, stream, split):
     _, path = model_dir
     cfg = EngineConfig(max_model_len=512, block_size=8, kv_cache_tokens=1024, max_num_seqs=8,
                        max_batched_tokens=40, prefill_chunk=16, max_queue=8)
@@ -383,7 +405,7 @@ def test_disconnect_frees_slot_and_blocks(model_dir, tokenizer, stream):
     gate = engine.execute
 
     async def main():
-        async with serving(engine, tokenizer, metrics) as (app, session):
+        async with serving(engine, tokenizer, metrics, split=split) as (app, session):
             from bloomtrain.serve.server import STATE
             req = {"prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0,
                    "stream": stream}
@@ -438,14 +460,15 @@ def test_overload_is_503_with_retry_after(model_dir, tokenizer):
     assert accepted == [(200, "length")] * 2
 
 
-def test_metrics_parse(model_dir, tokenizer):
+@pytest.mark.parametrize("split", [False, True], ids=["thread", "process"])
+def test_metrics_parse(model_dir, tokenizer, split):
     from prometheus_client.parser import text_string_to_metric_families
 
     _, path = model_dir
     engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
 
     async def main():
-        async with serving(engine, tokenizer, metrics) as (_, session):
+        async with serving(engine, tokenizer, metrics, split=split) as (_, session):
             reqs = [session.post("/v1/completions", json={
                 "prompt": p, "max_tokens": 7, "temperature": 0}) for p in ("a b c", "x y")]
             for r in await asyncio.gather(*reqs):
@@ -527,6 +550,51 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """Pids of the multiprocessing-spawned children of `pid` (from /proc), not counting
+    multiprocessing's resource tracker."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_cli_front_end_failures_end_the_server(model_dir):
+    """The HTTP front end runs in its own process (bloomtrain.serve.remote). A port that is
+    taken is a clear error and exit code 2; a front end that dies (SIGKILL) takes the engine
+    process down with it, naming the signal, rather than leaving a server that never answers."""
+    import socket
+
+    _, path = model_dir
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = ServerProcess(["--checkpoint", str(path), "--port", str(port)])
+        try:
+            server.wait_line(rf"cannot listen on 127\.0\.0\.1:{port}.*another --port")
+            assert server.proc.wait(timeout=60) == 2
+        finally:
+            server.stop()
+    server = ServerProcess(["--checkpoint", str(path)])
+    try:
+        server.wait_line(r"listening on http://")
+        (front,) = _spawned_children(server.proc.pid)
+        os.kill(front, signal.SIGKILL)
+        server.wait_line(r"the HTTP front end was killed by SIGKILL")
+        assert server.proc.wait(timeout=60) == 2
+    finally:
+        server.stop()
 
 
 def test_cli_int8_and_sigterm_drain(model_dir, tokenizer):

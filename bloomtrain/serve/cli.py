@@ -149,12 +149,12 @@ def _serve_rank(opts: dict) -> None:
 
 
 def _serve(opts: dict, executor, runner, tokenizer) -> None:
-    import asyncio
-
+    """The engine on this process's main thread, the HTTP front end in a child process
+    (bloomtrain.serve.remote says why)."""
     from bloomtrain.serve.engine import Engine
     from bloomtrain.serve.metrics import ServeMetrics
     from bloomtrain.serve.quantize import model_bytes
-    from bloomtrain.serve.server import create_app, run_server
+    from bloomtrain.serve.remote import frontend_failure, serve_engine, start_frontend
 
     model, cache = runner.model, runner.cache
     if tokenizer.vocab_size > model.shape.vocab_size:
@@ -164,25 +164,29 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
         eos = tokenizer.eod_id
     except UserError:
         eos = None
-    metrics = ServeMetrics()
-    engine = Engine(executor, _engine_config(opts), vocab_size=model.shape.vocab_size,
+    config = _engine_config(opts)
+    engine = Engine(executor, config, vocab_size=model.shape.vocab_size,
                     vocab_limit=tokenizer.vocab_size, eos_token_id=eos, tokenizer=tokenizer,
-                    metrics=metrics)
+                    metrics=ServeMetrics())
     name = opts["model_name"] or Path(opts["checkpoint"]).resolve().name
     print(f"[serve] model {name}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
           f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size})",
           flush=True)
-    # The engine thread and the event loop share the GIL. torch ops release it; a 0.5 ms switch
-    # interval (Python's default is 5 ms) gives it back to the engine promptly when the loop
-    # is busy writing events.
-    sys.setswitchinterval(0.0005)
-    engine.start()
+    frontend, conn = start_frontend(opts, {"config": config, "vocab_limit": tokenizer.vocab_size,
+                                           "model_name": name})
     try:
-        app = create_app(engine, tokenizer, metrics, model_name=name)
-        asyncio.run(run_server(app, opts["host"], opts["port"], opts["drain_timeout"]))
+        serve_engine(engine, conn, frontend)
     finally:
         engine.close()
+        conn.close()
+        frontend.join(timeout=opts["drain_timeout"] + 10)
+        if frontend.is_alive():
+            frontend.kill()
+            frontend.join()
+    failure = frontend_failure(frontend.exitcode)
+    if failure is not None:
+        raise UserError(failure)
     print("[serve] stopped", flush=True)
 
 

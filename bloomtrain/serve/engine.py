@@ -13,7 +13,8 @@ when temperature is 0, else temperature, top-k and top-p in HF's order, each req
 from its own generator (seeded when the request gives a seed).
 
 Threads: `submit` and `abort` may be called from any thread (the HTTP event loop); `step` runs
-on one thread only, the engine's (`start`), or the caller's (`generate`). Results go to each
+on one thread only, the engine's (`start`), or the caller's (`generate`, and
+bloomtrain.serve.remote's loop, where the HTTP front end is another process). Results go to each
 sequence's `sink` as `SeqOutput`s, called on the engine thread.
 """
 from __future__ import annotations
@@ -323,11 +324,15 @@ class Engine:
                     if self._stop:
                         return
                 self.step()
-        except BaseException as e:  # a failed step: fail every request, take no more
-            self.error = e
-            with self._lock:
-                self._closed = True
-            self._finish_all("error", repr(e))
+        except BaseException as e:
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """A step failed: fail every request, take no more."""
+        self.error = e
+        with self._lock:
+            self._closed = True
+        self._finish_all("error", repr(e))
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         with self._lock:

@@ -57,19 +57,26 @@ class BlockPool:
 
 
 class PagedKVCache:
-    """Keys and values of every layer, one [num_blocks * block_size, 2, heads, head_dim] tensor
-    each: slot-major, so that writing a token or gathering a sequence's context copies one
-    contiguous row (keys and values of every head) per position; the gathered context is then
-    laid out head-major, [2, heads, ..., head_dim], the matrices attention multiplies. Zeroed,
-    so that the padding slots a batched attention reads are finite (they are masked with -inf,
-    and 0 times a finite value stays 0)."""
+    """Keys and values of every layer, one [2, heads, num_blocks, block_size, head_dim] tensor
+    each: head-major planes (keys or values of one head) cut into blocks, so that a block of
+    one plane is one contiguous run of block_size x head_dim numbers. Gathering a batch of block
+    tables then copies whole blocks straight into the layout attention multiplies, one copy in
+    all: [heads, sequences, blocks x block_size, head_dim], each (head, sequence) matrix
+    contiguous. (Token-major slots, gathered and then transposed to head-major, copied the
+    context twice and took a quarter of a decode step on CPU.) Zeroed, so that the padding
+    blocks a batched attention reads are finite (they are masked with -inf, and 0 times a
+    finite value stays 0)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                  head_dim: int, dtype: torch.dtype, device):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, 2, num_heads, head_dim)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        shape = (2, num_heads, num_blocks, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Each layer's planes ([num_blocks, block_size, head_dim] views), made once.
+        self._planes = [[kv[kind, head] for kind in range(2) for head in range(num_heads)]
+                        for kv in self.kv]
 
     @property
     def bytes(self) -> int:
@@ -77,14 +84,37 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """kv [n, heads, 2, head_dim] (keys and values of n tokens) into `slots` [n]."""
-        self.kv[layer].index_copy_(0, slots, kv.transpose(1, 2))
+        flat = self.kv[layer].view(2, self.num_heads, -1, self.head_dim)
+        flat.index_copy_(2, slots, kv.permute(2, 1, 0, 3))
 
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values at `slots` (any shape [...]) -> [heads, ..., head_dim] each,
-        contiguous."""
-        kv = self.kv[layer].index_select(0, slots.reshape(-1))  # [n, 2, nh, hd]
-        kv = kv.view(tuple(slots.shape) + kv.shape[1:]).movedim((-3, -2), (0, 1)).contiguous()
-        return kv[0], kv[1]
+    def buffer(self, tables: torch.Tensor):
+        """Room for `read` of the block tables `tables` [b, w] on CPU, to reuse at every layer
+        of a step: a layer's attention is done with what it read before the next layer reads.
+        None on CUDA, where `read` gathers in one kernel into a new tensor."""
+        if self.kv[0].is_cuda:
+            return None
+        out = self.kv[0].new_empty((2, self.num_heads, tables.numel(), self.block_size,
+                                    self.head_dim))
+        return out, [out[kind, head] for kind in range(2) for head in range(self.num_heads)]
+
+    def read(self, layer: int, tables: torch.Tensor, buffer=None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the blocks `tables` [b, w] (b block tables of w blocks)
+        -> [heads, b, w * block_size, head_dim] each, every (head, table) matrix
+        contiguous; into `buffer` (from `buffer(tables)`) when given."""
+        cache = self.kv[layer]
+        b, w = tables.shape
+        ids = tables.reshape(-1)
+        if cache.is_cuda:
+            out = cache.index_select(2, ids)
+        else:
+            # index_select over an inner dimension goes element by element on CPU; over the
+            # leading (block) dimension of each plane it copies whole blocks.
+            out, planes = buffer if buffer is not None else self.buffer(tables)
+            for src, dst in zip(self._planes[layer], planes):
+                torch.index_select(src, 0, ids, out=dst)
+        out = out.view(2, self.num_heads, b, w * self.block_size, self.head_dim)
+        return out[0], out[1]
 
 
 def slots_of(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

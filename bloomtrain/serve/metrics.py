@@ -3,7 +3,9 @@ read when scraped, and cumulative histograms. Written by hand (a few dozen lines
 with prometheus_client, which would be a dependency for this alone; the tests parse the output
 with prometheus_client's own parser.
 
-Updated from two threads (the engine's and the HTTP event loop's), hence the lock.
+Updated from two threads (the engine's and the HTTP event loop's), hence the lock. When the
+engine runs in its own process (bloomtrain.serve.remote), the front end's /metrics asks it for a
+`snapshot` of the engine-side metrics and `absorb`s it before rendering.
 """
 from __future__ import annotations
 
@@ -117,6 +119,24 @@ class ServeMetrics:
                              "Between consecutive generated tokens of a sequence", ITL_BUCKETS)
         self.latency = Histogram("bloomtrain_request_latency_seconds",
                                  "From a sequence's arrival to its end", LATENCY_BUCKETS)
+
+    # What the engine updates; under `bloomtrain serve` it runs in another process than the
+    # HTTP front end (bloomtrain.serve.remote), which copies these in when scraped.
+    ENGINE_SIDE = ("requests", "prompt_tokens", "generation_tokens", "preemptions", "steps",
+                   "ttft", "itl", "latency")
+
+    def snapshot(self) -> dict:
+        """Copies of the engine-side metrics, to send to another process."""
+        import copy
+        with self.lock:
+            return {name: copy.deepcopy(getattr(self, name)) for name in self.ENGINE_SIDE}
+
+    def absorb(self, snapshot: dict) -> None:
+        """Take the engine-side metrics of `snapshot` (another process's `snapshot()`)."""
+        with self.lock:
+            for name in self.ENGINE_SIDE:
+                if name in snapshot:
+                    setattr(self, name, snapshot[name])
 
     def _engine_value(self, attr: str) -> float:
         return 0.0 if self.engine is None else float(getattr(self.engine, attr))

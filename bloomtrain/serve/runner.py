@@ -8,7 +8,8 @@ runs on all rows at once; attention runs per sequence, since each has its own co
   slope * (k - q) from the sequence's own positions, so its scores never depend on where it
   sits in the batch);
 - decodes (q_len = 1): all in one batched call, each sequence's keys gathered from its blocks
-  and padded to the longest context of the step, rounded up to a multiple of `DECODE_BUCKET`;
+  and padded to the longest context of the step, rounded up to whole blocks and a multiple of
+  `DECODE_BUCKET`;
   padding keys are masked with -inf.
 Attention is HF BloomAttention's math (baddbmm of the bias and q kᵀ / sqrt(d), softmax in fp32,
 bmm), not SDPA: on CPU, SDPA's fused kernel gives a head slightly different bits depending on
@@ -103,8 +104,9 @@ class _Plan:
     ids: torch.Tensor                 # [rows] (padded to MIN_ROWS)
     num_tokens: int
     write_slots: torch.Tensor         # [num_tokens]
-    prefills: list                    # (start, end, slots [L], bias [nh, q, L])
-    decodes: list                     # (rows [D], slots [D, Lp], bias [nh * D, 1, Lp])
+    # The cache's read buffers (PagedKVCache.buffer) are shared by the layers of the step.
+    prefills: list                    # (start, end, table [1, W], buffer, L, bias [nh, q, L])
+    decodes: list                     # (rows [D], tables [D, W], buffer, bias [nh * D, 1, W bs])
     logit_rows: torch.Tensor          # [>= MIN_ROWS]
     num_logits: int
 
@@ -135,10 +137,12 @@ class ModelRunner:
         prefills, decoding = [], []
         for s in batch.seqs:
             if s.q_len > 1:
-                slots = slots_of(torch.tensor(s.blocks, device=dev), s.ctx_len, bs)
+                table = torch.tensor([s.blocks], device=dev)
+                slots = slots_of(table[0], s.ctx_len, bs)
                 write_slots[s.row:s.row + s.q_len] = slots[s.ctx_len - s.q_len:].tolist()
                 bias = alibi_causal_bias(self.slopes, s.q_len, s.ctx_len, self.dtype, dev)
-                prefills.append((s.row, s.row + s.q_len, slots, bias[0]))
+                prefills.append((s.row, s.row + s.q_len, table, self.cache.buffer(table),
+                                 s.ctx_len, bias[0]))
             else:
                 decoding.append(s)
                 p = s.ctx_len - 1
@@ -146,19 +150,21 @@ class ModelRunner:
         decodes = []
         if decoding:
             longest = max(s.ctx_len for s in decoding)
-            padded = -(-longest // DECODE_BUCKET) * DECODE_BUCKET
-            width = -(-padded // bs)
+            # Whole blocks, and a multiple of DECODE_BUCKET keys (see the module's doc).
+            bucket = math.lcm(DECODE_BUCKET, bs)
+            padded = -(-longest // bucket) * bucket
+            width = padded // bs
             # Padding blocks point at block 0: real memory, finite values, masked below.
             tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
-                                  device=dev)
-            slots = slots_of(tables, padded, bs)  # [D, Lp]
+                                  device=dev)  # [D, width]
             ctx = torch.tensor([s.ctx_len for s in decoding], device=dev, dtype=torch.float32)
             # ALiBi as alibi_causal_bias builds it: slope * (k - q) in fp32, -inf after q.
             rel = torch.arange(padded, device=dev, dtype=torch.float32) - (ctx[:, None] - 1)
             bias = self.slopes.to(dev, torch.float32)[:, None, None] * rel  # [nh, D, Lp]
             bias = bias.masked_fill(rel > 0, float("-inf"))
             rows = torch.tensor([s.row for s in decoding], device=dev)
-            decodes.append((rows, slots, bias.to(self.dtype).view(-1, 1, padded)))
+            decodes.append((rows, tables, self.cache.buffer(tables),
+                            bias.to(self.dtype).view(-1, 1, padded)))
         num_logits = len(batch.logit_rows)
         logit_rows = batch.logit_rows + [0] * (max(num_logits, MIN_ROWS) - num_logits)
         return _Plan(torch.tensor(ids, device=dev), num_tokens,
@@ -190,12 +196,13 @@ class ModelRunner:
         q = qkv[:, :, 0]  # [rows, nh, hd]
         self.cache.write(layer, plan.write_slots, qkv[:plan.num_tokens, :, 1:])
         ctx = torch.zeros_like(q)  # padding rows attend to nothing
-        for start, end, slots, bias in plan.prefills:
-            keys, values = self.cache.read(layer, slots)  # [nh, L, hd]
+        for start, end, table, buffer, length, bias in plan.prefills:
+            keys, values = self.cache.read(layer, table, buffer)  # [nh, 1, W * bs, hd]
+            keys, values = keys[:, 0, :length], values[:, 0, :length]  # [nh, L, hd]
             out = _attention(q[start:end].transpose(0, 1), keys, values, bias)  # [nh, q, hd]
             ctx[start:end] = out.transpose(0, 1)
-        for rows, slots, bias in plan.decodes:
-            keys, values = self.cache.read(layer, slots)  # [nh, D, Lp, hd]
+        for rows, tables, buffer, bias in plan.decodes:
+            keys, values = self.cache.read(layer, tables, buffer)  # [nh, D, Lp, hd]
             n = bias.shape[0]  # nh * D matrices, head-major like the cache
             qd = q.index_select(0, rows).transpose(0, 1).reshape(n, 1, self.head_dim)
             out = _attention(qd, keys.view(n, -1, self.head_dim),

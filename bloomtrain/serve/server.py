@@ -327,7 +327,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    text = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    fetch = getattr(state.engine, "metrics_snapshot", None)
+    if fetch is not None:  # the engine runs in another process (bloomtrain.serve.remote)
+        snapshot = await fetch()
+        if snapshot is not None:
+            state.metrics.absorb(snapshot)
+    text = state.metrics.render()
     return web.Response(text=text, content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
