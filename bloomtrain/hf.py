@@ -20,11 +20,12 @@ import json
 import math
 import os
 import shutil
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
-from bloomtrain.utils import UserError, disk_full_error, fsync_dir, is_disk_full
+from bloomtrain.utils import (PathOutside, UserError, disk_full_error, fsync_dir, is_disk_full,
+                             path_inside)
 
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
     import torch
@@ -171,24 +172,23 @@ def _weight_file(hf_dir: Path, name, source: str) -> Path:
     directory: no absolute path, no `..`, no symlink leading elsewhere. One exception: the
     snapshots of the HF hub cache (`models--ORG--NAME/snapshots/REV/`) link every file to
     `../../blobs/`, so there the repository's cache directory is the boundary."""
-    if not isinstance(name, str) or not name or "\x00" in name:
+    root = hf_dir
+    if hf_dir.resolve().parent.name == "snapshots" and \
+            (hf_dir.resolve().parent.parent / "blobs").is_dir():
+        root = hf_dir.resolve().parent.parent
+    try:
+        return path_inside(hf_dir, name, boundary=root)
+    except PathOutside as e:
+        reason, detail = e.reason, e.detail
+    if reason == "not_a_name":
         raise UserError(f"{source} names weight file {name!r}, which is not a file name")
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts:
+    if reason == "outside":
         raise UserError(f"{source} names weight file {name!r}, a path outside {hf_dir}; "
                         f"refusing to read it (shards are file names inside the directory)")
-    root = hf_dir.resolve()
-    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
-        root = root.parent.parent
-    path = hf_dir / name
-    try:
-        inside = path.resolve().is_relative_to(root)
-    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop; a name the OS refuses
-        raise UserError(f"{source}: weight file {name!r} cannot be resolved: {e}") from None
-    if not inside:
-        raise UserError(f"{source}: weight file {name!r} is a symlink leading out of {hf_dir} "
-                        f"(to {path.resolve()}); refusing to read it")
-    return path
+    if reason == "unresolvable":
+        raise UserError(f"{source}: weight file {name!r} cannot be resolved: {detail}")
+    raise UserError(f"{source}: weight file {name!r} is a symlink leading out of {hf_dir} "
+                    f"(to {detail}); refusing to read it")
 
 
 def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:

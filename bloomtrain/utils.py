@@ -6,7 +6,7 @@ import errno
 import os
 import shutil
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from bloomtrain.config import UserError  # noqa: F401  (defined in the leaf module; re-exported)
@@ -108,3 +108,34 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class PathOutside(Exception):
+    """A file name that must stay inside a directory does not. `reason`: "not_a_name" (not a
+    non-empty string without NUL), "outside" (absolute, or with `..`), "unresolvable" (a symlink
+    loop, a name the OS refuses; `detail` says what), "symlink" (a symlink leading out;
+    `detail` is where it leads). Callers word the error for the file kind they read."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+def path_inside(directory: Path, name, boundary: Path | None = None) -> Path:
+    """`directory / name` for a file name read from an untrusted file (a checkpoint manifest,
+    an HF weight map), refused (PathOutside) unless it is a relative name that, symlinks
+    resolved, stays inside `boundary` (default: `directory`), so that such a file can never
+    make us read, hash or copy files elsewhere."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise PathOutside("not_a_name")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise PathOutside("outside")
+    full = directory / name
+    try:
+        inside = full.resolve().is_relative_to((boundary or directory).resolve())
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop; a name the OS refuses
+        raise PathOutside("unresolvable", str(e)) from None
+    if not inside:
+        raise PathOutside("symlink", str(full.resolve()))
+    return full

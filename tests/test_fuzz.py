@@ -417,6 +417,26 @@ def test_train_manifest_keys_damaged(train_manifest, data):
         raise AssertionError(f"{path} = {replacement!r} was accepted")
 
 
+@pytest.mark.parametrize("replacement", [_DELETE, None, "x", -1, [], {}],
+                         ids=["deleted", "null", "string", "negative", "list", "object"])
+def test_train_manifest_every_key(train_manifest, replacement):
+    """The property above for every trainer key, each deleted or set to a value of each kind:
+    a sweep, so that no key depends on which ones the random draws reach."""
+    from bloomtrain.train.checkpointing import check_train_manifest
+
+    step, manifest, paths = train_manifest
+    for path in paths:
+        if replacement is _DELETE and isinstance(_get(manifest, path[:-1]), list):
+            continue
+        bad = json.loads(json.dumps(manifest))
+        _set(bad, path, replacement)
+        try:
+            check_train_manifest(step, bad)
+        except CheckpointError:
+            continue
+        _resume_pieces(bad)
+
+
 def test_resume_from_damaged_train_state_is_refused(train_manifest, tmp_path):
     """End to end: a trainer resuming from a checkpoint whose train_state.step is a string
     stops with the manifest and the key named, before any state is loaded."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
 from bloomtrain.model.presets import BloomShape
-from bloomtrain.utils import UserError
+from bloomtrain.utils import PathOutside, UserError, path_inside
 
 FORMAT = "bloomtrain-checkpoint"
 FORMAT_VERSION = 2
@@ -55,23 +55,21 @@ def member_path(root: Path, name: Any, what: str = "file") -> Path:
     """`root / name` for a name a manifest gives, refused unless it stays inside `root`: no
     absolute path, no `..`, and no symlink on the way that leads out. A checkpoint may come
     from anyone, and its manifest must not make us read (or hash, or copy) files elsewhere."""
-    if not isinstance(name, str) or not name or "\x00" in name:
+    try:
+        return path_inside(root, name)
+    except PathOutside as e:
+        reason, detail = e.reason, e.detail
+    if reason == "not_a_name":
         raise CheckpointError(f"{root}: the manifest names {what} {name!r}, which is not a "
                               f"file name; the manifest is corrupt")
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts:
+    if reason == "outside":
         raise CheckpointError(f"{root}: the manifest names {what} {name!r}, a path outside the "
                               f"checkpoint directory; refusing to read it (a checkpoint's files "
                               f"are relative names inside it)")
-    full = root / name
-    try:
-        inside = full.resolve().is_relative_to(root.resolve())
-    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop; a name the OS refuses
-        raise CheckpointError(f"{root}: {what} {name!r} cannot be resolved: {e}") from None
-    if not inside:
-        raise CheckpointError(f"{root}: {what} {name!r} is a symlink leading out of the "
-                              f"checkpoint directory (to {full.resolve()}); refusing to read it")
-    return full
+    if reason == "unresolvable":
+        raise CheckpointError(f"{root}: {what} {name!r} cannot be resolved: {detail}")
+    raise CheckpointError(f"{root}: {what} {name!r} is a symlink leading out of the "
+                          f"checkpoint directory (to {detail}); refusing to read it")
 
 
 def _is_int(value) -> bool:

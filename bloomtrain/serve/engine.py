@@ -215,6 +215,7 @@ class Engine:
         self.metrics = metrics
         self.scheduler = Scheduler(config, on_admit=self._admitted, on_preempt=self._preempted)
         self.pool = self.scheduler.pool
+        self.blocks_total = self.pool.num_blocks
         self.waiting = self.scheduler.waiting
         self.running = self.scheduler.running
         self._ids = itertools.count()
@@ -249,10 +250,6 @@ class Engine:
     @property
     def blocks_used(self) -> int:
         return self.pool.num_used
-
-    @property
-    def blocks_total(self) -> int:
-        return self.pool.num_blocks
 
     @property
     def num_live(self) -> int:
@@ -330,8 +327,7 @@ class Engine:
     def fail(self, e: BaseException) -> None:
         """A step failed: fail every request, take no more."""
         self.error = e
-        with self._lock:
-            self._closed = True
+        self.stop_accepting()
         self._finish_all("error", repr(e))
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:

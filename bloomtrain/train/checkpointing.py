@@ -138,9 +138,11 @@ def check_train_manifest(path, manifest: dict) -> None:
         raise bad("ranks must be an object of rank -> {rng}")
     size = torch.get_rng_state().numel()
     for rank, meta in ranks.items():
-        rng = meta.get("rng") if isinstance(meta, dict) else None
-        if rng is None and isinstance(meta, dict):
+        if not isinstance(meta, dict):
+            raise bad(f"ranks[{rank!r}] must be an object")
+        if "rng" not in meta:  # a rank without one keeps the generator it has
             continue
+        rng = meta["rng"]
         if not isinstance(rng, dict) or not isinstance(rng.get("torch"), str):
             raise bad(f"ranks[{rank!r}].rng must be an object with `torch`, a base64 string")
         for device in ("torch", "cuda"):
