@@ -495,6 +495,69 @@ def test_metrics_parse(model_dir, tokenizer, split):
     assert value[("bloomtrain_kv_cache_blocks_total", ())] == CFG.num_blocks
 
 
+def _tp_rank_from_checkpoint(rank, world, path):
+    from bloomtrain.checkpoint.reader import CheckpointReader
+    from bloomtrain.serve.tp import load_serving_model, serving_layout
+    from bloomtrain.topology import Topology
+
+    import weakref
+
+    full_loads, alive, peak = [], [], [0]
+    original = CheckpointReader.load
+
+    def load(self, name, kind="model"):
+        # The most numbers that tensors read whole from the checkpoint hold at once.
+        out = original(self, name, kind)
+        alive[:] = [ref for ref in alive if ref() is not None] + [weakref.ref(out)]
+        peak[0] = max(peak[0], sum(ref().numel() for ref in alive))
+        full_loads.append(name)
+        return out
+
+    CheckpointReader.load = load
+    try:
+        model = load_serving_model(path, Topology.build(layout=serving_layout(world)))
+    finally:
+        CheckpointReader.load = original
+    ids = torch.arange(18).view(2, 9) * 7 % VOCAB
+    with torch.no_grad():
+        logits = model(ids)  # [b, s, V / tp]
+    return {"logits": logits, "full_loads": full_loads, "peak": peak[0],
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
+def test_tp_ranks_read_only_their_shards(tmp_path):
+    """`--nproc 2 parallel.tp=2` on a bloomtrain checkpoint: each rank builds its part of the
+    model from its own shards, so no rank ever holds the whole model (a parameter the checkpoint
+    does not store split is read whole, one at a time, and cut), and the split model's logits
+    are the full model's."""
+    from bloomtrain import checkpoint
+    from bloomtrain.model import BloomShape, build_model
+    from tests.dist import run_ranks
+
+    shape = BloomShape(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                       ffn_hidden_size=256)
+    full = build_model(shape, seed=7).eval()
+    checkpoint.save_checkpoint(tmp_path, 1, full.state_dict(), shape)
+    ranks = run_ranks(2, _tp_rank_from_checkpoint, str(tmp_path))
+    ids = torch.arange(18).view(2, 9) * 7 % VOCAB
+    with torch.no_grad():
+        want = full(ids)
+    got = torch.cat([r["logits"] for r in ranks], dim=-1)
+    assert (got - want).abs().max().item() < 1e-5
+    total = sum(p.numel() for p in full.parameters())
+    for r in ranks:
+        assert r["numel"] < 0.6 * total  # the matrices are halves; LayerNorms and biases whole
+        # Read whole and held: one matrix at a time, besides the replicated vectors (loading
+        # the whole model and then splitting it, as for an HF directory, holds `total`).
+        biggest = max(p.numel() for p in full.parameters())
+        assert r["peak"] <= biggest + (total - sum(p.numel() for p in full.parameters()
+                                                   if p.dim() == 2))
+        # Saved at tp=1, each parameter is read whole once, as it is cut (or kept, when
+        # replicated): never twice, never the model at once.
+        assert sorted(r["full_loads"]) == sorted(set(r["full_loads"]))
+        assert set(r["full_loads"]) <= set(full.state_dict()) - {"lm_head.weight"}
+
+
 # ---- the CLI, end to end: tensor parallelism, SIGTERM drain ---------------------------------
 
 def test_cli_rejects_bad_settings(model_dir, tmp_path, capsys):

@@ -37,23 +37,70 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     group when it has one (built with `serving_layout`), by the training path
     (`parallelize`: the tensor-parallel plan, one pipeline chunk, no ZeRO engine), then
     quantized when asked (after the split, with full-row scales; see
-    bloomtrain.serve.quantize), then moved to `device`."""
-    from bloomtrain import load_model
+    bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint each rank
+    reads only its shards (`_load_tp_shards`); an HF directory is read whole, then cut."""
+    from bloomtrain import hf, load_model
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.serve.quantize import quantize_model
 
-    model = load_model(checkpoint, device="cpu", dtype=dtype)
-    if topo is not None and topo.tp_size > 1:
-        # A loaded model's vocabulary is padded already; only its size has to split.
-        topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
-        dtype = model.transformer.word_embeddings_layernorm.weight.dtype
-        precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-        # The modules of `model` are the chunk's: splitting them in place splits `model`.
-        parallelize(model, topo, _config(topo.tp_size, precision), device="cpu", engine=False)
+    split = topo is not None and topo.tp_size > 1
+    if split and not hf.is_hf_dir(checkpoint):
+        model = _load_tp_shards(checkpoint, topo, dtype)
+    else:
+        model = load_model(checkpoint, device="cpu", dtype=dtype)
+        if split:  # an HF directory: read whole, then cut
+            # A loaded model's vocabulary is padded already; only its size has to split.
+            topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
+            dtype = model.transformer.word_embeddings_layernorm.weight.dtype
+            precision = {torch.float32: "fp32", torch.bfloat16: "bf16",
+                         torch.float16: "fp16"}[dtype]
+            # The modules of `model` are the chunk's: splitting them in place splits `model`.
+            parallelize(model, topo, _config(topo.tp_size, precision), device="cpu",
+                        engine=False)
     if quantize:
         quantize_model(model, quantize)
     model.to(device)
     return model.eval()
+
+
+def _load_tp_shards(checkpoint, topo, dtype):
+    """The model of a bloomtrain checkpoint split over `topo`'s tp group, each rank reading
+    only its own shards (CheckpointReader.load_tp_shard: the fragments of that shard when the
+    checkpoint was written with the same split, else one full parameter at a time, cut), so
+    that no rank ever holds the whole model: built on the meta device, split by the training
+    plan, then each local parameter replaced by its shard."""
+    import torch.nn as nn
+
+    from bloomtrain import _DTYPE_ALIASES, hf
+    from bloomtrain.model import BloomForCausalLM, alibi_slopes
+    from bloomtrain.parallel.parallelize import parallelize
+    from bloomtrain.utils import replace_parameters
+
+    reader = hf.open_checkpoint(checkpoint)
+    shape = reader.shape
+    hf.check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != hf.LM_HEAD},
+                   reader.path)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, _DTYPE_ALIASES.get(dtype, dtype))
+    dtype = dtype or reader.dtype(hf.EMBEDDING)
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    with torch.device("meta"):
+        model = BloomForCausalLM(shape)
+    topo.layout.check_tensor_parallel(shape, 1, topo.tp_size)
+    parts = parallelize(model, topo, _config(topo.tp_size, precision), device="meta",
+                        engine=False)
+    new = {}
+    for name, p in parts.named_parameters():
+        spec = parts.specs[name]
+        shard = reader.load_tp_shard(spec.name, "model", topo.tp_rank, topo.tp_size,
+                                     spec.tp_dim)
+        new[id(p)] = nn.Parameter(shard.to(dtype), requires_grad=False)
+    reader.close()
+    replace_parameters(parts.chunks, new)
+    # fp32 whatever the weights' dtype, and this rank's heads only (as parallelize sets them).
+    model.transformer.alibi_slopes = alibi_slopes(shape.num_heads).chunk(
+        topo.tp_size)[topo.tp_rank].clone()
+    return model
 
 
 def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
