@@ -293,6 +293,98 @@ def open_checkpoint(path: str | os.PathLike):
     return reader
 
 
+class HFSliceReader:
+    """The tensors of an HF Bloom directory in safetensors, read in part: `load_tp_shard` reads
+    only one tensor-parallel rank's rows or columns (safetensors' slices), so that a rank
+    serving a split model never holds the whole of it. The interface of CheckpointReader that
+    bloomtrain.serve.tp uses (`shape`, `names`, `full_shape`, `dtype`, `load_tp_shard`,
+    `close`). Use `sliceable(hf_dir)` first: torch .bin files cannot be read in part."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(hf_dir)
+        self.shape = shape_from_hf_config(read_hf_config(self.path))
+        kind, files = _weight_files(self.path)
+        if kind != "safetensors":
+            raise UserError(f"{self.path} holds torch .bin weights, which cannot be read in "
+                            f"part; convert it to safetensors")
+        self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key)
+        self._meta: dict[str, tuple[tuple[int, ...], str]] = {}  # -> (shape, dtype name)
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        name = _canonical_name(key)
+                        self._where[name] = (file, key)
+                        self._meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+            except UserError:
+                raise
+            except Exception as e:  # safetensors' SafetensorError for a damaged header
+                raise UserError(f"cannot read {file} as safetensors: {e}") from None
+        check_state(self.shape, {n: m[0] for n, m in self._meta.items() if n != LM_HEAD},
+                    self.path)
+        self.tied_head = LM_HEAD in self._where
+
+    def names(self) -> list[str]:
+        return [n for n in self._where if n != LM_HEAD]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return self._meta[name][0]
+
+    def dtype(self, name: str):
+        import torch
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+        stored = self._meta[name][1]
+        if stored not in dtypes:
+            raise UserError(f"{self.path}: {name} is stored as {stored}; expected F32, BF16 "
+                            f"or F16")
+        return dtypes[stored]
+
+    def _read(self, name: str, index):
+        from safetensors import safe_open
+
+        file, key = self._where[name]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return f.get_slice(key)[index]
+        except Exception as e:
+            raise UserError(f"cannot read {name} from {file}: {e}") from None
+
+    def load_tp_shard(self, name: str, kind: str, tp_rank: int, tp_size: int,
+                      tp_dim: int | None):
+        """This rank's chunk of `name` along `tp_dim` (all of it when None); `kind` is
+        "model" (an HF directory holds nothing else)."""
+        import torch
+
+        shape = self.full_shape(name)
+        index = [slice(None)] * len(shape)
+        if tp_dim is not None and tp_size > 1:
+            size = shape[tp_dim] // tp_size
+            index[tp_dim] = slice(tp_rank * size, (tp_rank + 1) * size)
+        out = self._read(name, tuple(index))
+        if name == EMBEDDING and self.tied_head:
+            # The head must be the embedding (untied heads are not supported): each rank
+            # compares its own rows, so together the ranks compare all of them.
+            head = self._read(LM_HEAD, tuple(index))
+            if head.dtype != out.dtype or not torch.equal(head, out):
+                raise UserError(f"{self.path}: lm_head.weight differs from the word "
+                                f"embedding; untied LM heads are not supported")
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def sliceable(hf_dir: str | os.PathLike) -> bool:
+    """Whether HFSliceReader can read `hf_dir` in part (its weights are safetensors)."""
+    try:
+        return _weight_files(Path(hf_dir))[0] == "safetensors"
+    except UserError:
+        return False
+
+
 def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]:
     """(shape, state_dict without the tied head, config) of an HF Bloom directory, validated."""
     import torch

@@ -496,14 +496,15 @@ def test_metrics_parse(model_dir, tokenizer, split):
 
 
 def _tp_rank_from_checkpoint(rank, world, path):
+    import weakref
+
     from bloomtrain.checkpoint.reader import CheckpointReader
+    from bloomtrain.hf import HFSliceReader
     from bloomtrain.serve.tp import load_serving_model, serving_layout
     from bloomtrain.topology import Topology
 
-    import weakref
-
-    full_loads, alive, peak = [], [], [0]
-    original = CheckpointReader.load
+    full_loads, alive, peak, read = [], [], [0], [0]
+    original, original_read = CheckpointReader.load, HFSliceReader._read
 
     def load(self, name, kind="model"):
         # The most numbers that tensors read whole from the checkpoint hold at once.
@@ -513,23 +514,29 @@ def _tp_rank_from_checkpoint(rank, world, path):
         full_loads.append(name)
         return out
 
-    CheckpointReader.load = load
+    def hf_read(self, name, index):  # numbers read from HF safetensors, in all
+        out = original_read(self, name, index)
+        read[0] += out.numel()
+        return out
+
+    CheckpointReader.load, HFSliceReader._read = load, hf_read
     try:
         model = load_serving_model(path, Topology.build(layout=serving_layout(world)))
     finally:
-        CheckpointReader.load = original
+        CheckpointReader.load, HFSliceReader._read = original, original_read
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
         logits = model(ids)  # [b, s, V / tp]
-    return {"logits": logits, "full_loads": full_loads, "peak": peak[0],
+    return {"logits": logits, "full_loads": full_loads, "peak": peak[0], "hf_read": read[0],
             "numel": sum(p.numel() for p in model.parameters())}
 
 
-def test_tp_ranks_read_only_their_shards(tmp_path):
-    """`--nproc 2 parallel.tp=2` on a bloomtrain checkpoint: each rank builds its part of the
-    model from its own shards, so no rank ever holds the whole model (a parameter the checkpoint
-    does not store split is read whole, one at a time, and cut), and the split model's logits
-    are the full model's."""
+@pytest.mark.parametrize("source", ["bloomtrain", "hf"])
+def test_tp_ranks_read_only_their_shards(tmp_path, source):
+    """`--nproc 2 parallel.tp=2` on a bloomtrain checkpoint or HF safetensors: each rank builds
+    its part of the model from its own shards, so no rank ever holds the whole model (a
+    parameter a bloomtrain checkpoint does not store split is read whole, one at a time, and
+    cut; safetensors are read by slices), and the split model's logits are the full model's."""
     from bloomtrain import checkpoint
     from bloomtrain.model import BloomShape, build_model
     from tests.dist import run_ranks
@@ -537,8 +544,12 @@ def test_tp_ranks_read_only_their_shards(tmp_path):
     shape = BloomShape(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                        ffn_hidden_size=256)
     full = build_model(shape, seed=7).eval()
-    checkpoint.save_checkpoint(tmp_path, 1, full.state_dict(), shape)
-    ranks = run_ranks(2, _tp_rank_from_checkpoint, str(tmp_path))
+    checkpoint.save_checkpoint(tmp_path / "ck", 1, full.state_dict(), shape)
+    path = tmp_path / "ck"
+    if source == "hf":  # safetensors, read by slices
+        from bloomtrain import hf
+        path = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
+    ranks = run_ranks(2, _tp_rank_from_checkpoint, str(path))
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
         want = full(ids)
@@ -547,8 +558,13 @@ def test_tp_ranks_read_only_their_shards(tmp_path):
     total = sum(p.numel() for p in full.parameters())
     for r in ranks:
         assert r["numel"] < 0.6 * total  # the matrices are halves; LayerNorms and biases whole
+        if source == "hf":
+            # Only this rank's slices (the embedding's twice: the tied head is compared with
+            # it); reading the whole model and cutting it reads more than `total`.
+            assert 0 < r["hf_read"] < 0.7 * total and r["full_loads"] == []
+            continue
         # Read whole and held: one matrix at a time, besides the replicated vectors (loading
-        # the whole model and then splitting it, as for an HF directory, holds `total`).
+        # the whole model and then splitting it holds `total`).
         biggest = max(p.numel() for p in full.parameters())
         assert r["peak"] <= biggest + (total - sum(p.numel() for p in full.parameters()
                                                    if p.dim() == 2))
@@ -556,6 +572,39 @@ def test_tp_ranks_read_only_their_shards(tmp_path):
         # replicated): never twice, never the model at once.
         assert sorted(r["full_loads"]) == sorted(set(r["full_loads"]))
         assert set(r["full_loads"]) <= set(full.state_dict()) - {"lm_head.weight"}
+
+
+def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_path):
+    """HFSliceReader's shards are the full tensors' chunks; an lm_head.weight that differs from
+    the embedding is refused in the rows each rank reads, as a whole read refuses it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from bloomtrain import hf
+    from bloomtrain.utils import UserError
+
+    _, path = model_dir
+    reader = hf.HFSliceReader(path)
+    qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    dense = "transformer.h.0.self_attention.dense.weight"
+    whole = dict(hf.iter_hf_tensors(path))
+    for name, dim in ((qkv, 0), (dense, 1), (hf.EMBEDDING, 0)):
+        for rank in range(2):
+            assert torch.equal(reader.load_tp_shard(name, "model", rank, 2, dim),
+                               whole[name].chunk(2, dim)[rank])
+    untied = tmp_path / "untied"
+    shutil.copytree(path, untied)
+    (weights,) = untied.glob("*.safetensors")
+    with safe_open(str(weights), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    emb = [k for k in tensors if k.endswith("word_embeddings.weight")][0]
+    head = tensors[emb].clone()
+    head[-1, 0] += 1.0  # the second rank's rows only
+    save_file({**tensors, "lm_head.weight": head}, str(weights))
+    reader = hf.HFSliceReader(untied)
+    reader.load_tp_shard(hf.EMBEDDING, "model", 0, 2, 0)  # rank 0's rows agree
+    with pytest.raises(UserError, match="untied LM heads are not supported"):
+        reader.load_tp_shard(hf.EMBEDDING, "model", 1, 2, 0)
 
 
 # ---- the CLI, end to end: tensor parallelism, SIGTERM drain ---------------------------------

@@ -37,18 +37,21 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     group when it has one (built with `serving_layout`), by the training path
     (`parallelize`: the tensor-parallel plan, one pipeline chunk, no ZeRO engine), then
     quantized when asked (after the split, with full-row scales; see
-    bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint each rank
-    reads only its shards (`_load_tp_shards`); an HF directory is read whole, then cut."""
+    bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint or HF
+    safetensors each rank reads only its shards (`_load_tp_shards`); HF torch .bin files are
+    read whole, then cut."""
     from bloomtrain import hf, load_model
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.serve.quantize import quantize_model
 
     split = topo is not None and topo.tp_size > 1
     if split and not hf.is_hf_dir(checkpoint):
-        model = _load_tp_shards(checkpoint, topo, dtype)
+        model = _load_tp_shards(hf.open_checkpoint(checkpoint), topo, dtype)
+    elif split and hf.sliceable(checkpoint):
+        model = _load_tp_shards(hf.HFSliceReader(checkpoint), topo, dtype)
     else:
         model = load_model(checkpoint, device="cpu", dtype=dtype)
-        if split:  # an HF directory: read whole, then cut
+        if split:  # torch .bin weights: read whole, then cut
             # A loaded model's vocabulary is padded already; only its size has to split.
             topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
             dtype = model.transformer.word_embeddings_layernorm.weight.dtype
@@ -63,12 +66,13 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     return model.eval()
 
 
-def _load_tp_shards(checkpoint, topo, dtype):
-    """The model of a bloomtrain checkpoint split over `topo`'s tp group, each rank reading
-    only its own shards (CheckpointReader.load_tp_shard: the fragments of that shard when the
-    checkpoint was written with the same split, else one full parameter at a time, cut), so
-    that no rank ever holds the whole model: built on the meta device, split by the training
-    plan, then each local parameter replaced by its shard."""
+def _load_tp_shards(reader, topo, dtype):
+    """The model that `reader` holds, split over `topo`'s tp group, each rank reading only its
+    own shards, so that no rank ever holds the whole model: built on the meta device, split by
+    the training plan, then each local parameter replaced by its shard. `reader` is a
+    CheckpointReader (load_tp_shard: the fragments of that shard when the checkpoint was
+    written with the same split, else one full parameter at a time, cut) or an
+    hf.HFSliceReader (safetensors slices)."""
     import torch.nn as nn
 
     from bloomtrain import _DTYPE_ALIASES, hf
@@ -76,7 +80,6 @@ def _load_tp_shards(checkpoint, topo, dtype):
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.utils import replace_parameters
 
-    reader = hf.open_checkpoint(checkpoint)
     shape = reader.shape
     hf.check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != hf.LM_HEAD},
                    reader.path)
