@@ -158,7 +158,8 @@ class EngineClient:
         self.dispatch = None
         self.num_waiting = self.num_running = self.blocks_used = 0
         self.blocks_total = config.num_blocks
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # the bookkeeping below
+        self._send_lock = threading.Lock()   # the pipe's sending end
         self._sinks: dict[int, object] = {}
         self._ids = itertools.count()
         self._sent_since = 0        # submits sent since the last gauges arrived
@@ -190,18 +191,19 @@ class EngineClient:
             cid = next(self._ids)
             self._sinks[cid] = sink
             self._sent_since += 1
-            self._send(("submit", cid, list(prompt_ids), params))
+        self._send(("submit", cid, list(prompt_ids), params))
         return cid
 
     def abort(self, cid: int) -> None:
         with self._lock:
-            if cid in self._sinks:
-                self._send(("abort", cid))
+            live = cid in self._sinks
+        if live:
+            self._send(("abort", cid))
 
     def stop_accepting(self) -> None:
         with self._lock:
             self._closed = True
-            self._send(("stop_accepting",))
+        self._send(("stop_accepting",))
 
     async def metrics_snapshot(self, timeout: float = 30.0) -> dict | None:
         """The engine's counters and histograms (ServeMetrics.snapshot), or None when it does
@@ -211,7 +213,7 @@ class EngineClient:
         with self._lock:
             token = next(self._ids)
             self._waiters[token] = (loop, future)
-            self._send(("metrics", token))
+        self._send(("metrics", token))
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -225,11 +227,15 @@ class EngineClient:
         with self._lock:
             self._closed = True
             self._bye = True
-            self._send(("bye",))
+        self._send(("bye",))
 
-    def _send(self, msg) -> None:  # with self._lock held: one writer at a time
+    def _send(self, msg) -> None:
+        # Never with self._lock held: a send blocks while the pipe is full (the engine reads
+        # between steps), and the reader thread, which must keep draining the engine's outputs
+        # meanwhile, takes self._lock.
         try:
-            self.conn.send(msg)
+            with self._send_lock:  # one writer at a time
+                self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
             pass  # the reader sees the pipe close and fails what is in flight
 
