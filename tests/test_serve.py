@@ -544,17 +544,21 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
     shape = BloomShape(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                        ffn_hidden_size=256)
     full = build_model(shape, seed=7).eval()
+    from bloomtrain import hf
+
     checkpoint.save_checkpoint(tmp_path / "ck", 1, full.state_dict(), shape)
-    path = tmp_path / "ck"
-    if source == "hf":  # safetensors, read by slices
-        from bloomtrain import hf
-        path = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
+    exported = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
+    path = exported if source == "hf" else tmp_path / "ck"  # HF: safetensors, read by slices
     ranks = run_ranks(2, _tp_rank_from_checkpoint, str(path))
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
         want = full(ids)
+        # An independent reference: HF transformers' Bloom on the same weights.
+        ref = transformers.BloomForCausalLM.from_pretrained(exported).eval()
+        hf_logits = ref(ids).logits
     got = torch.cat([r["logits"] for r in ranks], dim=-1)
     assert (got - want).abs().max().item() < 1e-5
+    assert (got - hf_logits).abs().max().item() < 1e-4
     total = sum(p.numel() for p in full.parameters())
     for r in ranks:
         assert r["numel"] < 0.6 * total  # the matrices are halves; LayerNorms and biases whole
@@ -587,7 +591,9 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     reader = hf.HFSliceReader(path)
     qkv = "transformer.h.0.self_attention.query_key_value.weight"
     dense = "transformer.h.0.self_attention.dense.weight"
-    whole = dict(hf.iter_hf_tensors(path))
+    (weights,) = Path(path).glob("*.safetensors")
+    with safe_open(str(weights), framework="pt") as f:  # the reference: safetensors itself
+        whole = {hf._canonical_name(k): f.get_tensor(k) for k in f.keys()}
     for name, dim in ((qkv, 0), (dense, 1), (hf.EMBEDDING, 0)):
         for rank in range(2):
             assert torch.equal(reader.load_tp_shard(name, "model", rank, 2, dim),
