@@ -183,6 +183,59 @@ def test_scheduler_joins_leaves_and_chunks_beside_decodes(model_dir):
     assert engine.pool.num_used == 0
 
 
+def test_batch_invariant_rows_finds_where_rows_stop_depending_on_the_count(model_dir):
+    """The padding a step's matmuls get is measured: the fewest rows from which each row's
+    result no longer depends on how many rows there are. Checked with matmuls that change a
+    row's rounding below a given count, and on the real model's distinct matmuls (int8 too),
+    whose rows at that padding really are the same for every count a step can have."""
+    import torch.nn.functional as F
+
+    from bloomtrain.serve.quantize import quantize_model
+    from bloomtrain.serve.runner import PROBE_ROWS, _matmuls, batch_invariant_rows
+
+    _, path = model_dir
+    runner = build_runner(path, CFG)
+    model = runner.model
+
+    def differs_below(n, also=()):
+        def matmul(x, w, b):  # a kernel whose rounding changes for fewer than n rows
+            y = torch.cat([F.linear(row, w, b) for row in x.split(1)])  # row by row: exact
+            return y * (1 + 2 ** -20) if x.shape[0] < n or x.shape[0] in also else y
+        return matmul
+
+    assert batch_invariant_rows(model, 40, torch.float32, differs_below(0)) == 1
+    assert batch_invariant_rows(model, 40, torch.float32, differs_below(3)) == 4
+    assert batch_invariant_rows(model, 40, torch.float32, differs_below(9)) == 16
+    # Differing at a count past every candidate: no padding helps.
+    assert batch_invariant_rows(model, 300, torch.float32, differs_below(0, also=(129,))) is None
+    assert batch_invariant_rows(model, 40, torch.float32, differs_below(17)) is None
+
+    # The distinct matmuls: query_key_value, dense, dense_h_to_4h, dense_4h_to_h with and
+    # without bias (a row-parallel layer adds its bias after the reduction), and the LM head.
+    shapes = sorted((tuple(w.shape), b is not None) for w, b in _matmuls(model))
+    h = model.shape.hidden_size
+    assert shapes == sorted([((3 * h, h), False), ((3 * h, h), True), ((h, h), False),
+                             ((h, h), True), ((4 * h, h), False), ((4 * h, h), True),
+                             ((h, 4 * h), False), ((h, 4 * h), True),
+                             ((model.shape.vocab_size, h), False)])
+    quantized = build_runner(path, CFG).model
+    quantize_model(quantized, "int8")
+    assert sorted(tuple(w.shape) for w, _ in _matmuls(quantized)) == sorted(
+        {s for s, _ in shapes})
+    assert all(w.dtype == torch.int8 for w, _ in _matmuls(quantized))
+
+    # What the runner pads to holds for the real weights at every count a step can have.
+    rows = runner.min_rows
+    assert rows == batch_invariant_rows(model, CFG.max_batched_tokens, torch.float32)
+    for w, b in _matmuls(model) + _matmuls(quantized):
+        x = torch.randn(CFG.max_batched_tokens, w.shape[1])
+        w = w.float()
+        full = F.linear(x, w, b)
+        for m in range(rows, CFG.max_batched_tokens + 1):
+            assert torch.equal(F.linear(x[:m], w, b), full[:m])
+    assert set(range(1, 34)) <= set(PROBE_ROWS)
+
+
 def test_text_stream_stop_strings_and_utf8(tokenizer):
     text = "数据并行 and Привет! stop here, not there"
     ids = tokenizer.encode(text)

@@ -17,9 +17,13 @@ which thread its work item lands on, and so on the batch size.
 
 Batch invariance. A request must produce the same tokens whatever else is being served, so no
 sequence's numbers may depend on the batch. On CPU its logits are bitwise the same, because:
-1. the rows of a matmul are padded to at least `MIN_ROWS`. CPU GEMMs (MKL) take a different
-   kernel, with a different summation order, for a handful of rows than for many, while for 16
-   rows and more each output row is computed the same way whatever the row count;
+1. the rows of a matmul are padded to at least `min_rows`. CPU GEMMs (MKL) take a different
+   kernel, with a different summation order, for a handful of rows than for many, and from
+   some row count on compute each output row the same way whatever the count. Where that
+   count lies depends on the CPU and the library, so it is measured when the runner is built
+   (`batch_invariant_rows`: every distinct matmul of the model, probed at row counts up to a
+   step's largest); too many rows of padding cost a small step most of its time (a lone
+   decode at 16 rows instead of 4 took a third longer on the 2-core CI machine);
 2. prompts are cut into chunks at fixed positions (multiples of the chunk size), so a prefill's
    shapes depend on its own sequence only;
 3. batched matmuls (bmm) compute each matrix of the batch alone, and a decode's attention does
@@ -36,12 +40,17 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from bloomtrain.model.bloom import alibi_causal_bias
 from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
 
-MIN_ROWS = 16
+MIN_ROWS = 16       # rows of padding where none is measured (CUDA), or none was found to hold
 DECODE_BUCKET = 32
+ROW_CANDIDATES = (1, 2, 4, 8, 16)
+# Row counts the probe tries: every count up to 33 (kernels switch at small counts), then
+# counts around the multiples of the blocking sizes GEMMs use, then the step's largest.
+PROBE_ROWS = (*range(1, 34), 47, 48, 49, 63, 64, 65, 95, 96, 97, 127, 128, 129, 255, 256, 257)
 
 
 def _attention(q, k, v, bias):
@@ -51,6 +60,52 @@ def _attention(q, k, v, bias):
                            alpha=1.0 / math.sqrt(q.shape[-1]))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, v)
+
+
+def _matmuls(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias or None) of each distinct matmul a step runs through F.linear: one per
+    (shape, dtype, with or without bias) among the linear layers and the LM head (the
+    embedding lookups are not matmuls; int8 weights are probed as int8_matmul runs them,
+    converted to the activations' dtype)."""
+    out, seen = [], set()
+    for module in model.modules():
+        q = getattr(module, "weight_int8", None)
+        if q is not None:  # Int8Linear, and Int8Embedding as the tied LM head's matrix
+            candidates = [(q, None)]
+        else:
+            w = getattr(module, "weight", None)
+            if (not isinstance(w, torch.Tensor) or w.dim() != 2 or "Embedding" in
+                    type(module).__name__):
+                continue
+            b = getattr(module, "bias", None)
+            candidates = [(w, None)] + ([(w, b)] if isinstance(b, torch.Tensor) else [])
+        for w, b in candidates:
+            key = (tuple(w.shape), w.dtype, b is not None)
+            if key not in seen:
+                seen.add(key)
+                out.append((w.detach(), None if b is None else b.detach()))
+    return out
+
+
+@torch.inference_mode()
+def batch_invariant_rows(model, max_rows: int, dtype: torch.dtype, matmul=F.linear
+                         ) -> int | None:
+    """The fewest rows, of ROW_CANDIDATES, from which every matmul of `model` gives each row
+    bitwise the same result whatever the row count (probed at PROBE_ROWS up to `max_rows`,
+    against the result at `max_rows`, on random inputs); None when no candidate holds (this
+    CPU's GEMMs change a row's summation order with the row count even for many rows)."""
+    g = torch.Generator().manual_seed(0)
+    counts = sorted({m for m in PROBE_ROWS if m < max_rows} | {max_rows})
+    first_bad = 0  # the largest row count whose rows differ from the reference, or 0
+    for w, b in _matmuls(model):
+        x = torch.randn((max_rows, w.shape[1]), generator=g).to(w.device, dtype)
+        ref = matmul(x, w.to(dtype), None if b is None else b.to(dtype))
+        for m in counts:
+            out = matmul(x[:m], w.to(dtype), None if b is None else b.to(dtype))
+            if m > first_bad and not torch.equal(out, ref[:m]):
+                first_bad = m
+    fits = [r for r in ROW_CANDIDATES if r > first_bad]
+    return fits[0] if fits else None
 
 
 @dataclass
@@ -101,13 +156,13 @@ class StepBatch:
 class _Plan:
     """A StepBatch as the tensors the forward needs (built the same way on every rank)."""
 
-    ids: torch.Tensor                 # [rows] (padded to MIN_ROWS)
+    ids: torch.Tensor                 # [rows] (padded to min_rows)
     num_tokens: int
     write_slots: torch.Tensor         # [num_tokens]
     # The cache's read buffers (PagedKVCache.buffer) are shared by the layers of the step.
     prefills: list                    # (start, end, table [1, W], buffer, L, bias [nh, q, L])
     decodes: list                     # (rows [D], tables [D, W], buffer, bias [nh * D, 1, W bs])
-    logit_rows: torch.Tensor          # [>= MIN_ROWS]
+    logit_rows: torch.Tensor          # [>= min_rows]
     num_logits: int
 
 
@@ -115,10 +170,12 @@ class ModelRunner:
     """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
     keeping keys and values in `cache`. `tp_group` is None or the group the model is split
     over; every rank of it runs the same batches, and `forward` returns the logits over the
-    whole vocabulary on each."""
+    whole vocabulary on each. `min_rows`: the rows every matmul is padded to (see the
+    module's doc; build_runner measures it, the same on every rank of `tp_group`)."""
 
-    def __init__(self, model, cache: PagedKVCache, tp_group=None):
+    def __init__(self, model, cache: PagedKVCache, tp_group=None, min_rows: int = MIN_ROWS):
         self.model = model
+        self.min_rows = min_rows
         self.cache = cache
         self.tp_group = tp_group
         tr = model.transformer
@@ -132,7 +189,7 @@ class ModelRunner:
     def _plan(self, batch: StepBatch) -> _Plan:
         dev, bs = self.device, self.cache.block_size
         num_tokens = len(batch.input_ids)
-        ids = batch.input_ids + [0] * (max(num_tokens, MIN_ROWS) - num_tokens)
+        ids = batch.input_ids + [0] * (max(num_tokens, self.min_rows) - num_tokens)
         write_slots = [0] * num_tokens
         prefills, decoding = [], []
         for s in batch.seqs:
@@ -166,7 +223,7 @@ class ModelRunner:
             decodes.append((rows, tables, self.cache.buffer(tables),
                             bias.to(self.dtype).view(-1, 1, padded)))
         num_logits = len(batch.logit_rows)
-        logit_rows = batch.logit_rows + [0] * (max(num_logits, MIN_ROWS) - num_logits)
+        logit_rows = batch.logit_rows + [0] * (max(num_logits, self.min_rows) - num_logits)
         return _Plan(torch.tensor(ids, device=dev), num_tokens,
                      torch.tensor(write_slots, device=dev, dtype=torch.int64), prefills,
                      decodes, torch.tensor(logit_rows, device=dev), num_logits)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from bloomtrain.parallel import comm
-from bloomtrain.serve.runner import ModelRunner, StepBatch
+from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, StepBatch, batch_invariant_rows
 
 COMM_NAME = "serve"
 _STOP = -1
@@ -115,10 +115,36 @@ def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
     model = load_serving_model(checkpoint, topo, device, dtype, quantize)
     shape = model.shape
     tp = topo.tp_size if topo is not None else 1
+    dtype = model.transformer.word_embeddings_layernorm.weight.dtype
     cache = PagedKVCache(shape.num_layers, config.num_blocks, config.block_size,
-                         shape.num_heads // tp, shape.head_dim,
-                         model.transformer.word_embeddings_layernorm.weight.dtype, device)
-    return ModelRunner(model, cache, topo.tp_group if topo is not None else None)
+                         shape.num_heads // tp, shape.head_dim, dtype, device)
+    group = topo.tp_group if topo is not None else None
+    return ModelRunner(model, cache, group, min_rows=_min_rows(model, config, dtype, group))
+
+
+def _min_rows(model, config, dtype, group) -> int:
+    """The rows a step's matmuls are padded to: measured on CPU (runner.batch_invariant_rows),
+    the largest over the tp group, since every rank must pad its batch alike (the partial
+    sums they reduce, the logits they gather). On CUDA batched and alone agree to rounding,
+    not bitwise, whatever the padding (see runner's doc): MIN_ROWS there."""
+    import warnings
+
+    device = model.transformer.word_embeddings_layernorm.weight.device
+    rows = MIN_ROWS
+    if device.type == "cpu":
+        found = batch_invariant_rows(model, max(config.max_batched_tokens, MIN_ROWS), dtype)
+        if found is None:
+            warnings.warn(f"this CPU's matrix multiplications round a row differently "
+                          f"depending on how many rows are in the batch, even at "
+                          f"{MIN_ROWS} rows and more: a request served beside others may "
+                          f"differ from the same request alone in the last bits of its "
+                          f"logits", RuntimeWarning, stacklevel=2)
+        rows = found or MIN_ROWS
+    if group is not None and comm.group_size(group) > 1:
+        t = torch.tensor([rows], dtype=torch.int64, device=device)
+        comm.all_reduce(t, group, COMM_NAME, op=comm.ReduceOp.MAX)
+        rows = int(t.item())
+    return rows
 
 
 def _broadcast_batch(payload: torch.Tensor | None, group) -> None:
