@@ -13,10 +13,12 @@ The model is a trained demo-size one (hidden 128, 4 layers, vocab 4096): `--run-
 `bloomtrain demo` run directory; when DIR has no checkpoint yet, the bench trains one there first
 (`bloomtrain demo --run-dir DIR train.train_iters=100 train.precision=fp32`, a few minutes on a
 2-core CPU). The server and the baseline use the same torch thread count (--threads). Rounds
-(--rounds, 3) each run the baseline and then every client count, so that a shared machine whose
-speed drifts moves both sides alike; reported are the medians over the rounds, the ratio being
-each round's against its own baseline. Measures; asserts nothing. Prints a table, then one JSON
-line.
+(--rounds, 5) each run the baseline in two halves (the first and the last half of the
+requests) with the largest client count, the one the goal is set on, between them, then the
+other client counts: a shared machine's speed drifts (this one's by up to 2x within minutes), and
+so the measurement the goal is judged on sits in the middle of its own baseline. Reported are the
+medians over the rounds, the ratio being each round's against its own baseline (both halves'
+tokens over both halves' time). Measures; asserts nothing. Prints a table, then one JSON line.
 
     python bench/serve_load.py
     python bench/serve_load.py --run-dir /tmp/demo --clients 1,4,16 --requests 64 --threads 1
@@ -117,9 +119,8 @@ def workload(samples, num: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def baseline(checkpoint, requests, eos, vocab_limit) -> dict:
+def baseline(model, requests, eos, vocab_limit) -> dict:
     """The same requests, one at a time, through `generate`."""
-    model = load_model(checkpoint)
     generate(model, torch.tensor([requests[0][0]]), 4)  # warm up the kernels
     tokens = 0
     t0 = time.perf_counter()
@@ -128,6 +129,12 @@ def baseline(checkpoint, requests, eos, vocab_limit) -> dict:
                        vocab_limit=vocab_limit)[0, len(prompt):].tolist()
         tokens += out.index(eos) if eos in out else len(out)
     wall = time.perf_counter() - t0
+    return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def joined(halves: list[dict]) -> dict:
+    tokens = sum(h["output_tokens"] for h in halves)
+    wall = sum(h["wall_s"] for h in halves)
     return {"output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
@@ -214,8 +221,9 @@ def main() -> int:
                     help="torch threads of the server and of the baseline (default: 1)")
     ap.add_argument("--valid-samples", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (baseline, then each client count); medians reported")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of (half the baseline, the most clients, the other half, "
+                         "the other client counts); medians reported")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     torch.set_num_threads(args.threads)
@@ -239,17 +247,22 @@ def main() -> int:
     # drifts (a shared one) moves both sides alike; each round's ratio uses its own baseline,
     # and the medians are reported.
     server = Server(checkpoint, args.threads, max(clients))
+    model = load_model(checkpoint)
     bases, runs = [], {c: [] for c in clients}
+    half = len(requests) // 2
+    order = sorted(clients, reverse=True)
     try:
         asyncio.run(run_load(server.url, requests[:2], 1))  # warm-up
         for r in range(args.rounds):
-            base = baseline(checkpoint, requests, eos, tokenizer.vocab_size)
+            first = baseline(model, requests[:half], eos, tokenizer.vocab_size)
+            loads = {order[0]: asyncio.run(run_load(server.url, requests, order[0]))}
+            base = joined([first, baseline(model, requests[half:], eos, tokenizer.vocab_size)])
             bases.append(base)
-            print(f"round {r + 1}: baseline (generate, one request at a time) "
-                  f"{base['output_tokens']} tokens in {base['wall_s']:.1f} s = "
-                  f"{base['tokens_per_s']:.1f} tokens/s", flush=True)
-            for c in clients:
-                run = asyncio.run(run_load(server.url, requests, c))
+            print(f"round {r + 1}: baseline (generate, one request at a time, in two halves "
+                  f"around the {order[0]}-client load) {base['output_tokens']} tokens in "
+                  f"{base['wall_s']:.1f} s = {base['tokens_per_s']:.1f} tokens/s", flush=True)
+            for c in order:
+                run = loads.get(c) or asyncio.run(run_load(server.url, requests, c))
                 run["vs_baseline"] = run["tokens_per_s"] / base["tokens_per_s"]
                 runs[c].append(run)
                 print(f"  {c:>2} clients: {run['tokens_per_s']:8.1f} tokens/s "

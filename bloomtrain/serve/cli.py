@@ -171,8 +171,8 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
     name = opts["model_name"] or Path(opts["checkpoint"]).resolve().name
     print(f"[serve] model {name}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
-          f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size})",
-          flush=True)
+          f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size}); "
+          f"matmuls padded to {runner.min_rows} rows", flush=True)
     frontend, conn = start_frontend(opts, {"config": config, "vocab_limit": tokenizer.vocab_size,
                                            "model_name": name})
     try:
