@@ -294,11 +294,14 @@ def open_checkpoint(path: str | os.PathLike):
 
 
 class HFSliceReader:
-    """The tensors of an HF Bloom directory in safetensors, read in part: `load_tp_shard` reads
-    only one tensor-parallel rank's rows or columns (safetensors' slices), so that a rank
-    serving a split model never holds the whole of it. The interface of CheckpointReader that
+    """The tensors of an HF Bloom directory, read in part: `load_tp_shard` reads only one
+    tensor-parallel rank's rows or columns, so that a rank serving a split model never holds
+    the whole of it. Safetensors are read by slices; torch .bin files (the zip format torch has
+    written since 1.6) are memory-mapped by `torch.load(mmap=True)` and each slice copied out,
+    so only the pages under it are read. The interface of CheckpointReader that
     bloomtrain.serve.tp uses (`shape`, `names`, `full_shape`, `dtype`, `load_tp_shard`,
-    `close`). Use `sliceable(hf_dir)` first: torch .bin files cannot be read in part."""
+    `close`). Use `sliceable(hf_dir)` first: .bin files of the older pickle format can only be
+    read whole."""
 
     def __init__(self, hf_dir: str | os.PathLike):
         from safetensors import safe_open
@@ -306,12 +309,13 @@ class HFSliceReader:
         self.path = Path(hf_dir)
         self.shape = shape_from_hf_config(read_hf_config(self.path))
         kind, files = _weight_files(self.path)
-        if kind != "safetensors":
-            raise UserError(f"{self.path} holds torch .bin weights, which cannot be read in "
-                            f"part; convert it to safetensors")
         self._where: dict[str, tuple[Path, str]] = {}  # canonical name -> (file, key)
         self._meta: dict[str, tuple[tuple[int, ...], str]] = {}  # -> (shape, dtype name)
+        self._mapped: dict = {}  # canonical name -> tensor on a .bin file's memory map
         for file in files:
+            if kind == "bin":
+                self._map_bin(file)
+                continue
             try:
                 with safe_open(str(file), framework="pt") as f:
                     for key in f.keys():
@@ -325,7 +329,25 @@ class HFSliceReader:
                 raise UserError(f"cannot read {file} as safetensors: {e}") from None
         check_state(self.shape, {n: m[0] for n, m in self._meta.items() if n != LM_HEAD},
                     self.path)
-        self.tied_head = LM_HEAD in self._where
+        self.tied_head = LM_HEAD in self._meta
+
+    def _map_bin(self, file: Path) -> None:
+        import torch
+
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise UserError(f"cannot memory-map {file} with torch.load(weights_only=True, "
+                            f"mmap=True): {e}") from e
+        if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise UserError(f"{file} does not hold a state dict (tensors by name)")
+        names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+        for key, tensor in state.items():
+            name = _canonical_name(key)
+            self._where[name] = (file, key)
+            self._meta[name] = (tuple(tensor.shape), names.get(tensor.dtype, str(tensor.dtype)))
+            self._mapped[name] = tensor
 
     def names(self) -> list[str]:
         return [n for n in self._where if n != LM_HEAD]
@@ -346,6 +368,9 @@ class HFSliceReader:
         from safetensors import safe_open
 
         file, key = self._where[name]
+        if name in self._mapped:  # a copy of the slice: only its pages of the file are read
+            import torch
+            return self._mapped[name][index].clone(memory_format=torch.contiguous_format)
         try:
             with safe_open(str(file), framework="pt") as f:
                 return f.get_slice(key)[index]
@@ -374,15 +399,19 @@ class HFSliceReader:
         return out
 
     def close(self) -> None:
-        pass
+        self._mapped.clear()  # the last references to the .bin memory maps
 
 
 def sliceable(hf_dir: str | os.PathLike) -> bool:
-    """Whether HFSliceReader can read `hf_dir` in part (its weights are safetensors)."""
+    """Whether HFSliceReader can read `hf_dir` in part: its weights are safetensors, or torch
+    .bin files in the zip format (which torch.load can memory-map)."""
+    import zipfile
+
     try:
-        return _weight_files(Path(hf_dir))[0] == "safetensors"
+        kind, files = _weight_files(Path(hf_dir))
     except UserError:
         return False
+    return kind == "safetensors" or all(zipfile.is_zipfile(f) for f in files)
 
 
 def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]:

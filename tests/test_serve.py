@@ -584,12 +584,13 @@ def _tp_rank_from_checkpoint(rank, world, path):
             "numel": sum(p.numel() for p in model.parameters())}
 
 
-@pytest.mark.parametrize("source", ["bloomtrain", "hf"])
+@pytest.mark.parametrize("source", ["bloomtrain", "hf", "hf-bin"])
 def test_tp_ranks_read_only_their_shards(tmp_path, source):
-    """`--nproc 2 parallel.tp=2` on a bloomtrain checkpoint or HF safetensors: each rank builds
-    its part of the model from its own shards, so no rank ever holds the whole model (a
-    parameter a bloomtrain checkpoint does not store split is read whole, one at a time, and
-    cut; safetensors are read by slices), and the split model's logits are the full model's."""
+    """`--nproc 2 parallel.tp=2` on a bloomtrain checkpoint, HF safetensors or an HF torch .bin:
+    each rank builds its part of the model from its own shards, so no rank ever holds the whole
+    model (a parameter a bloomtrain checkpoint does not store split is read whole, one at a
+    time, and cut; safetensors are read by slices; a .bin is memory-mapped and each slice
+    copied out), and the split model's logits are the full model's."""
     from bloomtrain import checkpoint
     from bloomtrain.model import BloomShape, build_model
     from tests.dist import run_ranks
@@ -602,6 +603,13 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
     checkpoint.save_checkpoint(tmp_path / "ck", 1, full.state_dict(), shape)
     exported = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
     path = exported if source == "hf" else tmp_path / "ck"  # HF: safetensors, read by slices
+    if source == "hf-bin":  # the same weights as a torch .bin, the way older HF repos ship them
+        from safetensors.torch import load_file
+        path = tmp_path / "hf-bin"
+        shutil.copytree(exported, path)
+        torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+        (path / "model.safetensors").unlink()
+        assert hf.sliceable(path)
     ranks = run_ranks(2, _tp_rank_from_checkpoint, str(path))
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
@@ -615,7 +623,7 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
     total = sum(p.numel() for p in full.parameters())
     for r in ranks:
         assert r["numel"] < 0.6 * total  # the matrices are halves; LayerNorms and biases whole
-        if source == "hf":
+        if source != "bloomtrain":
             # Only this rank's slices (the embedding's twice: the tied head is compared with
             # it); reading the whole model and cutting it reads more than `total`.
             assert 0 < r["hf_read"] < 0.7 * total and r["full_loads"] == []
@@ -647,10 +655,25 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     (weights,) = Path(path).glob("*.safetensors")
     with safe_open(str(weights), framework="pt") as f:  # the reference: safetensors itself
         whole = {hf._canonical_name(k): f.get_tensor(k) for k in f.keys()}
+    # The same weights as a torch .bin (zip format, memory-mapped) give the same shards; the
+    # older pickle format cannot be read in part and is not offered to the slice reader.
+    as_bin = tmp_path / "bin"
+    shutil.copytree(path, as_bin)
+    (as_bin / weights.name).unlink()
+    torch.save(dict(whole), as_bin / "pytorch_model.bin")
+    legacy = tmp_path / "legacy"
+    shutil.copytree(as_bin, legacy)
+    torch.save(dict(whole), legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert hf.sliceable(path) and hf.sliceable(as_bin) and not hf.sliceable(legacy)
+    bin_reader = hf.HFSliceReader(as_bin)
+    assert bin_reader.names() == reader.names()
     for name, dim in ((qkv, 0), (dense, 1), (hf.EMBEDDING, 0)):
         for rank in range(2):
-            assert torch.equal(reader.load_tp_shard(name, "model", rank, 2, dim),
-                               whole[name].chunk(2, dim)[rank])
+            want = whole[name].chunk(2, dim)[rank]
+            assert torch.equal(reader.load_tp_shard(name, "model", rank, 2, dim), want)
+            got = bin_reader.load_tp_shard(name, "model", rank, 2, dim)
+            assert torch.equal(got, want) and got.is_contiguous()
+    bin_reader.close()
     untied = tmp_path / "untied"
     shutil.copytree(path, untied)
     (weights,) = untied.glob("*.safetensors")

@@ -37,9 +37,9 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     group when it has one (built with `serving_layout`), by the training path
     (`parallelize`: the tensor-parallel plan, one pipeline chunk, no ZeRO engine), then
     quantized when asked (after the split, with full-row scales; see
-    bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint or HF
-    safetensors each rank reads only its shards (`_load_tp_shards`); HF torch .bin files are
-    read whole, then cut."""
+    bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint, HF
+    safetensors or HF torch .bin files in the zip format each rank reads only its shards
+    (`_load_tp_shards`); .bin files of the older pickle format are read whole, then cut."""
     from bloomtrain import hf, load_model
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.serve.quantize import quantize_model
@@ -51,7 +51,7 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
         model = _load_tp_shards(hf.HFSliceReader(checkpoint), topo, dtype)
     else:
         model = load_model(checkpoint, device="cpu", dtype=dtype)
-        if split:  # torch .bin weights: read whole, then cut
+        if split:  # .bin weights of the pickle format: read whole, then cut
             # A loaded model's vocabulary is padded already; only its size has to split.
             topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
             dtype = model.transformer.word_embeddings_layernorm.weight.dtype
@@ -72,7 +72,7 @@ def _load_tp_shards(reader, topo, dtype):
     the training plan, then each local parameter replaced by its shard. `reader` is a
     CheckpointReader (load_tp_shard: the fragments of that shard when the checkpoint was
     written with the same split, else one full parameter at a time, cut) or an
-    hf.HFSliceReader (safetensors slices)."""
+    hf.HFSliceReader (safetensors slices, or slices of a memory-mapped torch .bin)."""
     import torch.nn as nn
 
     from bloomtrain import _DTYPE_ALIASES, hf
