@@ -22,8 +22,8 @@ sequence's numbers may depend on the batch. On CPU its logits are bitwise the sa
    some row count on compute each output row the same way whatever the count. Where that
    count lies depends on the CPU and the library, so it is measured when the runner is built
    (`batch_invariant_rows`: every distinct matmul of the model, probed at row counts up to a
-   step's largest); too many rows of padding cost a small step most of its time (a lone
-   decode at 16 rows instead of 4 took a third longer on the 2-core CI machine);
+   step's largest); too many rows of padding cost a small step dearly (a lone decode padded
+   to 16 rows instead of 4 took over 40% longer on this project's 2-core CPU);
 2. prompts are cut into chunks at fixed positions (multiples of the chunk size), so a prefill's
    shapes depend on its own sequence only;
 3. batched matmuls (bmm) compute each matrix of the batch alone, and a decode's attention does
