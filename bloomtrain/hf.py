@@ -219,7 +219,6 @@ def _weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
 def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(canonical name, tensor) for every tensor of an HF Bloom directory, shard by shard. A
     tied `lm_head.weight`, when a file has one, is yielded too; `collect_hf_state` checks it."""
-    import torch
     from safetensors import safe_open
 
     kind, files = _weight_files(Path(hf_dir))
@@ -237,10 +236,7 @@ def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Ten
                         raise UserError(f"cannot read {name} from {file}: {e}") from None
                     yield _canonical_name(name), tensor
             continue
-        state = _torch_load(file)
-        if not isinstance(state, dict) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-            raise UserError(f"{file} does not hold a state dict (tensors by name)")
+        state = _load_state_dict(file)
         for name in list(state):
             # clone: detach from the mmap'd file and from storage shared with other entries
             # (a tied head saved by torch.save), which safetensors refuses to write.
@@ -248,17 +244,22 @@ def iter_hf_tensors(hf_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Ten
         del state
 
 
-def _torch_load(file: Path):
+def _load_state_dict(file: Path) -> dict:
+    """A .bin file's tensors by name, memory-mapped (nothing read until used) when the file
+    is in the zip format of torch>=1.6; older files are read whole."""
     import torch
 
     try:
         try:
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:
-            # mmap needs the zip format of torch>=1.6; older files load whole.
-            return torch.load(file, map_location="cpu", weights_only=True)
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"cannot load {file} with torch.load(weights_only=True): {e}") from e
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise UserError(f"{file} does not hold a state dict (tensors by name)")
+    return state
 
 
 def check_state(shape: BloomShape, names_shapes: dict[str, tuple[int, ...]], where) -> None:
@@ -334,16 +335,8 @@ class HFSliceReader:
     def _map_bin(self, file: Path) -> None:
         import torch
 
-        try:
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            raise UserError(f"cannot memory-map {file} with torch.load(weights_only=True, "
-                            f"mmap=True): {e}") from e
-        if not isinstance(state, dict) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-            raise UserError(f"{file} does not hold a state dict (tensors by name)")
         names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-        for key, tensor in state.items():
+        for key, tensor in _load_state_dict(file).items():  # sliceable(): memory-mapped
             name = _canonical_name(key)
             self._where[name] = (file, key)
             self._meta[name] = (tuple(tensor.shape), names.get(tensor.dtype, str(tensor.dtype)))

@@ -102,11 +102,11 @@ def batch_invariant_rows(model, max_rows: int, dtype: torch.dtype, matmul=F.line
         # A vocabulary-sized head (250,880 rows for BLOOM) is probed on its first PROBE_COLS
         # rows, as wide as the widest layer a CPU serves, so with the same wide-matrix
         # kernels at a fraction of the cost (the probe runs at every start).
-        w, b = w[:PROBE_COLS], None if b is None else b[:PROBE_COLS]
+        w, b = w[:PROBE_COLS].to(dtype), None if b is None else b[:PROBE_COLS].to(dtype)
         x = torch.randn((max_rows, w.shape[1]), generator=g).to(w.device, dtype)
-        ref = matmul(x, w.to(dtype), None if b is None else b.to(dtype))
+        ref = matmul(x, w, b)
         for m in counts:
-            out = matmul(x[:m], w.to(dtype), None if b is None else b.to(dtype))
+            out = matmul(x[:m], w, b)
             if m > first_bad and not torch.equal(out, ref[:m]):
                 first_bad = m
     fits = [r for r in ROW_CANDIDATES if r > first_bad]
