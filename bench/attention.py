@@ -41,8 +41,8 @@ from bloomtrain.model.attention import (
     flex_attention_available,
 )
 from bloomtrain.model.bloom import alibi_causal_bias, alibi_slopes
+from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def hf_eager(q, k, v, slopes):
@@ -78,7 +78,7 @@ def _sync(device):
 
 
 def measure(args) -> dict:
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
     b, nh, s, hd = args.micro_batch, args.heads, args.seq, args.hidden // args.heads
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, nh, s, hd, generator=g).to(device=device, dtype=dtype)
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)

@@ -39,9 +39,9 @@ from bench.memtrack import LiveMemory
 from bloomtrain.config import ModelConfig
 from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
 from bloomtrain.model.attention import resolve_attention
+from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
 from bloomtrain.utils import UserError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("none", "selective", "full")
 DEFAULT_SHAPE = {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192}
 
@@ -171,7 +171,7 @@ def parse_args(argv=None):
     ap.add_argument("--attention", choices=("auto", "sdpa", "flex"), default="auto")
     ap.add_argument("--attention-dropout", type=float, default=0.0,
                     help="> 0 runs SDPA's unfused path on CPU, which stores the a·s² scores")
-    ap.add_argument("--precision", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--precision", choices=sorted(DTYPE_NAMES), default="bf16")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    model = build(shape, device, DTYPES[args.precision])
+    model = build(shape, device, torch_dtype(args.precision))
     model.transformer.attention_impl = impl
     ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
     results = {}

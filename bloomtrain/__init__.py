@@ -13,9 +13,6 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = ["__version__", "load_model", "plan"]
 
-_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-
-
 def plan(model=None, **kwargs):
     """Memory and step-time plans of layouts (bloomtrain.planner.plan): the fitting layouts of
     `model` on `gpus` GPUs, fastest first, or one `layout`'s record. See `bloomtrain plan -h`."""
@@ -34,6 +31,7 @@ def load_model(path, device="cpu", dtype=None):
 
     from bloomtrain import hf
     from bloomtrain.model import BloomForCausalLM, alibi_slopes
+    from bloomtrain.runtime import torch_dtype
 
     if hf.is_hf_dir(path):
         shape, state, _ = hf.collect_hf_state(path)
@@ -42,12 +40,7 @@ def load_model(path, device="cpu", dtype=None):
         shape = reader.shape
         state = {n: reader.load(n) for n in reader.names() if n != hf.LM_HEAD}
         hf.check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, reader.path)
-    if isinstance(dtype, str):
-        name = _DTYPE_ALIASES.get(dtype, dtype)
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}")
-        dtype = getattr(torch, name)
-    dtype = dtype or state[hf.EMBEDDING].dtype
+    dtype = torch_dtype(dtype) if dtype is not None else state[hf.EMBEDDING].dtype
 
     # Built on the meta device and filled by assignment: no random init and no second copy of
     # the weights, which matters for the billion-parameter presets.

@@ -18,8 +18,8 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.data.loader import build_train_valid_test_datasets
 from bloomtrain.model import build_model, resolve_model_config
+from bloomtrain.runtime import torch_dtype
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TIED_HEAD = "lm_head.weight"
 
 
@@ -88,7 +88,7 @@ def reference_train(cfg: Config) -> ReferenceRun:
     t, o = cfg.train, cfg.optim
     assert cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0
     shape = resolve_model_config(cfg.model)
-    compute_dtype = DTYPES[t.precision]
+    compute_dtype = torch_dtype(t.precision)
     model = build_model(shape, seed=t.seed, dtype=compute_dtype)
     model.train()
     params = {n: p for n, p in model.named_parameters()}  # the tied head appears once
@@ -164,7 +164,7 @@ def reference_eval(cfg: Config, weights: dict[str, torch.Tensor]) -> float:
     the trainer's eval batches: `eval_iters` global batches from the start of the valid split."""
     t = cfg.train
     shape = resolve_model_config(cfg.model)
-    model = build_model(shape, seed=t.seed, dtype=DTYPES[t.precision]).eval()
+    model = build_model(shape, seed=t.seed, dtype=torch_dtype(t.precision)).eval()
     params = dict(model.named_parameters())
     for n, w in weights.items():
         params[n].copy_(w)

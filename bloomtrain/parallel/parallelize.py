@@ -34,7 +34,8 @@ from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.compile import compile_blocks
 from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
-from bloomtrain.parallel.zero.engine import DTYPES, ZeroEngine
+from bloomtrain.parallel.zero.engine import ZeroEngine
+from bloomtrain.runtime import torch_dtype
 from bloomtrain.topology import Topology
 from bloomtrain.utils import replace_parameters
 
@@ -128,7 +129,7 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=
                                   values=_values(model.shape, topo, t.seed),
                                   offload=cfg.parallel.offload_optimizer)
     elif device.type != "meta":
-        _materialize_each(parts, t.seed, DTYPES[t.precision], device)
+        _materialize_each(parts, t.seed, torch_dtype(t.precision), device)
     if device.type != "meta":
         # Not persistent: derived from the head count, and fp32 whatever the compute dtype
         # (a non-power-of-2 slope rounded to bf16 would shift every score).

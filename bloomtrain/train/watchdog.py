@@ -39,7 +39,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -50,6 +49,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloomtrain.parallel import comm
+from bloomtrain.runtime import error_text
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its limit
 REPORTS_ENV = "BLOOMTRAIN_HANG_REPORTS"
@@ -94,13 +94,6 @@ def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
         raise ValueError(f"{KILL_ENV}={value!r}: expected RANK:STEP[,RANK:STEP...], one per "
                          f"restart, e.g. 2:3,1:6")
     return kills[restart] if restart < len(kills) else None
-
-
-def error_text(error: BaseException) -> str:
-    """The first line of a backend error, without gloo's "[source.cc:78] " prefix."""
-    lines = str(error).strip().splitlines()
-    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
-    return (text or type(error).__name__)[:300]
 
 
 def members(entry: tuple, rank: int) -> list[int] | None:

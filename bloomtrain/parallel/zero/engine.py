@@ -38,8 +38,8 @@ from bloomtrain.parallel.zero.stages import stage_rules
 from bloomtrain.parallel.zero.step import (StepResult, adamw, clip_coefficient, grad_norm,
                                            refresh_compute)
 from bloomtrain.parallel.zero.waits import WaitClock
+from bloomtrain.runtime import torch_dtype
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def find_units(modules: list[nn.Module], unit_types: tuple) -> list[nn.Module]:
@@ -88,7 +88,7 @@ class ZeroEngine:
                  unit_types: tuple = (BloomBlock,), offload: bool = False):
         self.cfg, self.topo, self.precision = optim_cfg, topo, precision
         self.rules = stage_rules(zero_stage)
-        self.compute_dtype = DTYPES[precision]
+        self.compute_dtype = torch_dtype(precision)
         self.step_count = 0
         self.scaler = (DynamicLossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
                                          optim_cfg.hysteresis, optim_cfg.min_loss_scale)

@@ -1,0 +1,350 @@
+"""What training, serving and evaluation share about the processes they run in: the names of the
+compute dtypes, the device a process uses, the process group's backend, the torchrun/SLURM
+environment, and the local launcher (torch's elastic launcher, the machinery behind torchrun).
+
+Importing this module loads no torch: the CLI parsers take `DTYPE_NAMES` from here.
+
+The launcher knows nothing of training. `bloomtrain.train.launch` wraps it with the hang
+watchdog's reports; `bloomtrain serve --nproc N` uses it as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from bloomtrain.utils import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+# The compute dtypes, by the names config keys and flags use (train.precision, --dtype).
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+# torch's own names, and "half", are accepted wherever a dtype is given by name.
+_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+_TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: "str | torch.dtype") -> "torch.dtype":
+    """The torch dtype of `name` (fp32, bf16, fp16, or torch's float32, bfloat16, float16,
+    half); a torch dtype is returned as it is."""
+    import torch
+
+    if isinstance(name, torch.dtype):
+        return name
+    short = _ALIASES.get(name, name)
+    if short not in _TORCH_NAMES:
+        raise UserError(f"unknown dtype {name!r}; give one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, _TORCH_NAMES[short])
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    """fp32, bf16 or fp16 for a torch dtype."""
+    for short, torch_name in _TORCH_NAMES.items():
+        if str(dtype) == f"torch.{torch_name}":
+            return short
+    raise UserError(f"{dtype} is not a compute dtype; use one of {', '.join(DTYPE_NAMES)}")
+
+
+def resolve_device(requested: str | None = "auto") -> "torch.device":
+    """The device this process computes on: `auto` (or None) is this rank's GPU when CUDA is
+    visible (LOCAL_RANK picks it), else the CPU; `cuda` is this rank's GPU; anything else is a
+    torch device string taken as it is (cpu, cuda:1, mps). A CUDA device becomes the current
+    one, so that NCCL communicators are created on it."""
+    import torch
+
+    want = requested or "auto"
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("cuda was asked for but no CUDA device is visible; use cpu")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if want == "auto":
+        return torch.device("cpu")
+    try:
+        device = torch.device(want)
+    except RuntimeError as e:
+        raise UserError(f"unknown device {want!r} ({e}); give auto, cpu, cuda or cuda:N") \
+            from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{want} was asked for but no CUDA device is visible; use cpu")
+        torch.cuda.set_device(device)
+    return device
+
+
+def process_group_backend(setting: str, device: "torch.device") -> str:
+    """The backend string for `parallel.backend` on `device`. On CUDA it is per-device,
+    `cpu:gloo,cuda:nccl`: training collectives run on NCCL, and a collective on a CPU tensor
+    (object collectives, a control value computed on the host) is served by gloo instead of
+    failing, so the control plane is NCCL-safe by construction rather than by care at every call
+    site (bloomtrain.parallel.comm checks each tensor's device against this)."""
+    if setting == "gloo":
+        if device.type == "cuda":
+            raise UserError("parallel.backend=gloo cannot carry the CUDA training tensors; use "
+                            "parallel.backend=auto (NCCL for CUDA tensors, gloo for CPU ones) or "
+                            "train.device=cpu")
+        return "gloo"
+    if device.type == "cuda":  # auto or nccl
+        return "cpu:gloo,cuda:nccl"
+    if setting == "nccl":
+        raise UserError("parallel.backend=nccl needs CUDA devices (train.device=cuda); use "
+                        "parallel.backend=auto on CPU")
+    return "gloo"
+
+
+def env_from_slurm(env=os.environ) -> None:
+    """Under a plain `srun` (one task per GPU, no torchrun), translate SLURM's task variables into
+    torchrun's. MASTER_ADDR/MASTER_PORT must come from the job script (see the README)."""
+    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise UserError(f"running under srun with {env['SLURM_NTASKS']} tasks but {missing} "
+                        f"unset: export MASTER_ADDR (the first node's hostname) and MASTER_PORT "
+                        f"in the job script, or launch through torchrun")
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass
+class LaunchSpec:
+    """What a command hands the launcher: torchrun's node options, the same names."""
+    nproc: int = 1  # workers on this node
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0; a free local port when one node
+    rdzv_timeout: int = 600  # torch's own default join timeout
+    max_restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    def check(self) -> None:
+        """Bad values as UserErrors that say what to change, before anything starts."""
+        if self.nproc < 1:
+            raise UserError(f"--nproc {self.nproc}: give the number of workers on this node "
+                            f"(1 or more)")
+        if self.nnodes < 1:
+            raise UserError(f"--nnodes {self.nnodes}: give the number of nodes (1 or more)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1} "
+                            f"(--nnodes {self.nnodes}); number the nodes 0 to "
+                            f"{self.nnodes - 1}, 0 on the host of --rdzv-endpoint")
+        if self.rdzv_timeout < 1:
+            raise UserError(f"--rdzv-timeout {self.rdzv_timeout}: give the seconds a node waits "
+                            f"for the others (1 or more)")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts {self.max_restarts}: give 0 (no restarts) or more")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UserError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, the "
+                            f"address of node 0 (--node-rank 0) and a free port there, the same "
+                            f"on every node")
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UserError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: give HOST:PORT, e.g. "
+                                f"node0.cluster:29500")
+
+
+# The rendezvous is torch's c10d one (what `torchrun --rdzv-backend c10d` uses), registered
+# under a name of our own only so that the launcher can see its store: each node leaves a key
+# there on arrival, and a rendezvous that times out can say which nodes never came.
+_RDZV_BACKEND = "bloomtrain-c10d"
+_ARRIVALS: dict = {}
+
+
+def _arrival_key(run_id: str, node_rank: int) -> str:
+    return f"bloomtrain/{run_id}/arrived/{node_rank}"
+
+
+def _c10d_handler(params):
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (RendezvousBackend,
+                                                                         create_handler)
+
+    class Named(RendezvousBackend):
+        """The c10d backend under our name (the registry checks a handler's name)."""
+        name = _RDZV_BACKEND
+
+        def get_state(self):
+            return backend.get_state()
+
+        def set_state(self, state, token=None):
+            return backend.set_state(state, token)
+
+    backend, store = create_backend(params)
+    node_rank = params.get_as_int("node_rank")
+    store.set(_arrival_key(params.run_id, node_rank), socket.gethostname())
+    _ARRIVALS.update(store=store, run_id=params.run_id)
+    return create_handler(store, Named(), params)
+
+
+def _arrived(nnodes: int) -> list[int] | None:
+    """The node ranks that reached the rendezvous store (None: the store cannot say)."""
+    store = _ARRIVALS.get("store")
+    if store is None:
+        return None
+    try:
+        return [r for r in range(nnodes)
+                if store.check([_arrival_key(_ARRIVALS["run_id"], r)])]
+    except Exception:  # noqa: BLE001 - the host went away: the count is only for the message
+        return None
+
+
+def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
+                 worker_env: dict[str, str] | None = None,
+                 explain: Callable[[int, object], str] | None = None) -> None:
+    """Start this node's workers running `entry(*args)` (a module-level function) with torch's
+    elastic launcher (what torchrun uses). One node: `nproc` workers on a free localhost port.
+    Several nodes (`spec`): every node runs this with the same --nnodes and --rdzv-endpoint and
+    its own --node-rank; node 0 hosts the c10d rendezvous store at the endpoint. With
+    `max_restarts`, the launcher restarts every worker of the job after one fails (each node
+    its own), up to that many times. `worker_env`: variables the workers inherit, for this
+    launch only. A failed job raises UserError with `explain(rank, failure)` of the worker
+    that failed first (default: `failure_text`)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
+                                                      RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    spec = spec or LaunchSpec(nproc=nproc)
+    spec.check()
+    if spec.rdzv_endpoint is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+        run_id = f"bloomtrain-{os.getpid()}"
+    else:
+        # The same on every node; the store lives and dies with node 0's launcher, so a fixed
+        # id cannot meet a previous job's state.
+        endpoint, run_id = spec.rdzv_endpoint, "bloomtrain"
+    rendezvous_handler_registry.register(_RDZV_BACKEND, _c10d_handler)
+    _ARRIVALS.clear()
+    lc = LaunchConfig(
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id=run_id,
+        rdzv_backend=_RDZV_BACKEND, rdzv_endpoint=endpoint,
+        # Node 0 hosts the store, whatever its name resolves to (torch would guess from the
+        # hostname); the others wait up to the timeout for it to come up, as for the others
+        # to join.
+        rdzv_configs={"join_timeout": spec.rdzv_timeout, "read_timeout": spec.rdzv_timeout,
+                      "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
+        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn")
+    # By default the workers' store is one the agent keeps across restarts, and a restarted
+    # group reads the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
+    # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
+    # attempt; without restarts the shared one stays, as it outlives an early-exiting rank 0.
+    unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    env = {**(worker_env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
+    with contextlib.ExitStack() as stack:
+        for key, value in env.items():
+            stack.enter_context(environ(key, value))
+        try:
+            elastic_launch(lc, entry)(*args)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            raise UserError((explain or failure_text)(rank, failure)) from None
+        except RendezvousTimeoutError:
+            raise UserError(_timeout_text(spec, endpoint)) from None
+        except RendezvousConnectionError as e:
+            raise UserError(_connection_text(spec, endpoint, e)) from None
+        finally:
+            _ARRIVALS.clear()  # node 0's store server goes with its last reference
+
+
+def _connection_text(spec: LaunchSpec, endpoint: str, e: BaseException) -> str:
+    cause = error_text(e.__cause__ if e.__cause__ is not None else e).rstrip(".")
+    where = ("host the rendezvous store (node 0 does) at" if spec.node_rank == 0 else
+             "reach the rendezvous store of node 0 at")
+    return (f"node {spec.node_rank} could not {where} {endpoint} within "
+            f"{spec.rdzv_timeout} s ({cause}). Check that node 0 runs `bloomtrain train` "
+            f"with --node-rank 0 on the host {endpoint.rpartition(':')[0]}, that the port is "
+            f"free there and reachable from this node (firewall), and that every node "
+            f"gives the same --rdzv-endpoint; raise --rdzv-timeout if nodes start far "
+            f"apart")
+
+
+def error_text(error: BaseException) -> str:
+    """The first line of a backend error, without gloo's "[source.cc:78] " prefix."""
+    import re
+
+    lines = str(error).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+    return (text or type(error).__name__)[:300]
+
+
+def failure_text(rank: int, failure) -> str:
+    """The launcher's last line about the worker that failed first: a lost rank by its exit
+    signal, an error by its message."""
+    who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    code = failure.exitcode
+    if code < 0:
+        return f"{who} was killed by {failure.signal_name()} (signal {-code})"
+    # Without an error file torch's message is only a pointer to its docs.
+    message = failure.message if os.path.isfile(failure.error_file) else ""
+    if isinstance(message, dict):  # the error file's record: {"message": ..., "extraInfo"}
+        message = message.get("message", "")
+    lines = [ln.strip() for ln in str(message).splitlines() if ln.strip()]
+    return f"{who} exited with code {code}" + (f": {lines[0]}" if lines else "")
+
+
+def _timeout_text(spec: LaunchSpec, endpoint: str) -> str:
+    arrived = _arrived(spec.nnodes)
+    if arrived is None:
+        count, missing = f"only this node (node {spec.node_rank}) is known to have arrived", ""
+    else:
+        absent = [r for r in range(spec.nnodes) if r not in arrived]
+        count = f"{len(arrived)} of {spec.nnodes} nodes arrived"
+        missing = f"; node(s) {absent} never did" if absent else ""
+    return (f"the rendezvous at {endpoint} timed out after {spec.rdzv_timeout} s: {count}"
+            f"{missing}. Start `bloomtrain train` on every node with --nnodes {spec.nnodes}, "
+            f"--rdzv-endpoint {endpoint} and its own --node-rank (0 to {spec.nnodes - 1}); check "
+            f"that each node can reach {endpoint} (hostname, firewall) and runs the same "
+            f"--nproc, and raise --rdzv-timeout if nodes start far apart")
+
+
+@contextlib.contextmanager
+def environ(key: str, value: str | None):
+    """`key=value` in the environment the workers inherit, for the block only (None: as is)."""
+    saved = os.environ.get(key)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+def checkpoint_tokenizer(checkpoint, explicit: str | None):
+    """`explicit`, else the tokenizer an HF directory or a bloomtrain checkpoint carries (used by
+    `generate`, `serve` and `eval`)."""
+    from pathlib import Path
+
+    from bloomtrain import checkpoint as ckpt_mod
+    from bloomtrain import hf
+
+    if explicit:
+        return Path(explicit)
+    path = Path(checkpoint)
+    if hf.is_hf_dir(path):
+        if (path / "tokenizer.json").is_file():
+            return path
+    else:
+        step_dir = ckpt_mod.resolve(path)
+        ref = ckpt_mod.read_manifest(step_dir).get("tokenizer")
+        if ref and (step_dir / ref / "tokenizer.json").is_file():
+            return step_dir / ref
+    raise UserError(f"{checkpoint} has no tokenizer; pass --tokenizer PATH")
