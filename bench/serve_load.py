@@ -50,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from bloomtrain import checkpoint as ckpt  # noqa: E402
 from bloomtrain import load_model  # noqa: E402
-from bloomtrain.generate import tokenizer_path, generate  # noqa: E402
+from bloomtrain.generate import generate  # noqa: E402
+from bloomtrain.runtime import checkpoint_tokenizer  # noqa: E402
 
 PROMPT_LENGTHS = (8, 16, 32, 64, 96)
 OUTPUT_LENGTHS = (16, 32, 64, 128)
@@ -231,7 +232,7 @@ def main() -> int:
     from bloomtrain.data.tokenizer import load_tokenizer
     run_dir = Path(args.run_dir)
     checkpoint = ensure_demo(run_dir, args.demo_iters)
-    tokenizer = load_tokenizer(tokenizer_path(str(checkpoint), None))
+    tokenizer = load_tokenizer(checkpoint_tokenizer(str(checkpoint), None))
     eos = tokenizer.eod_id
     samples = validation_samples(run_dir, tokenizer, args.valid_samples)
     requests = workload(samples, args.requests, args.seed)

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache, following HF transformers' `generate` semantics for
 greedy search and for temperature / top-k / top-p (nucleus, arXiv 1904.09751) sampling, applied in
-that order as HF's logits warpers are.
+that order as HF's logits warpers are. The choice of each token is bloomtrain.serve.sampling's,
+the code the serving engine runs.
 
 ALiBi has no position embeddings, so the cache needs no position bookkeeping and prompts longer
 than the training sequence length work as they are. Prompts in a batch must have equal length:
@@ -12,53 +13,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bloomtrain.serve.sampling import next_tokens
 from bloomtrain.utils import UserError
 
 if TYPE_CHECKING:  # the CLI parser imports this module and must not wait for torch
     import torch
-
-
-def process_logits(logits: "torch.Tensor", temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0, vocab_limit: int | None = None,
-                   do_sample: bool = True) -> "torch.Tensor":
-    """Next-token scores [b, V] (fp32) with -inf wherever a token may not be chosen."""
-    import torch
-
-    scores = logits.float()
-    if vocab_limit is not None and vocab_limit < scores.shape[-1]:
-        scores = scores.clone()
-        scores[..., vocab_limit:] = float("-inf")  # padded embedding rows are not tokens
-    if not do_sample:
-        return scores
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k and top_k > 0:
-        k = min(top_k, scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay, as HF
-    if top_p < 1.0:
-        # HF's TopPLogitsWarper: drop the low tail whose total mass is <= 1 - top_p, so what is
-        # kept is the smallest set whose mass reaches top_p; the top token always stays.
-        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted[..., -1:] = False
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    return scores
-
-
-def next_tokens(logits: "torch.Tensor", do_sample: bool, temperature: float = 1.0,
-                top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None,
-                generator: "torch.Generator | None" = None) -> "torch.Tensor":
-    """The next token [b] for each row of `logits` [b, V]: argmax of the scores (greedy), or a
-    draw from their softmax with `generator`. Shared by `generate` and the serving engine."""
-    import torch
-
-    scores = process_logits(logits, temperature, top_k, top_p, vocab_limit, do_sample)
-    if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
-    return scores.argmax(dim=-1)
 
 
 def generate(model, input_ids: "torch.Tensor", max_new_tokens: int, do_sample: bool = False,
@@ -122,31 +81,12 @@ def _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k
 
 # ---- CLI -----------------------------------------------------------------------------------------
 
-def tokenizer_path(checkpoint: str, explicit: str | None) -> Path:
-    """`explicit`, else the tokenizer an HF directory or a bloomtrain checkpoint carries (used by
-    `generate` and `serve`)."""
-    from bloomtrain import checkpoint as ckpt_mod
-    from bloomtrain import hf
-
-    if explicit:
-        return Path(explicit)
-    path = Path(checkpoint)
-    if hf.is_hf_dir(path):
-        if (path / "tokenizer.json").is_file():
-            return path
-    else:
-        step_dir = ckpt_mod.resolve(path)
-        ref = ckpt_mod.read_manifest(step_dir).get("tokenizer")
-        if ref and (step_dir / ref / "tokenizer.json").is_file():
-            return step_dir / ref
-    raise UserError(f"{checkpoint} has no tokenizer; pass --tokenizer PATH")
-
-
 def _main(args) -> int:
     import torch
 
     from bloomtrain import load_model
     from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.runtime import checkpoint_tokenizer, resolve_device
 
     sampling_flags = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                      ("--top-p", args.top_p)) if v is not None]
@@ -166,8 +106,8 @@ def _main(args) -> int:
     if not Path(args.checkpoint).exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
 
-    tokenizer = load_tokenizer(tokenizer_path(args.checkpoint, args.tokenizer))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
+    device = resolve_device(args.device)
     model = load_model(args.checkpoint, device=device)
     if args.quantize:
         from bloomtrain.serve.quantize import quantize_model

@@ -7,7 +7,8 @@ import torch
 import bloomtrain
 from bloomtrain import checkpoint
 from bloomtrain.cli import main
-from bloomtrain.generate import generate, process_logits
+from bloomtrain.generate import generate
+from bloomtrain.serve.sampling import process_logits
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

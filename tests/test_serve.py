@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from bloomtrain.serve.config import EngineConfig
-from bloomtrain.serve.engine import Engine, SamplingParams, TextStream
+from bloomtrain.serve.detokenize import TextStream
+from bloomtrain.serve.engine import Engine
+from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.metrics import ServeMetrics
 from bloomtrain.serve.tp import build_runner
 
@@ -276,7 +278,7 @@ async def serving(engine, tokenizer, metrics, start=True, split=False):
     are then the front end's own, filled from the engine's `metrics` when scraped."""
     from aiohttp import web
 
-    from bloomtrain.serve.remote import EngineClient, serve_engine
+    from bloomtrain.serve.remote import RemoteEngine, serve_engine
     from bloomtrain.serve.server import create_app
 
     front, loop_thread = engine, None
@@ -284,7 +286,7 @@ async def serving(engine, tokenizer, metrics, start=True, split=False):
         import multiprocessing
 
         here, there = multiprocessing.Pipe()
-        front = EngineClient(there, engine.config, vocab_limit=engine.vocab_limit,
+        front = RemoteEngine(there, engine.config, vocab_limit=engine.vocab_limit,
                              has_tokenizer=engine.tokenizer is not None)
         metrics = ServeMetrics()
         metrics.engine = front

@@ -1,4 +1,4 @@
-"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of two kernels.
+"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of three kernels.
 
 - "sdpa": `F.scaled_dot_product_attention` with ALiBi (Press et al., arXiv 2108.12409) and the
   causal mask as one float bias [1, heads, q, k], built once per forward and shared by the layers.
@@ -8,7 +8,17 @@
   so no bias is materialized and the blocks above the diagonal are skipped. It has no dropout,
   and in torch 2.13 no backward on CPU, so training uses it on CUDA only.
 
-`resolve_attention` turns `train.attention` (auto|sdpa|flex) into one of the two. The model holds
+- "paged", for serving: keys and values live in the serving engine's block-paged KV cache
+  (PagedAttention, Kwon et al., arXiv 2309.06180) and a step packs many sequences' new tokens
+  into one row of tokens. `PagedAttention` is a step's metadata (where each token's keys and
+  values go, which blocks each sequence reads, its ALiBi bias); the model takes it in place of
+  the bias (`BloomModel.forward(ids, paged=...)`) and each layer writes its keys and values,
+  then attends per sequence with HF BloomAttention's math (baddbmm, fp32 softmax, bmm). Not
+  SDPA: on CPU its fused kernel rounds a head differently depending on the thread its work
+  lands on, and so on the batch, which would break the engine's batch invariance
+  (bloomtrain.serve.runner says how the rest of a step keeps it).
+
+`resolve_attention` turns `train.attention` (auto|sdpa|flex) into sdpa or flex. The model holds
 the choice as `transformer.attention_impl`; `BloomModel.attention_bias` builds the bias in the
 form that kernel takes (a tensor for sdpa, a `FlexAlibi` for flex) and `attention_core` runs it.
 
@@ -20,8 +30,10 @@ attention dropout replays the same mask.
 from __future__ import annotations
 
 import functools
+import math
 import warnings
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +100,62 @@ def attention_core(q, k, v, bias, dropout_p: float = 0.0):
     # Inside a compiled region (train.compile) that region's compilation lowers the kernel.
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
     return flex(q, k, v, score_mod=alibi, block_mask=bias.block_mask)
+
+
+class PagedKV(Protocol):
+    """The KV cache a paged step reads and writes (bloomtrain.serve.kv_cache.PagedKVCache)."""
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None: ...
+
+    def read(self, layer: int, tables: torch.Tensor, buffer
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def eager_attention(q, k, v, bias):
+    """q [n, q_len, hd], k and v [n, L, hd], bias [n, q_len, L] -> [n, q_len, hd] for n
+    independent (head, sequence) pairs, as HF's BloomAttention computes it."""
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0,
+                           alpha=1.0 / math.sqrt(q.shape[-1]))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, v)
+
+
+@dataclass
+class PagedAttention:
+    """One serving step's attention: the step's rows are `num_tokens` new tokens (then padding
+    rows, which attend to nothing), whose keys and values go to `write_slots` of `cache`.
+    - `prefills`: (start, end, table [1, W], read buffer, context length L, bias [nh, q, L])
+      per prompt chunk: rows [start, end) attend to the first L positions of their blocks;
+    - `decodes`: (rows [D], tables [D, W], read buffer, bias [nh * D, 1, W * block_size]) for
+      the sequences decoding one token, attended in one batched call over their blocks padded
+      to a common width (the padding is masked by the bias)."""
+
+    cache: PagedKV
+    write_slots: torch.Tensor
+    num_tokens: int
+    prefills: list
+    decodes: list
+
+    def attend(self, layer: int, q, k, v):
+        """q, k, v [1, nh, rows, hd] of `layer` -> context [1, nh, rows, hd]."""
+        n = self.num_tokens
+        self.cache.write(layer, self.write_slots, k[0, :, :n], v[0, :, :n])
+        q = q[0]  # [nh, rows, hd]
+        num_heads, _, head_dim = q.shape
+        ctx = torch.zeros_like(q)  # padding rows attend to nothing
+        for start, end, table, buffer, length, bias in self.prefills:
+            keys, values = self.cache.read(layer, table, buffer)  # [nh, 1, W * bs, hd]
+            ctx[:, start:end] = eager_attention(q[:, start:end], keys[:, 0, :length],
+                                                values[:, 0, :length], bias)
+        for rows, tables, buffer, bias in self.decodes:
+            keys, values = self.cache.read(layer, tables, buffer)  # [nh, D, Lp, hd]
+            m = bias.shape[0]  # nh * D matrices, head-major like the cache
+            qd = q.index_select(1, rows).reshape(m, 1, head_dim)
+            out = eager_attention(qd, keys.reshape(m, -1, head_dim),
+                                  values.reshape(m, -1, head_dim), bias)  # [nh * D, 1, hd]
+            ctx.index_copy_(1, rows, out.view(num_heads, -1, head_dim))
+        return ctx[None]
 
 
 def resolve_attention(requested: str, attention_dropout: float, device) -> str:

@@ -15,7 +15,8 @@ and the ALiBi slopes live in a buffer that a tensor-parallel plan slices to its 
 
 Attention runs through bloomtrain.model.attention: SDPA with the ALiBi+causal bias as a float mask
 (the default, and the fastest correct kernel on CPU), or FlexAttention with ALiBi as a score_mod
-(`transformer.attention_impl = "flex"`, set from `train.attention`). Softmax precision: in fp32 it
+(`transformer.attention_impl = "flex"`, set from `train.attention`), or, when a serving step
+passes its paged-KV metadata (`paged`), the paged backend over the serving engine's KV cache. Softmax precision: in fp32 it
 is fp32; in bf16/fp16 the fused kernels accumulate the softmax (max, exp-sum) in fp32 and round the
 probabilities to the input dtype, which is what HF's `softmax(..., dtype=float32).to(dtype)` does
 too. The SDPA bias is built in fp32 from *relative* key positions (k - q <= 0), so the entries
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bloomtrain.model.attention import ATTENTION_IMPLS, attention_core, flex_alibi
+from bloomtrain.model.attention import (ATTENTION_IMPLS, PagedAttention, attention_core,
+                                        flex_alibi)
 from bloomtrain.model.params import base_spec, init_full, init_std
 from bloomtrain.model.presets import BloomShape
 
@@ -59,24 +61,34 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_len: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The ALiBi + causal bias of n query sets at once: `q_pos` [n, q] (fp32 positions) against
+    keys 0..k_len-1 -> [heads, n, q, k_len], slope * (k - q) where k <= q, -inf after. Built in
+    fp32 from relative positions, then cast. Every ALiBi bias of the package is made here (the
+    training forward's, and each serving step's prefill chunks and padded decodes)."""
+    k_pos = torch.arange(k_len, device=q_pos.device, dtype=torch.float32)
+    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, q, k]
+    bias = slopes.to(device=q_pos.device, dtype=torch.float32)[:, None, None, None] * rel
+    bias = bias.masked_fill(rel > 0, float("-inf"))  # [heads, n, q, k]
+    return bias.to(dtype)
+
+
 def alibi_causal_bias(slopes: torch.Tensor, q_len: int, k_len: int, dtype: torch.dtype,
                       device=None) -> torch.Tensor:
     """Additive attention bias [1, heads, q_len, k_len]: slope * (k - q) on and below the
     diagonal, -inf above it. Queries are the last q_len positions of the k_len keys (KV cache)."""
     device = device if device is not None else slopes.device
     q_pos = torch.arange(k_len - q_len, k_len, device=device, dtype=torch.float32)
-    k_pos = torch.arange(k_len, device=device, dtype=torch.float32)
-    rel = k_pos[None, :] - q_pos[:, None]  # [q, k]
-    bias = slopes.to(device=device, dtype=torch.float32)[:, None, None] * rel  # [heads, q, k]
-    bias = bias.masked_fill(rel > 0, float("-inf"))
-    return bias.unsqueeze(0).to(dtype)
+    return alibi_bias(slopes, q_pos[None], k_len, dtype)[:, 0].unsqueeze(0)
 
 
 class BloomAttention(nn.Module):
-    def __init__(self, shape: BloomShape):
+    def __init__(self, shape: BloomShape, layer_idx: int = 0):
         super().__init__()
         h = shape.hidden_size
         self.head_dim = shape.head_dim
+        self.layer_idx = layer_idx  # which layer's keys and values a paged KV cache holds
         self.query_key_value = nn.Linear(h, 3 * h, bias=True)
         self.dense = nn.Linear(h, h, bias=True)
         self.attention_dropout = shape.attention_dropout
@@ -92,6 +104,10 @@ class BloomAttention(nn.Module):
         num_heads = qkv.shape[-1] // (3 * self.head_dim)
         qkv = qkv.view(b, s, num_heads, 3, self.head_dim)  # [b, s, nh, 3, hd]
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, nh, s, hd]
+        if isinstance(bias, PagedAttention):  # serving: keys and values live in paged blocks
+            ctx = bias.attend(self.layer_idx, q, k, v)
+            ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)
+            return self.dense(ctx), None
         if past_kv is not None:
             k = torch.cat([past_kv[0], k], dim=2)
             v = torch.cat([past_kv[1], v], dim=2)
@@ -119,11 +135,11 @@ class BloomMLP(nn.Module):
 
 
 class BloomBlock(nn.Module):
-    def __init__(self, shape: BloomShape):
+    def __init__(self, shape: BloomShape, layer_idx: int = 0):
         super().__init__()
         eps = shape.layer_norm_epsilon
         self.input_layernorm = nn.LayerNorm(shape.hidden_size, eps=eps)
-        self.self_attention = BloomAttention(shape)
+        self.self_attention = BloomAttention(shape, layer_idx)
         self.post_attention_layernorm = nn.LayerNorm(shape.hidden_size, eps=eps)
         self.mlp = BloomMLP(shape)
         self.hidden_dropout = shape.hidden_dropout
@@ -148,7 +164,7 @@ class BloomModel(nn.Module):
         self.word_embeddings = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.word_embeddings_layernorm = nn.LayerNorm(shape.hidden_size,
                                                       eps=shape.layer_norm_epsilon)
-        self.h = nn.ModuleList(BloomBlock(shape) for _ in range(shape.num_layers))
+        self.h = nn.ModuleList(BloomBlock(shape, i) for i in range(shape.num_layers))
         self.ln_f = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_epsilon)
         # Not persistent: derived from the head count, and a tensor-parallel plan slices it.
         self.register_buffer("alibi_slopes", alibi_slopes(shape.num_heads), persistent=False)
@@ -177,11 +193,15 @@ class BloomModel(nn.Module):
                              f"{ACTIVATION_CHECKPOINTING}, got {mode!r}")
         self.activation_checkpointing = mode
 
-    def run_blocks(self, x, blocks, past_kvs=None):
-        """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents)."""
-        past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
-        q_len = x.shape[1] * self.sequence_parallel_size
-        bias = self.attention_bias(q_len, past_len + q_len, x.dtype)
+    def run_blocks(self, x, blocks, past_kvs=None, paged: PagedAttention | None = None):
+        """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents).
+        `paged`: a serving step's paged-KV metadata, which then is the attention's bias."""
+        if paged is not None:
+            bias = paged
+        else:
+            past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
+            q_len = x.shape[1] * self.sequence_parallel_size
+            bias = self.attention_bias(q_len, past_len + q_len, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute = self.activation_checkpointing if training else "none"
         presents = []
@@ -198,8 +218,11 @@ class BloomModel(nn.Module):
             presents.append(present)
         return x, presents
 
-    def forward(self, input_ids, past_kvs=None):
-        x, presents = self.run_blocks(self.embed(input_ids), self.h, past_kvs)
+    def forward(self, input_ids, past_kvs=None, paged: PagedAttention | None = None):
+        """Hidden states [b, s, h] (after ln_f) and each layer's (k, v). With `paged` (b = 1:
+        a serving step's tokens packed into one row), attention reads and writes the paged
+        KV cache it describes instead, and the presents are None."""
+        x, presents = self.run_blocks(self.embed(input_ids), self.h, past_kvs, paged)
         return self.ln_f(x), presents
 
 

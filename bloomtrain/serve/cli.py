@@ -10,9 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
+from bloomtrain.runtime import DTYPE_NAMES
 from bloomtrain.utils import UserError
-
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
 def _tp_from_overrides(overrides: list[str]) -> int | None:
@@ -38,9 +37,9 @@ def _engine_config(opts: dict):
 
 
 def _main(args) -> int:
-    from bloomtrain.generate import tokenizer_path
-
     import importlib.util
+
+    from bloomtrain.runtime import checkpoint_tokenizer
 
     if importlib.util.find_spec("aiohttp") is None:
         raise UserError("bloomtrain serve needs aiohttp: pip install 'bloomtrain[serve]'")
@@ -65,12 +64,12 @@ def _main(args) -> int:
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}
     opts["tp"] = tp
-    opts["tokenizer"] = str(tokenizer_path(args.checkpoint, args.tokenizer))
+    opts["tokenizer"] = str(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
     _engine_config(opts).check()  # before any process starts
     if tp > 1 and not under_launcher:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        from bloomtrain.train.launch import launch_local
+        from bloomtrain.runtime import launch_local
         try:
             launch_local(tp, serve_worker, opts)
         except SignalException as e:
@@ -80,18 +79,6 @@ def _main(args) -> int:
         return 0
     serve_worker(opts)
     return 0
-
-
-def _device(requested: str | None):
-    import torch
-
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def serve_worker(opts: dict) -> None:
@@ -113,10 +100,10 @@ def _serve_rank(opts: dict) -> None:
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.serve.tp import (TensorParallelExecutor, build_runner, serving_layout,
                                      worker_loop)
+    from bloomtrain.runtime import process_group_backend, resolve_device
     from bloomtrain.topology import Topology
-    from bloomtrain.train.launch import process_group_backend
 
-    device = _device(opts["device"])
+    device = resolve_device(opts["device"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     topo = Topology.single()
     if world > 1:
@@ -214,7 +201,7 @@ def register(subparsers) -> None:
                    help="tensor-parallel size (default: the number of processes)")
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8: per-output-channel int8 weights, dequantized in the matmul")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
+    p.add_argument("--dtype", choices=("auto", *DTYPE_NAMES), default="auto",
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")

@@ -1,199 +1,34 @@
-"""The serving engine: requests in, results out, one model step at a time around the scheduler
-(bloomtrain.serve.scheduler: continuous batching over the paged KV cache, chunked prefill,
-preemption) and an executor that runs a StepBatch (bloomtrain.serve.runner's forward, or
-tp.TensorParallelExecutor). A step takes the requests and aborts that arrived since the last,
-schedules, runs the model, picks each sampling sequence's next token, detokenizes it (stop
-strings included) and hands the results to each sequence's sink; a finished or aborted sequence
-leaves the batch, its blocks back in the pool, within that step. With the runner's
-batch-invariant numerics a request's logits, and so its greedy tokens and its seeded samples,
-are the same whatever else is in the batch.
-
-Sampling uses `bloomtrain.generate.next_tokens`, the code `bloomtrain generate` runs: greedy
-when temperature is 0, else temperature, top-k and top-p in HF's order, each request drawing
-from its own generator (seeded when the request gives a seed).
+"""The serving engine's loop: requests in, results out, one model step at a time around the
+scheduler (bloomtrain.serve.scheduler: continuous batching over the paged KV cache, chunked
+prefill, preemption) and an executor that runs a StepBatch (bloomtrain.serve.runner's forward,
+or tp.TensorParallelExecutor). A step takes the requests and aborts that arrived since the last,
+schedules, runs the model, picks each sampling sequence's next token (bloomtrain.serve.sampling),
+detokenizes it (bloomtrain.serve.detokenize, stop strings included) and hands the results to
+each sequence's sink; a finished or aborted sequence leaves the batch, its blocks back in the
+pool, within that step. With the runner's batch-invariant numerics a request's logits, and so
+its greedy tokens and its seeded samples, are the same whatever else is in the batch.
 
 Threads: `submit` and `abort` may be called from any thread (the HTTP event loop); `step` runs
 on one thread only, the engine's (`start`), or the caller's (`generate`, and
 bloomtrain.serve.remote's loop, where the HTTP front end is another process). Results go to each
-sequence's `sink` as `SeqOutput`s, called on the engine thread.
+sequence's `sink` as `SeqOutput`s, called on the engine thread, or handed to `dispatch`.
+The Engine implements bloomtrain.serve.interface.EngineClient.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from bloomtrain.generate import next_tokens
 from bloomtrain.serve.config import EngineConfig
+from bloomtrain.serve.detokenize import TextStream
+from bloomtrain.serve.interface import EngineClosed, QueueFull, SeqOutput, check_request
+from bloomtrain.serve.sampling import SamplingParams, logprob_entries, sample_next
 from bloomtrain.serve.scheduler import Entry, Scheduler, Sequence
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "SeqOutput", "RequestError", "QueueFull",
-           "EngineClosed"]
-
-MAX_LOGPROBS = 5  # OpenAI's limit for the completions API
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (the HTTP layer answers 400)."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is full (the HTTP layer answers 503 with Retry-After)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine no longer takes requests (shutting down, or failed)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0         # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0                   # 0: no limit
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None      # top alternatives per token (0..5); None: no logprobs
-    prompt_logprobs: bool = False    # also for the prompt tokens (OpenAI's echo + logprobs)
-
-    @property
-    def do_sample(self) -> bool:
-        return self.temperature > 0
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]     # the `logprobs` most likely tokens, most likely first
-
-
-@dataclass
-class SeqOutput:
-    """What a step produced for one sequence."""
-
-    seq_id: int
-    token_ids: list[int]                           # new tokens (an end-of-text token excluded)
-    text: str                                      # new text (stop strings cut)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list | None = None            # once: [None, TokenLogprob, ...]
-    finish_reason: str | None = None               # stop | length | abort | error
-    error: str | None = None
-
-
-class TextStream:
-    """Incremental detokenization with stop strings. A token can end inside a multi-byte
-    character (byte-level BPE), so text is released only once it decodes cleanly (vLLM's
-    prefix/read offsets). Text that could be the start of a stop string is held back until
-    it is known not to be; a stop string found ends the text before it (OpenAI's `stop`)."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.max_stop = max((len(s) for s in stop), default=0)
-        self.ids: list[int] = []
-        self.prefix_offset = self.read_offset = 0
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
-        full = decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            if self.stop:
-                start = max(0, len(self.text) - self.max_stop + 1)
-                self.text += new
-                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    self.stopped = True
-            else:
-                self.text += new
-        return self._release(self._held())
-
-    def finish(self) -> str:
-        return self._release(0)
-
-    def _held(self) -> int:
-        """Length of the longest end of the text that begins some stop string."""
-        if self.stopped:
-            return 0
-        for k in range(min(self.max_stop - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
-
-    def _release(self, held: int) -> str:
-        end = max(self.emitted, len(self.text) - held)
-        out = self.text[self.emitted:end]
-        self.emitted = end
-        return out
-
-
-def logprob_entries(vocab_limit: int, rows: torch.Tensor, chosen: list[int], top: int
-                    ) -> list[TokenLogprob]:
-    """Log-probabilities (over the tokenizer's vocabulary) of `chosen` [n] under `rows` [n, V],
-    each with the `top` most likely tokens."""
-    lp = torch.log_softmax(rows[:, :vocab_limit], dim=-1)
-    picked = lp.gather(1, torch.tensor(chosen)[:, None])[:, 0].tolist()
-    tops = [[] for _ in chosen]
-    if top > 0:
-        values, indices = lp.topk(top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-    return [TokenLogprob(t, p, tp) for t, p, tp in zip(chosen, picked, tops)]
-
-
-def sample_next(entries: list[Entry], logits: torch.Tensor, vocab_limit: int) -> dict[int, int]:
-    """{sequence id: next token} for the entries that sample, from the last of their logit rows:
-    greedy rows in one argmax, sampled ones each with its own generator (`next_tokens`, the
-    code `bloomtrain generate` runs)."""
-    samplers = [e for e in entries if e.sample]
-    rows = [e.logit_row + e.num_logits - 1 for e in samplers]
-    out: dict[int, int] = {}
-    greedy = [k for k, e in enumerate(samplers) if not e.seq.params.do_sample]
-    if greedy:
-        picked = next_tokens(logits[[rows[k] for k in greedy]], False,
-                             vocab_limit=vocab_limit).tolist()
-        for k, t in zip(greedy, picked):
-            out[samplers[k].seq.id] = t
-    for k, e in enumerate(samplers):
-        p = e.seq.params
-        if p.do_sample:
-            out[e.seq.id] = int(next_tokens(logits[rows[k]:rows[k] + 1], True, p.temperature,
-                                            p.top_k, p.top_p, vocab_limit, e.seq.generator)[0])
-    return out
-
-
-def check_request(cfg: EngineConfig, prompt_ids: list[int], params: SamplingParams,
-                  vocab_limit: int, has_tokenizer: bool) -> None:
-    """Raise RequestError saying why an engine of `cfg` cannot serve the request."""
-    if not prompt_ids:
-        raise RequestError("the prompt is empty; give at least one token")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_limit]
-    if bad:
-        raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
-                           f"[0, {vocab_limit})")
-    if params.max_tokens < 0:
-        raise RequestError(f"max_tokens must be >= 0, got {params.max_tokens}")
-    total = len(prompt_ids) + params.max_tokens
-    if total > cfg.max_model_len:
-        raise RequestError(
-            f"this model's maximum context length is {cfg.max_model_len} tokens; the "
-            f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens} "
-            f"more ({total}); shorten the prompt or lower max_tokens")
-    if params.stop and not has_tokenizer:
-        raise RequestError("stop strings need a tokenizer")
-    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
-                           f"{params.logprobs}")
+__all__ = ["Engine", "generate_offline"]
 
 
 class Engine:
@@ -311,6 +146,9 @@ class Engine:
         with self._lock:
             self._closed = True
 
+    async def metrics_snapshot(self) -> dict | None:
+        return None  # in this process, the server's metrics are the engine's
+
     def _run(self) -> None:
         try:
             while True:
@@ -347,8 +185,7 @@ class Engine:
         if entries:
             logits = self.execute(batch)
             if self.metrics is not None:
-                with self.metrics.lock:
-                    self.metrics.steps.inc()
+                self.metrics.step_done()
             self._process(entries, logits)
         self._flush()
         return bool(entries)
@@ -378,8 +215,7 @@ class Engine:
 
     def _preempted(self, seq: Sequence) -> None:
         if self.metrics is not None:
-            with self.metrics.lock:
-                self.metrics.preemptions.inc()
+            self.metrics.preempted()
 
     def _admitted(self, seq: Sequence) -> None:
         if not seq.admitted:
@@ -387,14 +223,13 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             if self.metrics is not None:
-                with self.metrics.lock:
-                    self.metrics.prompt_tokens.inc(seq.num_prompt)
+                self.metrics.admitted(seq.num_prompt)
 
     # ---- results -------------------------------------------------------------------------------
 
     def _process(self, entries: list[Entry], logits: torch.Tensor) -> None:
         logits = logits.cpu()
-        new_tokens = sample_next(entries, logits, self.vocab_limit)
+        new_tokens = sample_next(entries, logits, self.vocab_limit, self.eos_token_id)
         now = time.monotonic()
         for e in entries:
             seq = e.seq
@@ -425,7 +260,7 @@ class Engine:
                 out.logprobs = logprob_entries(self.vocab_limit, logits[row:row + 1], [token],
                                                      seq.params.logprobs)
             self._token_metrics(seq, now)
-            if token == self.eos_token_id:
+            if token == self.eos_token_id and not seq.params.ignore_eos:
                 out.logprobs = []  # the end-of-text token is not part of the completion
                 self._emit(seq, out, finish="stop")
                 continue
@@ -433,7 +268,8 @@ class Engine:
             out.token_ids = [token]
             finish = None
             if seq.text is not None:
-                out.text = seq.text.push(token)
+                # Stop strings count from min_tokens on, as vLLM's.
+                out.text = seq.text.push(token, seq.num_output >= seq.params.min_tokens)
                 if seq.text.stopped:
                     finish = "stop"
             if finish is None and seq.num_output >= seq.params.max_tokens:
@@ -441,15 +277,9 @@ class Engine:
             self._emit(seq, out, finish=finish)
 
     def _token_metrics(self, seq: Sequence, now: float) -> None:
-        if self.metrics is None:
-            seq.last_token_time = now
-            return
-        with self.metrics.lock:
-            if seq.last_token_time is None:
-                self.metrics.ttft.observe(now - seq.arrival)
-            else:
-                self.metrics.itl.observe(now - seq.last_token_time)
-            self.metrics.generation_tokens.inc()
+        if self.metrics is not None:
+            last = seq.last_token_time
+            self.metrics.token(now - seq.arrival, None if last is None else now - last)
         seq.last_token_time = now
 
     def _emit(self, seq: Sequence, out: SeqOutput, finish: str | None = None) -> None:
@@ -492,9 +322,7 @@ class Engine:
         out = out or SeqOutput(seq.id, [], "")
         out.finish_reason, out.error = reason, error
         if self.metrics is not None:
-            with self.metrics.lock:
-                self.metrics.requests.inc(1, reason)
-                self.metrics.latency.observe(time.monotonic() - seq.arrival)
+            self.metrics.finished(reason, time.monotonic() - seq.arrival)
         self._deliver(seq, out)
 
 

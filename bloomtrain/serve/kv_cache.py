@@ -82,10 +82,11 @@ class PagedKVCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)
 
-    def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """kv [n, heads, 2, head_dim] (keys and values of n tokens) into `slots` [n]."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values of n tokens, k and v [heads, n, head_dim], into `slots` [n]."""
         flat = self.kv[layer].view(2, self.num_heads, -1, self.head_dim)
-        flat.index_copy_(2, slots, kv.permute(2, 1, 0, 3))
+        flat[0].index_copy_(1, slots, k)
+        flat[1].index_copy_(1, slots, v)
 
     def buffer(self, tables: torch.Tensor):
         """Room for `read` of the block tables `tables` [b, w] on CPU, to reuse at every layer

@@ -3,9 +3,10 @@ read when scraped, and cumulative histograms. Written by hand (a few dozen lines
 with prometheus_client, which would be a dependency for this alone; the tests parse the output
 with prometheus_client's own parser.
 
-Updated from two threads (the engine's and the HTTP event loop's), hence the lock. When the
-engine runs in its own process (bloomtrain.serve.remote), the front end's /metrics asks it for a
-`snapshot` of the engine-side metrics and `absorb`s it before rendering.
+Updated from two threads (the engine's and the HTTP event loop's) through the recording methods,
+each of which takes the lock. When the engine runs in its own process (bloomtrain.serve.remote),
+the front end's /metrics asks it for a `snapshot` of the engine-side metrics and `absorb`s it
+before rendering.
 """
 from __future__ import annotations
 
@@ -119,6 +120,39 @@ class ServeMetrics:
                              "Between consecutive generated tokens of a sequence", ITL_BUCKETS)
         self.latency = Histogram("bloomtrain_request_latency_seconds",
                                  "From a sequence's arrival to its end", LATENCY_BUCKETS)
+
+    # ---- recording: each takes the lock itself (the engine's thread and the event loop's) --
+
+    def step_done(self) -> None:
+        with self.lock:
+            self.steps.inc()
+
+    def preempted(self) -> None:
+        with self.lock:
+            self.preemptions.inc()
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        with self.lock:
+            self.prompt_tokens.inc(num_prompt_tokens)
+
+    def token(self, since_arrival: float | None, since_last: float | None) -> None:
+        """A generated token: the first of its sequence (`since_arrival`, time to first
+        token) or a later one (`since_last`, inter-token latency)."""
+        with self.lock:
+            if since_last is None:
+                self.ttft.observe(since_arrival)
+            else:
+                self.itl.observe(since_last)
+            self.generation_tokens.inc()
+
+    def finished(self, reason: str, latency: float) -> None:
+        with self.lock:
+            self.requests.inc(1, reason)
+            self.latency.observe(latency)
+
+    def http_response(self, endpoint: str, code: int) -> None:
+        with self.lock:
+            self.http.inc(1, endpoint, str(code))
 
     # What the engine updates; under `bloomtrain serve` it runs in another process than the
     # HTTP front end (bloomtrain.serve.remote), which copies these in when scraped.

@@ -16,10 +16,10 @@ thread. They talk over one multiprocessing Pipe:
 - engine -> front end: ("out", [(id, SeqOutput)], gauges) once per step, ("metrics", token,
   snapshot), ("error", text) when a step failed.
 
-`EngineClient` stands in for the Engine in the front end: the HTTP handlers
-(bloomtrain.serve.server) call the same `check_request`, `submit`, `abort` and
-`stop_accepting`, and get the same SeqOutputs through `dispatch`, so the in-process engine the
-tests drive and the split one behave alike. Requests are checked in the front end (the same
+`RemoteEngine` stands in for the Engine in the front end: both implement
+bloomtrain.serve.interface.EngineClient, so the HTTP handlers call the same `check_request`,
+`submit`, `abort` and `stop_accepting`, and get the same SeqOutputs through `dispatch`, and the
+in-process engine the tests drive and the split one behave alike. Requests are checked in the front end (the same
 `check_request`) so a bad one never crosses; the queue limit is checked there against the
 engine's last reported queue depth plus what was sent since, and the engine still enforces it
 exactly (a request it refuses after all ends with an overload error, a 503).
@@ -38,8 +38,8 @@ import signal
 import sys
 import threading
 
-from bloomtrain.serve.engine import (EngineClosed, QueueFull, RequestError, SeqOutput,
-                                     check_request)
+from bloomtrain.serve.interface import (EngineClosed, QueueFull, RequestError, SeqOutput,
+                                        check_request)
 from bloomtrain.serve.metrics import ServeMetrics
 
 
@@ -146,7 +146,7 @@ def start_frontend(opts: dict, info: dict):
 
 # ---- the front-end process ------------------------------------------------------------------
 
-class EngineClient:
+class RemoteEngine:
     """The engine as the HTTP handlers see it, in the front-end process: requests go down the
     pipe, and each step's outputs come back on a reader thread, which hands them to
     `dispatch` (set by the server: onto its event loop) with each id's sink."""
@@ -298,7 +298,7 @@ def frontend_main(conn, opts: dict, info: dict) -> None:
 
     tokenizer = load_tokenizer(opts["tokenizer"])
     metrics = ServeMetrics()
-    client = EngineClient(conn, info["config"], vocab_limit=info["vocab_limit"],
+    client = RemoteEngine(conn, info["config"], vocab_limit=info["vocab_limit"],
                           has_tokenizer=True)
     metrics.engine = client
     app = create_app(client, tokenizer, metrics, model_name=info["model_name"])

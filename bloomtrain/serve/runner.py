@@ -1,19 +1,18 @@
 """One forward step of the serving engine: the new tokens of every scheduled sequence packed into
-one padding-free batch of rows, attention per sequence over its blocks of the paged KV cache.
+one padding-free row of tokens, run through the model's own forward (BloomModel.forward with
+`paged`: bloomtrain.model.attention's paged backend), attention per sequence over its blocks of
+the paged KV cache.
 
 A step holds, per sequence, `q_len` new tokens (a prefill chunk, or one token when decoding) at
 positions [ctx_len - q_len, ctx_len). Row-wise work (embedding, LayerNorms, every matmul, GeLU)
-runs on all rows at once; attention runs per sequence, since each has its own context:
-- prefill chunks: one call each, with the model's ALiBi + causal bias (`alibi_causal_bias`:
-  slope * (k - q) from the sequence's own positions, so its scores never depend on where it
-  sits in the batch);
+runs on all rows at once; attention runs per sequence, since each has its own context. This
+module only plans a step (`_plan`: where each token's keys and values go, which blocks each
+sequence reads, and the ALiBi bias of each, made by the model's `alibi_bias` from the
+sequence's own positions, so its scores never depend on where it sits in the batch):
+- prefill chunks: one attention call each;
 - decodes (q_len = 1): all in one batched call, each sequence's keys gathered from its blocks
   and padded to the longest context of the step, rounded up to whole blocks and a multiple of
-  `DECODE_BUCKET`;
-  padding keys are masked with -inf.
-Attention is HF BloomAttention's math (baddbmm of the bias and q kᵀ / sqrt(d), softmax in fp32,
-bmm), not SDPA: on CPU, SDPA's fused kernel gives a head slightly different bits depending on
-which thread its work item lands on, and so on the batch size.
+  `DECODE_BUCKET`; padding keys are masked with -inf.
 
 Batch invariance. A request must produce the same tokens whatever else is being served, so no
 sequence's numbers may depend on the batch. On CPU its logits are bitwise the same, because:
@@ -42,7 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bloomtrain.model.bloom import alibi_causal_bias
+from bloomtrain.model.attention import PagedAttention
+from bloomtrain.model.bloom import alibi_bias
 from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
 
 MIN_ROWS = 16       # rows of padding where none is measured (CUDA), or none was found to hold
@@ -52,15 +52,6 @@ ROW_CANDIDATES = (1, 2, 4, 8, 16)
 # counts around the multiples of the blocking sizes GEMMs use, then the step's largest.
 PROBE_ROWS = (*range(1, 34), 47, 48, 49, 63, 64, 65, 95, 96, 97, 127, 128, 129, 255, 256, 257)
 PROBE_COLS = 16384  # output features probed per matmul (bloom-7b1's widest layer)
-
-
-def _attention(q, k, v, bias):
-    """q [n, q_len, hd], k and v [n, L, hd], bias [n, q_len, L] -> [n, q_len, hd] for n
-    independent (head, sequence) pairs, as HF's BloomAttention computes it."""
-    scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0,
-                           alpha=1.0 / math.sqrt(q.shape[-1]))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.bmm(probs, v)
 
 
 def _matmuls(model) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -157,20 +148,6 @@ class StepBatch:
         return cls(ids, seqs, v[at:at + num_rows])
 
 
-@dataclass
-class _Plan:
-    """A StepBatch as the tensors the forward needs (built the same way on every rank)."""
-
-    ids: torch.Tensor                 # [rows] (padded to min_rows)
-    num_tokens: int
-    write_slots: torch.Tensor         # [num_tokens]
-    # The cache's read buffers (PagedKVCache.buffer) are shared by the layers of the step.
-    prefills: list                    # (start, end, table [1, W], buffer, L, bias [nh, q, L])
-    decodes: list                     # (rows [D], tables [D, W], buffer, bias [nh * D, 1, W bs])
-    logit_rows: torch.Tensor          # [>= min_rows]
-    num_logits: int
-
-
 class ModelRunner:
     """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
     keeping keys and values in `cache`. `tp_group` is None or the group the model is split
@@ -185,13 +162,14 @@ class ModelRunner:
         self.tp_group = tp_group
         tr = model.transformer
         self.slopes = tr.alibi_slopes  # this rank's heads under tensor parallelism
-        self.head_dim = model.shape.head_dim
         self.dtype = tr.word_embeddings_layernorm.weight.dtype
         self.device = tr.word_embeddings_layernorm.weight.device
 
     # ---- the plan -------------------------------------------------------------------------------
 
-    def _plan(self, batch: StepBatch) -> _Plan:
+    def _plan(self, batch: StepBatch) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
+        """(token ids [rows] padded to min_rows, the step's attention metadata, the logit rows
+        [>= min_rows]), built the same way on every rank."""
         dev, bs = self.device, self.cache.block_size
         num_tokens = len(batch.input_ids)
         ids = batch.input_ids + [0] * (max(num_tokens, self.min_rows) - num_tokens)
@@ -202,9 +180,11 @@ class ModelRunner:
                 table = torch.tensor([s.blocks], device=dev)
                 slots = slots_of(table[0], s.ctx_len, bs)
                 write_slots[s.row:s.row + s.q_len] = slots[s.ctx_len - s.q_len:].tolist()
-                bias = alibi_causal_bias(self.slopes, s.q_len, s.ctx_len, self.dtype, dev)
+                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=dev,
+                                     dtype=torch.float32)
+                bias = alibi_bias(self.slopes, q_pos[None], s.ctx_len, self.dtype)[:, 0]
                 prefills.append((s.row, s.row + s.q_len, table, self.cache.buffer(table),
-                                 s.ctx_len, bias[0]))
+                                 s.ctx_len, bias))
             else:
                 decoding.append(s)
                 p = s.ctx_len - 1
@@ -219,19 +199,18 @@ class ModelRunner:
             # Padding blocks point at block 0: real memory, finite values, masked below.
             tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
                                   device=dev)  # [D, width]
-            ctx = torch.tensor([s.ctx_len for s in decoding], device=dev, dtype=torch.float32)
-            # ALiBi as alibi_causal_bias builds it: slope * (k - q) in fp32, -inf after q.
-            rel = torch.arange(padded, device=dev, dtype=torch.float32) - (ctx[:, None] - 1)
-            bias = self.slopes.to(dev, torch.float32)[:, None, None] * rel  # [nh, D, Lp]
-            bias = bias.masked_fill(rel > 0, float("-inf"))
+            q_pos = torch.tensor([[s.ctx_len - 1] for s in decoding], device=dev,
+                                 dtype=torch.float32)  # [D, 1]
+            bias = alibi_bias(self.slopes, q_pos, padded, self.dtype)  # [nh, D, 1, Lp]
             rows = torch.tensor([s.row for s in decoding], device=dev)
             decodes.append((rows, tables, self.cache.buffer(tables),
-                            bias.to(self.dtype).view(-1, 1, padded)))
+                            bias.view(-1, 1, padded)))
+        meta = PagedAttention(self.cache, torch.tensor(write_slots, device=dev,
+                                                       dtype=torch.int64),
+                              num_tokens, prefills, decodes)
         num_logits = len(batch.logit_rows)
         logit_rows = batch.logit_rows + [0] * (max(num_logits, self.min_rows) - num_logits)
-        return _Plan(torch.tensor(ids, device=dev), num_tokens,
-                     torch.tensor(write_slots, device=dev, dtype=torch.int64), prefills,
-                     decodes, torch.tensor(logit_rows, device=dev), num_logits)
+        return (torch.tensor(ids, device=dev), meta, torch.tensor(logit_rows, device=dev))
 
     # ---- the forward ----------------------------------------------------------------------------
 
@@ -239,39 +218,12 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's keys and values into the cache and return the fp32 logits
         [len(batch.logit_rows), vocab] (the padded vocabulary)."""
-        plan = self._plan(batch)
-        tr = self.model.transformer
-        x = tr.embed(plan.ids[None])[0]  # [rows, h]
-        for layer, block in enumerate(tr.h):
-            x = self._block(layer, block, x, plan)
-        hidden = tr.ln_f(x.index_select(0, plan.logit_rows))
-        logits = self.model.lm_head(hidden)  # [R, V / tp]
+        ids, meta, logit_rows = self._plan(batch)
+        hidden, _ = self.model.transformer(ids[None], paged=meta)  # [1, rows, h], after ln_f
+        logits = self.model.lm_head(hidden[0].index_select(0, logit_rows))  # [R, V / tp]
         if self.tp_group is not None:
             logits = self._gather_vocab(logits)
-        return logits[:plan.num_logits].float()
-
-    def _block(self, layer: int, block, x: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        attn = block.self_attention
-        qkv = attn.query_key_value(block.input_layernorm(x))
-        num_heads = qkv.shape[-1] // (3 * self.head_dim)  # this rank's heads
-        qkv = qkv.view(-1, num_heads, 3, self.head_dim)  # [rows, nh, (q, k, v), hd]
-        q = qkv[:, :, 0]  # [rows, nh, hd]
-        self.cache.write(layer, plan.write_slots, qkv[:plan.num_tokens, :, 1:])
-        ctx = torch.zeros_like(q)  # padding rows attend to nothing
-        for start, end, table, buffer, length, bias in plan.prefills:
-            keys, values = self.cache.read(layer, table, buffer)  # [nh, 1, W * bs, hd]
-            keys, values = keys[:, 0, :length], values[:, 0, :length]  # [nh, L, hd]
-            out = _attention(q[start:end].transpose(0, 1), keys, values, bias)  # [nh, q, hd]
-            ctx[start:end] = out.transpose(0, 1)
-        for rows, tables, buffer, bias in plan.decodes:
-            keys, values = self.cache.read(layer, tables, buffer)  # [nh, D, Lp, hd]
-            n = bias.shape[0]  # nh * D matrices, head-major like the cache
-            qd = q.index_select(0, rows).transpose(0, 1).reshape(n, 1, self.head_dim)
-            out = _attention(qd, keys.view(n, -1, self.head_dim),
-                             values.view(n, -1, self.head_dim), bias)  # [nh * D, 1, hd]
-            ctx.index_copy_(0, rows, out.view(num_heads, -1, self.head_dim).transpose(0, 1))
-        x = x + attn.dense(ctx.view(x.shape[0], num_heads * self.head_dim))
-        return x + block.mlp(block.post_attention_layernorm(x))
+        return logits[:len(batch.logit_rows)].float()
 
     def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         from bloomtrain.parallel import comm

@@ -25,8 +25,8 @@ import uuid
 
 from aiohttp import web
 
-from bloomtrain.serve.engine import (MAX_LOGPROBS, EngineClosed, QueueFull, RequestError,
-                                     SamplingParams)
+from bloomtrain.serve.interface import EngineClosed, QueueFull, RequestError
+from bloomtrain.serve.sampling import MAX_LOGPROBS, SamplingParams
 
 KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
                 "stream", "stream_options", "echo", "logprobs", "n", "user"}

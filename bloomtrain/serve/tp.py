@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from bloomtrain.parallel import comm
+from bloomtrain.runtime import dtype_name, torch_dtype
 from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, StepBatch, batch_invariant_rows
 
 COMM_NAME = "serve"
@@ -54,9 +55,7 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
         if split:  # .bin weights of the pickle format: read whole, then cut
             # A loaded model's vocabulary is padded already; only its size has to split.
             topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
-            dtype = model.transformer.word_embeddings_layernorm.weight.dtype
-            precision = {torch.float32: "fp32", torch.bfloat16: "bf16",
-                         torch.float16: "fp16"}[dtype]
+            precision = dtype_name(model.transformer.word_embeddings_layernorm.weight.dtype)
             # The modules of `model` are the chunk's: splitting them in place splits `model`.
             parallelize(model, topo, _config(topo.tp_size, precision), device="cpu",
                         engine=False)
@@ -75,7 +74,7 @@ def _load_tp_shards(reader, topo, dtype):
     hf.HFSliceReader (safetensors slices, or slices of a memory-mapped torch .bin)."""
     import torch.nn as nn
 
-    from bloomtrain import _DTYPE_ALIASES, hf
+    from bloomtrain import hf
     from bloomtrain.model import BloomForCausalLM, alibi_slopes
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.utils import replace_parameters
@@ -83,10 +82,8 @@ def _load_tp_shards(reader, topo, dtype):
     shape = reader.shape
     hf.check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != hf.LM_HEAD},
                    reader.path)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, _DTYPE_ALIASES.get(dtype, dtype))
-    dtype = dtype or reader.dtype(hf.EMBEDDING)
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    dtype = torch_dtype(dtype) if dtype is not None else reader.dtype(hf.EMBEDDING)
+    precision = dtype_name(dtype)
     with torch.device("meta"):
         model = BloomForCausalLM(shape)
     topo.layout.check_tensor_parallel(shape, 1, topo.tp_size)
