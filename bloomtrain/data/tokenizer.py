@@ -2,7 +2,8 @@
 
 Training starts from the 256-symbol byte alphabet, so every UTF-8 string encodes without an
 unknown token and decodes back exactly. Special tokens `<unk>`, `<s>`, `</s>`, `<pad>` take ids 0-3
-as in BLOOM's tokenizer. Any local HF tokenizer directory with a `tokenizer.json` loads too.
+as in BLOOM's tokenizer. Any local HF tokenizer directory with a `tokenizer.json` loads too, and
+so does Megatron's GPT-2 pair vocab.json + merges.txt (bloomtrain.data.gpt2_bpe).
 """
 from __future__ import annotations
 
@@ -134,17 +135,22 @@ class Tokenizer:
 
         path = Path(path)
         if not path.exists():
-            raise UserError(f"tokenizer {path} not found; pass a tokenizer.json or a directory "
-                            f"holding one (train one with `bloomtrain tokenizer train`)")
+            raise UserError(f"tokenizer {path} not found; pass a tokenizer.json, Megatron's "
+                            f"vocab.json (with merges.txt beside it) or a directory holding "
+                            f"either (train one with `bloomtrain tokenizer train`)")
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
-            raise UserError(f"{path} has no tokenizer.json; only fast (tokenizers-format) HF "
-                            f"tokenizers are supported")
+            raise UserError(f"{path} has no tokenizer.json (nor Megatron's vocab.json + "
+                            f"merges.txt); only fast (tokenizers-format) HF tokenizers and "
+                            f"Megatron's GPT-2 files are supported")
         try:
             self._tok = HFTokenizer.from_file(str(file))
         except Exception as e:
             raise UserError(f"cannot load tokenizer {file}: {e}") from e
         self.path = file
+        # Megatron's vocab.json + merges.txt found beside the tokenizer.json and checked to be
+        # the same tokenizer (load_tokenizer); save() keeps them.
+        self.megatron_files: tuple[Path, Path] | None = None
         self.config: dict = {}
         config_file = file.parent / "tokenizer_config.json"
         if config_file.is_file():
@@ -158,11 +164,11 @@ class Tokenizer:
             self.config = config
 
     def _special_id(self, default: str, config_key: str) -> int | None:
-        token_id = self._tok.token_to_id(default)
-        if token_id is not None:
-            return token_id
+        # tokenizer_config.json's token first, as transformers resolves it (a GPT-2 directory
+        # names <|endoftext|>); the conventional name when it names none the vocabulary has.
         token = _token_content(self.config.get(config_key))
-        return self._tok.token_to_id(token) if token else None
+        token_id = self._tok.token_to_id(token) if token else None
+        return token_id if token_id is not None else self._tok.token_to_id(default)
 
     @property
     def vocab_size(self) -> int:
@@ -217,11 +223,14 @@ class Tokenizer:
         return self._tok.id_to_token(int(token_id))
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Copy tokenizer.json and its HF side files into `directory` (for exported checkpoints)."""
+        """Copy tokenizer.json and its HF side files (and Megatron's vocab.json + merges.txt when
+        they came with it) into `directory` (for checkpoints and exports)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        for name in _SIDE_FILES:
-            source = self.path.parent / name
+        sources = [(self.path.parent / name, name) for name in _SIDE_FILES]
+        if self.megatron_files is not None:
+            sources += zip(self.megatron_files, ("vocab.json", "merges.txt"))
+        for source, name in sources:
             if source.is_file():
                 with atomic_output(directory / name) as f, open(source, "rb") as src:
                     shutil.copyfileobj(src, f)
@@ -234,7 +243,25 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    return Tokenizer(path)
+    """The tokenizer at `path`: a tokenizer.json, Megatron's GPT-2 vocab.json (its merges.txt
+    beside it, see gpt2_bpe.merges_beside), or a directory holding either. A directory with both
+    is read from its tokenizer.json, as transformers reads it, and its vocab.json + merges.txt
+    must describe the same tokenizer."""
+    from bloomtrain.data import gpt2_bpe
+
+    path = Path(path)
+    has_json = (path / "tokenizer.json").is_file()
+    pair = gpt2_bpe.find_pair(path, required=not has_json) if path.exists() else None
+    if pair is not None and not has_json:
+        return gpt2_bpe.GPT2BPETokenizer(*pair)
+    if path.is_file() and "merges" in path.name and path.suffix == ".txt":
+        raise UserError(f"{path} is a merges file; pass the vocab.json beside it, or the "
+                        f"directory holding both")
+    tok = Tokenizer(path)
+    if pair is not None:
+        gpt2_bpe.check_same(tok, *pair)
+        tok.megatron_files = pair
+    return tok
 
 
 def register(subparsers) -> None:
