@@ -43,6 +43,9 @@ VOCAB = 512
 ROOT = Path(__file__).resolve().parents[1]
 # Small on purpose: prompts span several chunks and blocks, and a step's token budget is
 # smaller than the prompts, so chunked prefill and decodes share steps.
+# A ChatML-style template of the kind HF tokenizers carry in tokenizer_config.json.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CFG = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=2048, max_num_seqs=8,
                    max_batched_tokens=40, prefill_chunk=16, max_queue=64)
 
@@ -271,7 +274,7 @@ class Gate:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, tokenizer, metrics, start=True, split=False):
+async def serving(engine, tokenizer, metrics, start=True, split=False, **app_options):
     """The HTTP app over `engine`: on an engine thread in this process, or (`split`) as
     `bloomtrain serve` runs it, through an EngineClient and a pipe to `serve_engine`, which
     runs the engine on its own thread here in place of the engine process. The app's metrics
@@ -292,7 +295,9 @@ async def serving(engine, tokenizer, metrics, start=True, split=False):
         metrics.engine = front
         loop_thread = threading.Thread(target=serve_engine, args=(engine, here),
                                        kwargs={"log": lambda *a, **k: None}, daemon=True)
-    app = create_app(front, tokenizer, metrics, model_name="tiny", max_body_bytes=1 << 16)
+    app_options.setdefault("chat_template", CHAT_TEMPLATE)
+    app = create_app(front, tokenizer, metrics, served_names=("tiny",), max_body_bytes=1 << 16,
+                     log=lambda *a, **k: None, **app_options)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -346,8 +351,18 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
         (b'{"prompt": "x", "max_tokens": NaN}', 400, "NaN"),
         (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8"),
         ({**ok, "prompt": "\ud800 lone"}, 400, "lone surrogate"),
-        ({**ok, "colour": "red"}, 400, "unknown field `colour`"),
-        ({**ok, "best_of": 2}, 400, "`best_of` is not supported"),
+        ({**ok, "suffix": "x"}, 400, "`suffix` is not supported"),
+        ({**ok, "n": 2, "best_of": 1}, 400, "`best_of` (1) must be at least `n` (2)"),
+        ({**ok, "n": 2, "best_of": 3, "stream": True}, 400, "cannot stream"),
+        ({**ok, "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+        ({**ok, "model": 4}, 400, "`model` must be a string"),
+        ({**ok, "presence_penalty": 2.5}, 400, "`presence_penalty` must be in [-2.0, 2.0]"),
+        ({**ok, "repetition_penalty": 0}, 400, "`repetition_penalty` must be in (0.0, inf]"),
+        ({**ok, "logit_bias": {"x": 1}}, 400, "`logit_bias` keys must be token ids"),
+        ({**ok, "logit_bias": {"5": 101}}, 400, "values must be numbers in [-100, 100]"),
+        ({**ok, "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
+        ({**ok, "min_tokens": 5}, 400, "`min_tokens` must be in [0, 4]"),
+        ({**ok, "top_k": -2}, 400, "`top_k` must be >= -1"),
         ({**ok, "max_tokens": -1}, 400, "`max_tokens` must be >= 0"),
         ({**ok, "max_tokens": 10 ** 12}, 400, "maximum context length is 128"),
         ({**ok, "max_tokens": 2.5}, 400, "`max_tokens` must be an integer"),
@@ -362,8 +377,8 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
         ({**ok, "top_p": 0}, 400, "`top_p` must be in (0.0, 1.0]"),
         ({**ok, "logprobs": 9}, 400, "`logprobs` must be in [0, 5]"),
         ({**ok, "stream": "yes"}, 400, "`stream` must be true or false"),
-        ({**ok, "n": 2}, 400, "`n` > 1 is not supported"),
-        ({**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+        ({**ok, "n": 0}, 400, "`n` must be >= 1"),
+        ({**ok, "stop": ["s"] * 17}, 400, "at most 16"),
         ({**ok, "stream_options": {"include_usage": True}}, 400, "needs `stream: true`"),
         (b"x" * (1 << 17), 413, "larger than the limit"),
     ]
@@ -376,6 +391,9 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
                     err = (await resp.json())["error"]
                     assert (resp.status, words in err["message"]) == (status, True), \
                         (body if isinstance(body, dict) else body[:40], err)
+                    # OpenAI's shape: `code` is a string or null, never a number.
+                    assert set(err) == {"message", "type", "param", "code"}
+                    assert err["code"] is None or isinstance(err["code"], str)
             async with session.get("/v1/completions") as resp:
                 assert resp.status == 405 and "error" in await resp.json()
             async with session.get("/nope") as resp:
@@ -795,8 +813,9 @@ def test_cli_front_end_failures_end_the_server(model_dir):
 
 def test_cli_int8_and_sigterm_drain(model_dir, tokenizer):
     """`--quantize int8` serves the int8 model (its tokens are the in-process int8 engine's);
-    SIGTERM while a stream is in flight: new connections are refused (or get 503), the stream
-    finishes in full, and the process exits 0."""
+    SIGTERM while a stream is in flight: the server keeps listening, so a probe on a new
+    connection gets 503 with Retry-After (not a refused connection), the stream finishes in
+    full, and the process exits 0."""
     _, path = model_dir
     server = ServerProcess(["--checkpoint", str(path), "--quantize", "int8",
                             "--max-model-len", "512", "--kv-cache-tokens", "4096"])
@@ -815,12 +834,11 @@ def test_cli_int8_and_sigterm_drain(model_dir, tokenizer):
                 await resp.content.readline()
                 server.proc.send_signal(signal.SIGTERM)
                 await asyncio.to_thread(server.wait_line, r"draining 1 request\(s\) in flight")
-                try:
-                    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as fresh:
-                        async with fresh.get("/health") as r:
-                            late = r.status
-                except aiohttp.ClientConnectionError:
-                    late = "refused"
+                async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as fresh:
+                    async with fresh.get("/health") as r:
+                        late = (r.status, r.headers.get("Retry-After"))
+                    async with fresh.post("/v1/completions", json={"prompt": "x"}) as r:
+                        late += (r.status, (await r.json())["error"]["message"])
                 events, done = await sse_events(resp)
                 return text, late, events, done
 
@@ -828,7 +846,7 @@ def test_cli_int8_and_sigterm_drain(model_dir, tokenizer):
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
-    assert late in ("refused", 503)
+    assert late == (503, "1", 503, "the server is shutting down")
     assert done and events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 400
     engine = make_engine(path, tokenizer=tokenizer, quantize="int8")

@@ -1,6 +1,6 @@
 """`bloomtrain serve --checkpoint DIR_OR_HF [--port 8000] [--nproc N parallel.tp=N]
-[--quantize int8]`: build the model, the KV cache, the engine and the HTTP server, and run them
-until SIGTERM. With --nproc N the N tensor-parallel ranks are started by bloomtrain's local
+[--quantize int8] [--served-model-name NAME] [--chat-template FILE] [--strict-fields]`: build
+the model, the KV cache, the engine and the HTTP server, and run them until SIGTERM. With --nproc N the N tensor-parallel ranks are started by bloomtrain's local
 launcher (torch's elastic launcher); under torchrun each process joins as one rank."""
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def _main(args) -> int:
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}
     opts["tp"] = tp
     opts["tokenizer"] = str(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
+    opts["chat_template_source"] = _chat_template(opts["tokenizer"], args.chat_template)
     _engine_config(opts).check()  # before any process starts
     if tp > 1 and not under_launcher:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -79,6 +80,19 @@ def _main(args) -> int:
         return 0
     serve_worker(opts)
     return 0
+
+
+def _chat_template(tokenizer_path: str, path: str | None) -> str | None:
+    """The chat template's source (--chat-template FILE, else the tokenizer's, else None),
+    compiled once here so that a bad one stops the server before anything starts."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.serve.chat import ChatTemplate, template_source
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    source = template_source(tokenizer, path)
+    if source is not None:
+        ChatTemplate(source, tokenizer)
+    return source
 
 
 def serve_worker(opts: dict) -> None:
@@ -155,13 +169,15 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
     engine = Engine(executor, config, vocab_size=model.shape.vocab_size,
                     vocab_limit=tokenizer.vocab_size, eos_token_id=eos, tokenizer=tokenizer,
                     metrics=ServeMetrics())
-    name = opts["model_name"] or Path(opts["checkpoint"]).resolve().name
-    print(f"[serve] model {name}: {model_bytes(model) / 2**20:.1f} MiB of weights"
+    names = tuple(opts["served_model_name"] or [Path(opts["checkpoint"]).resolve().name])
+    print(f"[serve] model {names[0]}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
           f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size}); "
           f"matmuls padded to {runner.min_rows} rows", flush=True)
     frontend, conn = start_frontend(opts, {"config": config, "vocab_limit": tokenizer.vocab_size,
-                                           "model_name": name})
+                                           "served_names": names,
+                                           "chat_template": opts["chat_template_source"],
+                                           "strict_fields": opts["strict_fields"]})
     try:
         serve_engine(engine, conn, frontend)
     finally:
@@ -184,8 +200,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a bloomtrain checkpoint or an HF Bloom directory: POST "
-        "/v1/completions (OpenAI's completions API, streaming by server-sent events), GET "
-        "/health, GET /metrics (Prometheus). Continuous batching over a paged KV cache; "
+        "/v1/completions and /v1/chat/completions (OpenAI's APIs with vLLM's extra sampling "
+        "parameters, streaming by server-sent events), POST /tokenize and /detokenize, GET "
+        "/tokenizer_info, /v1/models, /health, /metrics (Prometheus). Continuous batching "
+        "over a paged KV cache; "
         "--nproc N parallel.tp=N splits the model over N tensor-parallel ranks; --quantize "
         "int8 stores int8 weights. SIGTERM drains the requests in flight, then exits.")
     p.add_argument("--checkpoint", required=True, metavar="DIR_OR_HF",
@@ -207,8 +225,15 @@ def register(subparsers) -> None:
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads per rank (default: torch's)")
-    p.add_argument("--model-name", default=None,
-                   help="the `model` the API reports (default: the checkpoint dir's name)")
+    p.add_argument("--served-model-name", "--model-name", nargs="+", default=None,
+                   metavar="NAME", help="the `model` names requests may give, the first one "
+                   "reported (default: the checkpoint dir's name); any other is a 404")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (default: the "
+                   "tokenizer's, tokenizer_config.json's chat_template)")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="answer 400 to a request field this server does not know (default: "
+                   "ignore it, naming it in the X-Ignored-Fields header and the log)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help=f"prompt + generated tokens per sequence (default: {d.max_model_len})")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

@@ -20,7 +20,12 @@ __all__ = ["EngineClient", "EngineClosed", "QueueFull", "RequestError", "SeqOutp
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve as asked (the HTTP layer answers 400)."""
+    """A request the engine cannot serve as asked (the HTTP layer answers 400); `code` is
+    OpenAI's error code, where it has one."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class QueueFull(RuntimeError):
@@ -93,7 +98,8 @@ def check_request(cfg: EngineConfig, prompt_ids: list[int], params: SamplingPara
         raise RequestError(
             f"this model's maximum context length is {cfg.max_model_len} tokens; the "
             f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens} "
-            f"more ({total}); shorten the prompt or lower max_tokens")
+            f"more ({total}); shorten the prompt or lower max_tokens",
+            "context_length_exceeded")
     if params.stop and not has_tokenizer:
         raise RequestError("stop strings need a tokenizer")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_CHAT_LOGPROBS:

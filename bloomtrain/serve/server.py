@@ -1,293 +1,205 @@
-"""The HTTP front of `bloomtrain serve`: OpenAI's legacy completions API (`POST /v1/completions`,
-non-streaming or as server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics`
-(Prometheus text), on aiohttp.
+"""The HTTP front of `bloomtrain serve`, on aiohttp: OpenAI's `POST /v1/completions` and
+`POST /v1/chat/completions` (whole or as server-sent events), `GET /v1/models`, vLLM's
+`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, `GET /health` and
+`GET /metrics` (Prometheus text). What a request may hold and what a response looks like is
+bloomtrain.serve.protocol's; this module runs the requests on the engine (any
+bloomtrain.serve.interface.EngineClient) and shuts down in order.
 
 Why aiohttp rather than FastAPI + uvicorn: one dependency gives the server, the test client and
 the HTTP client the load benchmark drives it with, on one event loop; the handler reads the raw
-body, so bad UTF-8, malformed JSON and unknown fields get our own OpenAI-style 400 messages
-rather than a framework's validation errors; `handler_cancellation` cancels a handler whose
-client hangs up, even one that is not streaming, which is how a disconnect frees its sequence's
-slot and KV blocks at once; and the listening socket, the in-flight count and shutdown are plain
+body, so bad UTF-8, malformed JSON and bad fields get our own OpenAI-style 400 messages rather
+than a framework's validation errors; `handler_cancellation` cancels a handler whose client
+hangs up, even one that is not streaming, which is how a disconnect frees its sequences' slots
+and KV blocks at once; and the listening socket, the in-flight count and shutdown are plain
 objects we can drain in order on SIGTERM.
 
 Errors: every 4xx/5xx answer is JSON, {"error": {"message", "type", "param", "code"}}, as
 OpenAI's. A full queue is 503 with `Retry-After`, and so is a request that arrives while the
-server drains.
+server drains: the listener stays open during the drain, so probes and clients read the 503
+rather than a refused connection. A stream still running when `--drain-timeout` ends gets an
+error event and `data: [DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import signal
 import time
 import uuid
+from dataclasses import replace
 
 from aiohttp import web
 
+from bloomtrain.serve import protocol as proto
+from bloomtrain.serve.chat import ChatTemplate, TemplateError
 from bloomtrain.serve.interface import EngineClosed, QueueFull, RequestError
-from bloomtrain.serve.sampling import MAX_LOGPROBS, SamplingParams
+from bloomtrain.serve.protocol import BadRequest
 
-KNOWN_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed",
-                "stream", "stream_options", "echo", "logprobs", "n", "user"}
-# Fields of OpenAI's completions API this server does not implement: named as such, not as
-# unknown, so that a client sees what to drop.
-UNSUPPORTED_FIELDS = {"suffix", "best_of", "presence_penalty", "frequency_penalty", "logit_bias"}
-MAX_STOP = 4  # OpenAI's limit
 RETRY_AFTER_S = 1
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+             "/detokenize", "/tokenizer_info", "/health", "/metrics"}
+IGNORED_HEADER = "X-Ignored-Fields"
+_DRAINED = object()  # put in a request's queue when the drain timed out
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict | None = None) -> web.Response:
-    kind = ("invalid_request_error" if status < 500 else
-            "overloaded_error" if status == 503 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+                   code: str | None = None, headers: dict | None = None) -> web.Response:
+    return web.json_response(proto.error_body(status, message, param, code), status=status,
+                             headers=headers)
+
+
+def _retry_later(message: str) -> web.Response:
+    return error_response(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class ServerState:
-    """What the handlers share: the engine, the tokenizer, the metrics, and the drain state."""
+    """What the handlers share: the engine, the tokenizer, the metrics, the served names, the
+    chat template, and the drain state."""
 
-    def __init__(self, engine, tokenizer, model_name: str, metrics, max_body_bytes: int):
+    def __init__(self, engine, tokenizer, metrics, served: tuple[str, ...],
+                 chat: ChatTemplate | None, strict_fields: bool, max_body_bytes: int, log):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
-        self.model_name, self.max_body_bytes = model_name, max_body_bytes
+        self.served, self.chat, self.strict = served, chat, strict_fields
+        self.max_body_bytes, self.log = max_body_bytes, log
+        self.created = int(time.time())
         self.draining = False
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.cancels: set = set()       # each running request's way to end it (drain timeout)
+        self.logged_ignored: set = set()
+
+    def ignored(self, path: str, fields: list[str]) -> dict:
+        """The header naming the unknown fields a request held; logged once per set."""
+        if not fields:
+            return {}
+        names = ", ".join(json.dumps(f, ensure_ascii=True)[1:-1] for f in fields)[:1000]
+        key = (path, names)
+        if key not in self.logged_ignored and len(self.logged_ignored) < 1000:
+            self.logged_ignored.add(key)
+            self.log(f"[serve] {path}: ignored unknown field(s) {names} (--strict-fields "
+                     f"refuses them)", flush=True)
+        return {IGNORED_HEADER: names}
 
 
 STATE = web.AppKey("state", ServerState)
 
 
-# ---- request parsing ------------------------------------------------------------------------
+# ---- running a request's sequences ----------------------------------------------------------
 
-def _parse_body(raw: bytes) -> dict:
+class Generation:
+    """The engine sequences of one request: `seqs` [(prompt ids, SamplingParams)] submitted
+    together; their SeqOutputs arrive on `queue` as (k, out); whatever ends the handler, the
+    ones still running are aborted (`close`)."""
+
+    def __init__(self, state: ServerState, seqs: list[tuple[list[int], object]]):
+        self.state, self.seqs = state, seqs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.seq_ids: dict[int, int] = {}
+        self.open: set[int] = set()
+        self.cancel = lambda: self.queue.put_nowait((None, _DRAINED))
+
+    def submit(self) -> web.Response | None:
+        """Submit every sequence; an error response when the engine refuses one."""
+        engine = self.state.engine
+        try:
+            for k, (ids, params) in enumerate(self.seqs):
+                def sink(out, k=k):  # runs on the event loop (see _dispatch_to_loop)
+                    self.queue.put_nowait((k, out))
+                self.seq_ids[k] = engine.submit(ids, params, sink)
+                self.open.add(k)
+        except QueueFull as e:
+            self.close()
+            return _retry_later(f"the server is overloaded: {e}; retry later")
+        except EngineClosed as e:
+            self.close()
+            return _retry_later(str(e))
+        except RequestError as e:  # checked before; kept for one the engine still refuses
+            self.close()
+            return error_response(400, str(e), "prompt", e.code)
+        self.state.cancels.add(self.cancel)
+        return None
+
+    async def next(self):
+        """(k, SeqOutput) of the next output; (None, _DRAINED) when the drain timed out."""
+        k, out = await self.queue.get()
+        if out is not _DRAINED and out.finish_reason is not None:
+            self.open.discard(k)
+        return k, out
+
+    def close(self) -> None:
+        self.state.cancels.discard(self.cancel)
+        for k in self.open:
+            self.state.engine.abort(self.seq_ids[k])
+        self.open.clear()
+
+
+def _ended_early(out) -> str:
+    if out is _DRAINED:
+        return "the server shut down before the completion ended (--drain-timeout)"
+    return f"generation ended early ({out.finish_reason})" + (f": {out.error}"
+                                                               if out.error else "")
+
+
+async def _respond(request, gen: Generation, choices: list, head: dict, chunk_object: str,
+                   prompt_lengths: list[int], sampling: proto.Sampling,
+                   headers: dict) -> web.StreamResponse:
+    """Run `gen` to its end and answer: as events (one per output of each choice) or, once
+    every sequence ended, as one body with the best `n` of each prompt's samples."""
+    if error := gen.submit():
+        return error
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the request body is not valid UTF-8 (byte {e.start}: "
-                         f"{raw[e.start:e.start + 1]!r})") from None
-
-    def no_constant(name):
-        raise BadRequest(f"malformed JSON: {name} is not a JSON number")
-
-    try:
-        body = json.loads(text, parse_constant=no_constant)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}") \
-            from None
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got "
-                         f"{type(body).__name__}")
-    return body
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+        if sampling.stream:
+            return await _stream(request, gen, choices, {**head, "object": chunk_object},
+                                 prompt_lengths, sampling.include_usage, headers)
+        while gen.open:
+            k, out = await gen.next()
+            if out is _DRAINED:
+                return _retry_later(_ended_early(out))
+            choices[k].update(out)
+        failed = [c for c in choices if c.finish_reason not in ("stop", "length")]
+        if failed:
+            c = failed[0]
+            return error_response(500 if c.finish_reason == "error" else 503,
+                                  f"generation ended early ({c.finish_reason})"
+                                  + (f": {c.error}" if c.error else ""))
+        best = proto.best_samples(choices, sampling.n, sampling.best_of)
+        return web.json_response({**head, "choices": [c.final(i) for i, c in enumerate(best)],
+                                  "usage": proto.usage(prompt_lengths, best)}, headers=headers)
+    finally:
+        # Whatever ended the handler (a finished response, a disconnect that cancelled it, a
+        # failed write, the drain), sequences still running are dropped and their blocks freed.
+        gen.close()
 
 
-def _get_int(body, key, default, lo=None, hi=None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise BadRequest(f"`{key}` must be an integer, got {json.dumps(v)}", key)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"`{key}` must be {bounds}, got {v}", key)
-    return v
+async def _stream(request, gen: Generation, choices, head, prompt_lengths, include_usage,
+                  headers):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", **headers})
+    await resp.prepare(request)
 
+    async def send(obj) -> None:
+        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-def _get_number(body, key, default, lo, hi, lo_open=False):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-        raise BadRequest(f"`{key}` must be a number, got {json.dumps(v)}", key)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise BadRequest(f"`{key}` must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}",
-                         key)
-    return float(v)
-
-
-def _get_bool(body, key, default=False):
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"`{key}` must be true or false, got {json.dumps(v)}", key)
-    return v
-
-
-def _check_text(s: str, what: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BadRequest(f"{what} holds a lone surrogate (\\u{ord(s[e.start]):04x}) at "
-                         f"character {e.start}, which is not valid Unicode", "prompt") from None
-
-
-def _prompts(body, tokenizer, max_prompts: int) -> list[tuple[list[int], str | None]]:
-    """[(token ids, text or None)] of `prompt`: a string, a list of strings, a list of token
-    ids, or a list of such lists."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise BadRequest("`prompt` is required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, str):
-        items = [p]
-    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-        items = [p]
-    elif isinstance(p, list) and p and (all(isinstance(t, str) for t in p)
-                                        or all(isinstance(t, list) for t in p)):
-        items = p
-    elif isinstance(p, list) and not p:
-        raise BadRequest("`prompt` is an empty list; give at least one prompt", "prompt")
-    else:
-        raise BadRequest("`prompt` must be a string, a list of strings, a list of token ids "
-                         "or a list of lists of token ids", "prompt")
-    if len(items) > max_prompts:
-        raise BadRequest(f"at most {max_prompts} prompts per request, got {len(items)}",
-                         "prompt")
-    out = []
-    for i, item in enumerate(items):
-        where = "`prompt`" if len(items) == 1 else f"`prompt[{i}]`"
-        if isinstance(item, str):
-            if not item:
-                raise BadRequest(f"{where} is empty; give some text to continue", "prompt")
-            _check_text(item, where)
-            ids = tokenizer.encode(item)
-            if not ids:
-                raise BadRequest(f"{where} encodes to no tokens", "prompt")
-            out.append((ids, item))
-        else:
-            if not item or not all(_is_int(t) for t in item):
-                raise BadRequest(f"{where} must be a non-empty list of token ids", "prompt")
-            out.append((list(item), None))
-    return out
-
-
-def _sampling(body) -> tuple[SamplingParams, bool, bool, bool]:
-    """(params, stream, echo, include_usage) of a request."""
-    unsupported = sorted(set(body) & UNSUPPORTED_FIELDS)
-    if unsupported:
-        raise BadRequest(f"`{unsupported[0]}` is not supported by this server", unsupported[0])
-    unknown = sorted(set(body) - KNOWN_FIELDS - UNSUPPORTED_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field `{unknown[0]}`; the fields are "
-                         f"{', '.join(sorted(KNOWN_FIELDS))}", unknown[0])
-    for key in ("model", "user"):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise BadRequest(f"`{key}` must be a string", key)
-    n = _get_int(body, "n", 1, 1)
-    if n != 1:
-        raise BadRequest("`n` > 1 is not supported; send the prompt n times (with different "
-                         "seeds)", "n")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise BadRequest("`stop` must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOP or any(not s for s in stop):
-        raise BadRequest(f"`stop` takes at most {MAX_STOP} non-empty strings", "stop")
-    for s in stop:
-        _check_text(s, "`stop`")
-    stream = _get_bool(body, "stream")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise BadRequest("`stream_options` needs `stream: true`", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("`stream_options` must be {\"include_usage\": true|false}",
-                             "stream_options")
-        include_usage = _get_bool(options, "include_usage")
-    logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    echo = _get_bool(body, "echo")
-    params = SamplingParams(
-        max_tokens=_get_int(body, "max_tokens", DEFAULT_MAX_TOKENS, 0),
-        temperature=_get_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_get_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_get_int(body, "top_k", 0, 0),
-        seed=_get_int(body, "seed", None, 0, 2 ** 63 - 1),
-        stop=stop, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
-    return params, stream, echo, include_usage
-
-
-# ---- responses ------------------------------------------------------------------------------
-
-class _Choice:
-    """One prompt's completion as it accumulates, in OpenAI's shape."""
-
-    def __init__(self, index: int, prompt_ids: list[int], prompt_text: str | None, echo: bool,
-                 tokenizer, logprobs: int | None):
-        self.index, self.echo, self.tokenizer = index, echo, tokenizer
-        self.prompt_ids = prompt_ids
-        self.prompt_text = (prompt_text if prompt_text is not None
-                            else tokenizer.decode(prompt_ids)) if echo else ""
-        self.want_logprobs = logprobs is not None
-        self.text = ""
-        self.num_tokens = 0
-        self.finish_reason = None
-        self.error = None
-        self.offset = 0  # characters of text (echoed prompt included) the logprobs cover
-        self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-    def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _add_logprobs(self, lp: dict, entries, token_ids) -> None:
-        for entry, tid in zip(entries, token_ids):
-            s = self._token_str(tid)
-            lp["tokens"].append(s)
-            lp["text_offset"].append(self.offset)
-            self.offset += len(s)
-            if entry is None:  # the first prompt token has nothing to be predicted from
-                lp["token_logprobs"].append(None)
-                lp["top_logprobs"].append(None)
-            else:
-                lp["token_logprobs"].append(entry.logprob)
-                lp["top_logprobs"].append({self._token_str(t): v for t, v in entry.top})
-
-    def update(self, out) -> dict:
-        """Fold a SeqOutput in; returns the stream chunk's choice for it."""
-        text = out.text
-        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        if out.prompt_logprobs is not None and self.echo:
-            self._add_logprobs(lp, out.prompt_logprobs, self.prompt_ids)
-        if self.want_logprobs:
-            self._add_logprobs(lp, out.logprobs, [e.token_id for e in out.logprobs])
-        for k in lp:
-            self.lp[k] += lp[k]
-        self.text += text
-        self.num_tokens += len(out.token_ids)
-        self.finish_reason = out.finish_reason
-        self.error = out.error
-        return {"index": self.index, "text": text,
-                "logprobs": lp if self.want_logprobs else None,
-                "finish_reason": _public_reason(out.finish_reason)}
-
-    def final(self) -> dict:
-        return {"index": self.index, "text": self.prompt_text + self.text,
-                "logprobs": self.lp if self.want_logprobs else None,
-                "finish_reason": _public_reason(self.finish_reason)}
-
-
-def _public_reason(reason):
-    return reason if reason in (None, "stop", "length") else None
+    while gen.open:
+        k, out = await gen.next()
+        if out is not _DRAINED:
+            piece = choices[k].update(out)
+        if out is _DRAINED or out.finish_reason not in (None, "stop", "length"):
+            # OpenAI's clients raise on an event holding "error".
+            await send(proto.error_body(500 if out is not _DRAINED else 503,
+                                        _ended_early(out)))
+            if out is _DRAINED:
+                break
+            continue
+        if (piece.get("text") or piece.get("delta") or piece["finish_reason"]
+                or (piece["logprobs"] and any(piece["logprobs"].values()))):
+            await send({**head, "choices": [{"index": k, **piece}]})
+    if include_usage:
+        await send({**head, "choices": [], "usage": proto.usage(prompt_lengths, choices)})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
 # ---- handlers -------------------------------------------------------------------------------
@@ -309,10 +221,163 @@ async def _errors_and_counts(request: web.Request, handler):
         raise
     except Exception as e:  # never a dropped connection for a server bug
         resp = error_response(500, f"internal error: {e!r}")
-    endpoint = request.path if request.path in ENDPOINTS else "other"
-    with state.metrics.lock:
-        state.metrics.http.inc(1, endpoint, str(resp.status))
+    state.metrics.http_response(request.path if request.path in ENDPOINTS else "other",
+                                resp.status)
     return resp
+
+
+def _guarded(handler):
+    """A generating handler: 503 while draining, counted in flight otherwise."""
+    async def run(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        if state.draining:
+            return _retry_later("the server is shutting down")
+        state.inflight += 1
+        state.idle.clear()
+        try:
+            return await handler(request, state)
+        finally:
+            state.inflight -= 1
+            if state.inflight == 0:
+                state.idle.set()
+    return run
+
+
+async def _read(request, state: ServerState) -> dict:
+    body = proto.parse_body(await request.read())
+    proto.check_model(body, state.served)
+    return body
+
+
+async def completions(request: web.Request, state: ServerState) -> web.StreamResponse:
+    engine = state.engine
+    try:
+        req = proto.parse_completion(await _read(request, state), state.tokenizer,
+                                     engine.config.max_queue, state.strict)
+        for ids, _ in req.prompts:
+            engine.check_request(ids, req.sampling.params)
+    except BadRequest as e:
+        return error_response(e.status, e.message, e.param, e.code)
+    except RequestError as e:
+        return error_response(400, str(e), "prompt", e.code)
+    s = req.sampling
+    seqs = [(ids, s.sample_params(j)) for ids, _ in req.prompts for j in range(s.best_of)]
+    choices = [proto.CompletionChoice(ids, text, req.echo, state.tokenizer, s.want_logprobs)
+               for ids, text in req.prompts for _ in range(s.best_of)]
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": state.served[0]}
+    return await _respond(request, Generation(state, seqs), choices, head, "text_completion",
+                          [len(ids) for ids, _ in req.prompts], s,
+                          state.ignored(request.path, req.ignored))
+
+
+def _no_template() -> BadRequest:
+    return BadRequest("this model has no chat template: its tokenizer_config.json has no "
+                      "`chat_template`; start the server with --chat-template FILE (a Jinja "
+                      "template, as HF tokenizers carry), or use /v1/completions", "messages")
+
+
+def _chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> list[int]:
+    if state.chat is None:
+        raise _no_template()
+    try:
+        text = state.chat.render(messages, add_generation_prompt)
+    except TemplateError as e:
+        raise BadRequest(str(e), "messages") from None
+    ids = state.tokenizer.encode(text)
+    if not ids:
+        raise BadRequest("the chat template renders these messages as no tokens", "messages")
+    return ids
+
+
+async def chat_completions(request: web.Request, state: ServerState) -> web.StreamResponse:
+    engine = state.engine
+    try:
+        req = proto.parse_chat(await _read(request, state), engine.config.max_queue,
+                               state.strict)
+        ids = _chat_prompt(state, req.messages, req.add_generation_prompt)
+        s = req.sampling
+        if s.params.max_tokens is None:  # the room the prompt leaves
+            room = max(engine.config.max_model_len - len(ids), 0)
+            s = replace(s, params=replace(s.params, max_tokens=room))
+        engine.check_request(ids, s.params)
+    except BadRequest as e:
+        return error_response(e.status, e.message, e.param, e.code)
+    except RequestError as e:
+        return error_response(400, str(e), "messages", e.code)
+    seqs = [(ids, s.sample_params(j)) for j in range(s.best_of)]
+    choices = [proto.ChatChoice(state.tokenizer, req.top_logprobs) for _ in range(s.best_of)]
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": state.served[0]}
+    return await _respond(request, Generation(state, seqs), choices, head,
+                          "chat.completion.chunk", [len(ids)], s,
+                          state.ignored(request.path, req.ignored))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    state = request.app[STATE]
+    try:
+        body = await _read(request, state)
+        ignored = proto.unknown_fields(body, proto.TOKENIZE_FIELDS, state.strict)
+        proto.get_bool(body, "add_special_tokens", True)  # checked; BLOOM tokenizers add none
+        if body.get("messages") is not None:
+            ids = _chat_prompt(state, proto.parse_messages(body["messages"]),
+                               proto.get_bool(body, "add_generation_prompt", True))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise BadRequest("give `prompt` (a string) or `messages`", "prompt")
+            proto.check_text(prompt, "`prompt`")
+            ids = state.tokenizer.encode(prompt)
+        strs = ([state.tokenizer.id_to_token(t) for t in ids]
+                if proto.get_bool(body, "return_token_strs") else None)
+    except BadRequest as e:
+        return error_response(e.status, e.message, e.param, e.code)
+    return web.json_response({"count": len(ids), "max_model_len":
+                              state.engine.config.max_model_len, "tokens": ids,
+                              "token_strs": strs}, headers=state.ignored(request.path, ignored))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _read(request, state)
+        ignored = proto.unknown_fields(body, proto.DETOKENIZE_FIELDS, state.strict)
+        tokens = body.get("tokens")
+        limit = state.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(proto.is_int(t) for t in tokens):
+            raise BadRequest("`tokens` must be a list of token ids", "tokens")
+        bad = [t for t in tokens if not 0 <= t < limit]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {limit})",
+                             "tokens")
+    except BadRequest as e:
+        return error_response(e.status, e.message, e.param, e.code)
+    return web.json_response({"prompt": state.tokenizer.decode(tokens)},
+                             headers=state.ignored(request.path, ignored))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's plain
+    values), its special tokens as strings, and the chat template the server uses."""
+    state = request.app[STATE]
+    tok = state.tokenizer
+    info = {k: v for k, v in tok.config.items()
+            if isinstance(v, (str, int, float, bool)) or v is None}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = tok.config.get(name)
+        info[name] = value.get("content") if isinstance(value, dict) else value
+    if info["eos_token"] is None:
+        try:
+            info["eos_token"] = tok.id_to_token(tok.eod_id)
+        except Exception:  # a tokenizer without an end-of-text token
+            pass
+    info.update(tokenizer_class=info.get("tokenizer_class") or "PreTrainedTokenizerFast",
+                chat_template=state.chat.source if state.chat is not None else None,
+                model_max_length=state.engine.config.max_model_len,
+                vocab_size=tok.vocab_size)
+    return web.json_response(info)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -328,143 +393,22 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    fetch = getattr(state.engine, "metrics_snapshot", None)
-    if fetch is not None:  # the engine runs in another process (bloomtrain.serve.remote)
-        snapshot = await fetch()
-        if snapshot is not None:
-            state.metrics.absorb(snapshot)
-    text = state.metrics.render()
-    return web.Response(text=text, content_type="text/plain",
+    snapshot = await state.engine.metrics_snapshot()
+    if snapshot is not None:  # the engine runs in another process (bloomtrain.serve.remote)
+        state.metrics.absorb(snapshot)
+    return web.Response(text=state.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "owned_by": "bloomtrain",
-        "max_model_len": state.engine.config.max_model_len}]})
+        "id": name, "object": "model", "created": state.created, "owned_by": "bloomtrain",
+        "root": state.served[0], "parent": None,
+        "max_model_len": state.engine.config.max_model_len} for name in state.served]})
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    if state.draining:
-        return error_response(503, "the server is shutting down",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
-    state.inflight += 1
-    state.idle.clear()
-    try:
-        return await _complete(request, state)
-    finally:
-        state.inflight -= 1
-        if state.inflight == 0:
-            state.idle.set()
-
-
-async def _complete(request: web.Request, state: ServerState) -> web.StreamResponse:
-    engine = state.engine
-    try:
-        body = _parse_body(await request.read())
-        params, stream, echo, include_usage = _sampling(body)
-        prompts = _prompts(body, state.tokenizer, engine.config.max_queue)
-        for ids, _ in prompts:
-            engine.check_request(ids, params)
-    except BadRequest as e:
-        return error_response(e.status, e.message, e.param)
-    except RequestError as e:
-        return error_response(400, str(e), "prompt")
-
-    queue: asyncio.Queue = asyncio.Queue()
-    choices = [_Choice(i, ids, text, echo, state.tokenizer, params.logprobs)
-               for i, (ids, text) in enumerate(prompts)]
-    seq_ids: dict[int, int] = {}
-    open_ids: set[int] = set()
-    try:
-        for i, (ids, _) in enumerate(prompts):
-            def sink(out, i=i):  # runs on the event loop (see _dispatch_to)
-                queue.put_nowait((i, out))
-            seq_ids[i] = engine.submit(ids, params, sink)
-            open_ids.add(i)
-    except QueueFull as e:
-        for i in open_ids:
-            engine.abort(seq_ids[i])
-        return error_response(503, f"the server is overloaded: {e}; retry later",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
-    except EngineClosed as e:
-        for i in open_ids:
-            engine.abort(seq_ids[i])
-        return error_response(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
-    except RequestError as e:  # checked above; kept for a request the engine still refuses
-        for i in open_ids:
-            engine.abort(seq_ids[i])
-        return error_response(400, str(e), "prompt")
-
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": state.model_name}
-    try:
-        if stream:
-            return await _stream(request, head, choices, queue, open_ids, include_usage)
-        while open_ids:
-            i, out = await queue.get()
-            choices[i].update(out)
-            if out.finish_reason is not None:
-                open_ids.discard(i)
-        failed = [c for c in choices if c.finish_reason not in ("stop", "length")]
-        if failed:
-            c = failed[0]
-            return error_response(500 if c.finish_reason == "error" else 503,
-                                  f"generation ended early ({c.finish_reason})"
-                                  + (f": {c.error}" if c.error else ""))
-        return web.json_response({**head, "choices": [c.final() for c in choices],
-                                  "usage": _usage(choices)})
-    finally:
-        # Whatever ended the handler (a finished response, a disconnect that cancelled it, a
-        # failed write), sequences still running are dropped and their blocks freed.
-        for i in open_ids:
-            engine.abort(seq_ids[i])
-
-
-def _usage(choices) -> dict:
-    prompt = sum(len(c.prompt_ids) for c in choices)
-    completion = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
-async def _stream(request, head, choices, queue, open_ids, include_usage):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-
-    async def send(obj) -> None:
-        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-
-    echoed = set()
-    while open_ids:
-        i, out = await queue.get()
-        c = choices[i]
-        piece = c.update(out)
-        if c.echo and i not in echoed:  # the prompt opens the choice's first chunk
-            echoed.add(i)
-            piece["text"] = c.prompt_text + piece["text"]
-        if out.finish_reason is not None:
-            open_ids.discard(i)
-            if out.finish_reason not in ("stop", "length"):
-                await send({"error": {"message": f"generation ended early "
-                                                 f"({out.finish_reason})"
-                                                 + (f": {out.error}" if out.error else ""),
-                                      "type": "server_error", "param": None, "code": 500}})
-                continue
-        if piece["text"] or piece["finish_reason"] or piece["logprobs"]:
-            await send({**head, "choices": [piece]})
-    if include_usage:
-        await send({**head, "choices": [], "usage": _usage(choices)})
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-ENDPOINTS = {"/v1/completions", "/v1/models", "/health", "/metrics"}
-
+# ---- the app and its shutdown ---------------------------------------------------------------
 
 def _run_sinks(pairs) -> None:
     for sink, out in pairs:
@@ -478,21 +422,32 @@ async def _dispatch_to_loop(app: web.Application) -> None:
     app[STATE].engine.dispatch = lambda pairs: loop.call_soon_threadsafe(_run_sinks, pairs)
 
 
-def create_app(engine, tokenizer, metrics, model_name: str = "bloomtrain",
-               max_body_bytes: int = 1 << 20) -> web.Application:
+def create_app(engine, tokenizer, metrics, served_names: tuple[str, ...] = ("bloomtrain",),
+               chat_template: str | None = None, strict_fields: bool = False,
+               max_body_bytes: int = 1 << 20, log=print) -> web.Application:
+    """The app over `engine` (an EngineClient). `served_names`: the `model` names requests
+    may give, the first one reported; `chat_template`: the Jinja source for chat (None: chat
+    requests get 400); `strict_fields`: unknown fields are 400s instead of ignored."""
+    chat = ChatTemplate(chat_template, tokenizer) if chat_template is not None else None
     app = web.Application(middlewares=[_errors_and_counts], client_max_size=max_body_bytes)
     app.on_startup.append(_dispatch_to_loop)
-    app[STATE] = ServerState(engine, tokenizer, model_name, metrics, max_body_bytes)
-    app.router.add_post("/v1/completions", completions)
+    app[STATE] = ServerState(engine, tokenizer, metrics, tuple(served_names), chat,
+                             strict_fields, max_body_bytes, log)
+    app.router.add_post("/v1/completions", _guarded(completions))
+    app.router.add_post("/v1/chat/completions", _guarded(chat_completions))
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
     return app
 
 
 async def drain(app: web.Application, timeout: float) -> bool:
-    """Refuse new completions (503) and wait up to `timeout` seconds for the ones in flight.
-    Returns whether they all finished."""
+    """Refuse new completions (503, still listening) and wait up to `timeout` seconds for the
+    ones in flight; then end those left (a stream gets an error event and [DONE], a whole
+    response a 503) and wait for their handlers to answer. Returns whether all finished."""
     state = app[STATE]
     state.draining = True
     state.engine.stop_accepting()
@@ -500,13 +455,19 @@ async def drain(app: web.Application, timeout: float) -> bool:
         await asyncio.wait_for(state.idle.wait(), timeout)
         return True
     except asyncio.TimeoutError:
+        for cancel in list(state.cancels):
+            cancel()
+        try:
+            await asyncio.wait_for(state.idle.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass  # a client that reads nothing: runner.cleanup closes its connection
         return False
 
 
 async def run_server(app: web.Application, host: str, port: int, drain_timeout: float,
                      log=print) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: stop listening, let the requests in flight
-    finish (up to `drain_timeout` seconds; what is left is aborted), and return."""
+    """Serve until SIGTERM or SIGINT, then drain (see `drain`; the listener stays open, so a
+    request meanwhile gets 503), stop listening, and return."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=1.0)
     await runner.setup()
@@ -517,18 +478,18 @@ async def run_server(app: web.Application, host: str, port: int, drain_timeout: 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log(f"[serve] listening on http://{host}:{bound} (POST /v1/completions, GET /health, "
-        f"GET /metrics)", flush=True)
+    log(f"[serve] listening on http://{host}:{bound} (POST /v1/completions, "
+        f"/v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /tokenizer_info, "
+        f"/health, /metrics)", flush=True)
     try:
         await stop.wait()
         state = app[STATE]
-        state.draining = True  # a request that beats the listener's close gets 503
+        state.draining = True
         log(f"[serve] draining {state.inflight} request(s) in flight (up to {drain_timeout:g} s)",
             flush=True)
-        await site.stop()  # no new connections
-        done = await drain(app, drain_timeout)
-        if not done:
-            log(f"[serve] drain timed out; aborting {state.inflight} request(s)", flush=True)
+        if not await drain(app, drain_timeout):
+            log("[serve] drain timed out; the requests left were ended with an error",
+                flush=True)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -1,0 +1,82 @@
+"""Chat templates: OpenAI's chat messages as the one prompt a completion model continues, by the
+Jinja template HF tokenizers carry (`tokenizer_config.json`'s `chat_template`, rendered as
+transformers' `apply_chat_template` renders it: a sandboxed environment, `trim_blocks` and
+`lstrip_blocks`, `raise_exception`, the tokenizer's special tokens as variables).
+
+Which template: `--chat-template FILE` when given, else the tokenizer's; with neither,
+/v1/chat/completions answers 400 saying so. Templates run in Jinja's immutable sandbox: a
+template can loop and format, not reach Python objects or files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bloomtrain.utils import UserError
+
+
+class TemplateError(ValueError):
+    """The template refused the messages (its raise_exception), or failed on them."""
+
+
+def template_source(tokenizer, path: str | None) -> str | None:
+    """The chat template's text: the file `path` (--chat-template) when given, else the
+    tokenizer's (a string, or the "default" of a list of named templates), else None."""
+    if path is not None:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template {path}: cannot read it ({e})") from None
+    found = tokenizer.config.get("chat_template")
+    if isinstance(found, list):  # [{"name": ..., "template": ...}], as HF writes several
+        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+        found = named.get("default")
+    return found if isinstance(found, str) and found.strip() else None
+
+
+def _raise(message):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, tokenizer):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                                  indent=indent)
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise UserError(f"the chat template does not compile: {e}") from None
+        self.source = source
+        self.special = {name: _token(tokenizer.config.get(name)) for name in
+                        ("bos_token", "eos_token", "unk_token", "pad_token")}
+        if self.special["eos_token"] is None:
+            try:
+                self.special["eos_token"] = tokenizer.id_to_token(tokenizer.eod_id)
+            except UserError:
+                pass
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **{k: v for k, v in self.special.items()
+                                           if v is not None})
+        except TemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise TemplateError(f"the chat template failed on these messages: {e}") from None
+
+
+def _token(value) -> str | None:
+    # HF configs store a special token either as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
