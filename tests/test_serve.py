@@ -446,7 +446,8 @@ def test_streaming_equals_non_streaming(model_dir, tokenizer, split):
 
 def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     """echo + logprobs + max_tokens 0 scores a prompt (how evaluation harnesses use the API);
-    the scores are HF's log-softmax. 1e-4: batched rows vs HF's, fp32 rounding only."""
+    the scores are HF's log-softmax over the model's whole output (512 rows; the tokenizer has
+    fewer tokens). 1e-4: batched rows vs HF's, fp32 rounding only."""
     ref, path = model_dir
     engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
     prompt = random_prompts([40], seed=5, high=tokenizer.vocab_size)[0]
@@ -460,11 +461,226 @@ def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     body = asyncio.run(main())
     got = body["choices"][0]["logprobs"]["token_logprobs"]
     with torch.no_grad():
-        logits = ref(torch.tensor([prompt])).logits[0, :, :tokenizer.vocab_size]
+        logits = ref(torch.tensor([prompt])).logits[0]
+    assert logits.shape[-1] > tokenizer.vocab_size
     want = torch.log_softmax(logits, -1)[torch.arange(39), torch.tensor(prompt[1:])]
     assert got[0] is None
     assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-4)
     assert body["usage"]["completion_tokens"] == 0
+
+
+# ---- the OpenAI/vLLM request surface --------------------------------------------------------
+
+def test_neutral_fields_extras_unknown_fields_and_model_names(model_dir, tokenizer):
+    """What stock clients send is accepted: LangChain's neutral sampling fields, vLLM's extra
+    parameters; unknown fields are ignored and named in a header (a 400 with
+    --strict-fields); a wrong `model` is OpenAI's 404; /v1/models carries `created` and
+    `owned_by`; `logprobs: 0` still names the sampled token."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    neutral = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0,
+               "frequency_penalty": 0, "presence_penalty": 0, "n": 1, "best_of": 1,
+               "logit_bias": {}, "seed": None, "suffix": None, "user": "someone",
+               "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "top_k": -1,
+               "top_p": 1, "model": "tiny"}
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/v1/completions", json=neutral) as r:
+                plain = (r.status, r.headers.get("X-Ignored-Fields"), await r.json())
+            async with session.post("/v1/completions", json={
+                    **neutral, "colour": "red", "guided_json": {}}) as r:
+                extra = (r.status, r.headers.get("X-Ignored-Fields"), await r.json())
+            async with session.post("/v1/completions", json={**neutral, "model": "gpt-4"}) as r:
+                wrong = (r.status, await r.json())
+            async with session.post("/v1/completions", json={**neutral, "logprobs": 0}) as r:
+                lp = (await r.json())["choices"][0]["logprobs"]
+            async with session.get("/v1/models") as r:
+                listed = await r.json()
+        async with serving(engine, tokenizer, metrics, strict_fields=True) as (_, session):
+            async with session.post("/v1/completions", json={**neutral, "colour": 1}) as r:
+                strict = (r.status, await r.json())
+        return plain, extra, wrong, lp, listed, strict
+
+    plain, extra, wrong, lp, listed, strict = asyncio.run(main())
+    assert plain[0] == 200 and plain[1] is None
+    assert plain[2]["choices"][0]["finish_reason"] == "length"
+    assert extra[0] == 200 and extra[1] == "colour, guided_json"
+    assert extra[2]["choices"][0]["text"] == plain[2]["choices"][0]["text"]
+    assert wrong[0] == 404 and wrong[1]["error"]["code"] == "model_not_found"
+    assert wrong[1]["error"]["param"] == "model"
+    # logprobs: 0 -> each token's own entry, not {} (OpenAI and vLLM name the sampled token).
+    assert [list(t) for t in lp["top_logprobs"]] == [[s] for s in lp["tokens"]]
+    assert [list(t.values())[0] for t in lp["top_logprobs"]] == lp["token_logprobs"]
+    (entry,) = listed["data"]
+    assert entry["id"] == "tiny" and entry["owned_by"] == "bloomtrain"
+    assert isinstance(entry["created"], int) and entry["created"] > 1.6e9
+    assert strict[0] == 400 and "unknown field `colour`" in strict[1]["error"]["message"]
+
+
+def test_n_and_best_of_match_separate_requests(model_dir, tokenizer):
+    """`n: 4, seed: s` gives the samples of 4 requests seeded s..s+3 (the documented
+    derivation); `best_of: 4, n: 2` returns the 2 of those 4 with the highest cumulative
+    logprob, best first."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    base = {"prompt": "Привет, мир", "max_tokens": 12, "temperature": 1.0, "seed": 1234}
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/v1/completions", json={**base, "n": 4}) as r:
+                n4 = await r.json()
+            async with session.post("/v1/completions", json={
+                    **base, "n": 4, "stream": True}) as r:
+                events, _ = await sse_events(r)
+            singles = []
+            for j in range(4):
+                async with session.post("/v1/completions", json={
+                        **base, "seed": 1234 + j, "logprobs": 0}) as r:
+                    singles.append((await r.json())["choices"][0])
+            async with session.post("/v1/completions", json={
+                    **base, "n": 2, "best_of": 4}) as r:
+                best = await r.json()
+        return n4, events, singles, best
+
+    n4, events, singles, best = asyncio.run(main())
+    texts = [c["text"] for c in sorted(n4["choices"], key=lambda c: c["index"])]
+    assert texts == [s["text"] for s in singles]
+    assert len(set(texts)) > 1  # the seeds really differ
+    streamed = ["".join(ch["text"] for e in events for ch in e["choices"] if ch["index"] == i)
+                for i in range(4)]
+    assert streamed == texts
+    ranked = sorted(singles, key=lambda s: -sum(s["logprobs"]["token_logprobs"]))
+    assert [c["text"] for c in best["choices"]] == [s["text"] for s in ranked[:2]]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert best["choices"][0]["logprobs"] is None  # not asked for
+    assert best["usage"]["completion_tokens"] == sum(len(s["logprobs"]["tokens"])
+                                                     for s in ranked[:2])
+
+
+def test_chat_completions(model_dir, tokenizer):
+    """/v1/chat/completions renders the messages with the chat template and completes the
+    prompt: the same tokens as /v1/completions on the rendered text; streaming, n, stop and
+    logprobs; without a template, a 400 that says what to do."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                             {"type": "text", "text": "there"}]}]
+    rendered = "<|system|>Be brief.</s><|user|>Hello there</s><|assistant|>"
+    req = {"messages": messages, "max_tokens": 10, "temperature": 0, "model": "tiny"}
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/v1/chat/completions", json=req) as r:
+                whole = await r.json()
+            async with session.post("/v1/completions", json={
+                    "prompt": rendered, "max_tokens": 10, "temperature": 0}) as r:
+                plain = await r.json()
+            async with session.post("/v1/chat/completions", json={
+                    **req, "stream": True, "logprobs": True, "top_logprobs": 2}) as r:
+                events, done = await sse_events(r)
+            async with session.post("/v1/chat/completions", json={
+                    **req, "n": 2, "temperature": 0.8, "seed": 5, "logprobs": True}) as r:
+                two = await r.json()
+            stop = plain["choices"][0]["text"][3:5]
+            async with session.post("/v1/chat/completions", json={**req, "stop": [stop]}) as r:
+                stopped = await r.json()
+            async with session.post("/tokenize", json={"messages": messages}) as r:
+                tokens = (await r.json())["tokens"]
+        async with serving(engine, tokenizer, metrics, chat_template=None) as (_, session):
+            async with session.post("/v1/chat/completions", json=req) as r:
+                none = (r.status, await r.json())
+        return whole, plain, events, done, two, stop, stopped, tokens, none
+
+    whole, plain, events, done, two, stop, stopped, tokens, none = asyncio.run(main())
+    text = plain["choices"][0]["text"]
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
+    assert whole["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered)) == len(tokens)
+    assert done and events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
+    content = [t for e in events for t in e["choices"][0]["logprobs"]["content"]]
+    assert "".join(t["token"] for t in content) == text
+    assert all(len(t["top_logprobs"]) == 2 and t["bytes"] == list(t["token"].encode())
+               for t in content)
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+    assert stopped["choices"][0]["message"]["content"] == text[:text.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert none[0] == 400 and "--chat-template FILE" in none[1]["error"]["message"]
+
+
+def test_tokenizer_endpoints(model_dir, tokenizer):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer reads
+    them: the eos_token string tokenizes to the end-of-text id."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    text = "数据并行 and Привет"
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/tokenize", json={
+                    "prompt": text, "add_special_tokens": False,
+                    "return_token_strs": True}) as r:
+                tok = await r.json()
+            async with session.post("/detokenize", json={"tokens": tok["tokens"]}) as r:
+                detok = await r.json()
+            async with session.get("/tokenizer_info") as r:
+                info = await r.json()
+            async with session.post("/tokenize", json={"prompt": info["eos_token"]}) as r:
+                eos = (await r.json())["tokens"]
+            async with session.post("/detokenize", json={"tokens": [1, 99999]}) as r:
+                bad = (r.status, await r.json())
+        return tok, detok, info, eos, bad
+
+    tok, detok, info, eos, bad = asyncio.run(main())
+    assert tok["tokens"] == tokenizer.encode(text) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == CFG.max_model_len
+    assert tok["token_strs"] == [tokenizer.id_to_token(t) for t in tok["tokens"]]
+    assert detok == {"prompt": text}
+    assert eos == [tokenizer.eod_id]
+    assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == 128
+    assert bad[0] == 400 and "outside the vocabulary" in bad[1]["error"]["message"]
+
+
+def test_drain_timeout_ends_streams_and_probes_get_503(model_dir, tokenizer):
+    """During a drain the server still listens: /health and new completions get 503 with
+    Retry-After. A stream still running when the drain times out ends with an error event
+    and [DONE], and its sequence is aborted."""
+    from bloomtrain.serve.server import drain
+
+    _, path = model_dir
+    engine = make_engine(path, wrap=Gate, tokenizer=tokenizer,
+                         metrics=(metrics := ServeMetrics()))
+    gate = engine.execute
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (app, session):
+            resp = await session.post("/v1/completions", json={
+                "prompt": "The quick", "max_tokens": 100, "temperature": 0, "stream": True})
+            await resp.content.readline()  # the first token's event
+            gate.open.clear()  # the engine holds: the stream cannot finish in time
+            draining = asyncio.ensure_future(drain(app, 1.0))
+            await asyncio.sleep(0.2)
+            async with aiohttp.ClientSession(session._base_url) as fresh:  # a new connection
+                async with fresh.get("/health") as r:
+                    health = (r.status, r.headers.get("Retry-After"))
+                async with fresh.post("/v1/completions", json={"prompt": "x"}) as r:
+                    late = (r.status, r.headers.get("Retry-After"))
+            events, done = await sse_events(resp)
+            finished = await draining
+            gate.open.set()
+            await wait_for(lambda: engine.num_live == 0)
+            return health, late, events, done, finished
+
+    health, late, events, done, finished = asyncio.run(main())
+    assert health == (503, "1") and late == (503, "1")
+    assert not finished
+    assert done and "--drain-timeout" in events[-1]["error"]["message"]
+    assert all("choices" in e for e in events[:-1])
+    assert metrics.requests.values == {("abort",): 1}
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["thread", "process"])

@@ -18,8 +18,11 @@ A row of logits becomes the scores a token is chosen from in this order (vLLM's)
    order), and draws from the softmax with the request's generator.
 
 The log-probabilities reported (`logprobs`, and the cumulative log-probability `best_of` ranks
-by) are the model's own, log_softmax of the raw logits over the tokenizer's vocabulary, before
-any of the edits above (vLLM's default, "raw" logprobs): they score the text, not the sampler.
+by) are the model's own: log_softmax of the raw logits over the model's whole output, padded
+embedding rows included, before any of the edits above. That is the distribution HF's
+BloomForCausalLM defines (so an evaluation harness scores the same numbers through the server
+as through HF) and vLLM's default ("raw" logprobs): they score the text, not the sampler. The
+alternatives named beside each token are real tokens only.
 
 Every edit is made to one request's row alone, so a request's choice never depends on the
 other rows of the batch (the engine's batch invariance).
@@ -198,16 +201,17 @@ def sample_next(entries, logits: "torch.Tensor", vocab_limit: int,
 
 def logprob_entries(vocab_limit: int, rows: "torch.Tensor", chosen: list[int], top: int
                     ) -> list[TokenLogprob]:
-    """Log-probabilities (over the tokenizer's vocabulary) of `chosen` [n] under `rows` [n, V],
-    each with the `top` most likely tokens, and the chosen one after them when it is not among
-    them (vLLM's top_logprobs: `logprobs: 0` still names the token and its logprob)."""
+    """Log-probabilities (the module's doc says over what) of `chosen` [n] under `rows` [n, V],
+    each with the `top` most likely tokens of the tokenizer's `vocab_limit`, and the chosen one
+    after them when it is not among them (vLLM's top_logprobs: `logprobs: 0` still names the
+    token and its logprob)."""
     import torch
 
-    lp = torch.log_softmax(rows[:, :vocab_limit].float(), dim=-1)
+    lp = torch.log_softmax(rows.float(), dim=-1)
     picked = lp.gather(1, torch.tensor(chosen)[:, None])[:, 0].tolist()
     tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
     if top > 0:
-        values, indices = lp.topk(top, dim=-1)
+        values, indices = lp[:, :vocab_limit].topk(top, dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
     for t, p, alternatives in zip(chosen, picked, tops):
         if all(t != i for i, _ in alternatives):

@@ -1,0 +1,129 @@
+"""`bloomtrain serve` driven by the programs people point at an OpenAI-compatible server, against
+a live server on loopback (the CLI in a subprocess): the official `openai` client, LangChain's
+`langchain_openai.OpenAI` LLM, and lm-evaluation-harness's `local-completions` model, whose
+loglikelihoods must equal the harness's own HF backend on the same model.
+
+These clients are in the `test` extra: a missing one fails here, it is not skipped.
+"""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+from langchain_openai import OpenAI as LangChainOpenAI
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+from tests.test_serve import (CHAT_TEMPLATE, ServerProcess, model_dir,  # noqa: F401
+                              tokenizer)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):  # noqa: F811
+    """(base URL, the served model's directory): `bloomtrain serve` with a chat template file
+    and a served model name, shared by the tests of this module."""
+    _, path = model_dir
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    proc = ServerProcess(["--checkpoint", str(path), "--served-model-name", "tiny",
+                          "--chat-template", str(template), "--max-model-len", "512",
+                          "--kv-cache-tokens", "4096"])
+    try:
+        port = int(proc.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+        yield f"http://127.0.0.1:{port}", path
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_completions(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12,
+                                      temperature=0)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 12
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == choice.text and len(pieces) > 1
+    two = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=2,
+                                    temperature=0.9, seed=7)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.choices[0].text != two.choices[1].text
+    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                   logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and len(top) >= 2  # greedy: the token is the top one
+        assert value == max(top.values())
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+
+
+def test_openai_chat_completions(client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say hello"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                           temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    text = whole.choices[0].message.content
+    rendered = ("<|system|>Be brief.</s><|user|>Say hello</s><|assistant|>")
+    plain = client.completions.create(model="tiny", prompt=rendered, max_tokens=10,
+                                      temperature=0)
+    assert text == plain.choices[0].text  # the template's prompt, completed
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages,
+                                                 max_tokens=10, temperature=0, stream=True,
+                                                 logprobs=True, top_logprobs=1))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    tokens = [t.token for c in chunks if c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content]
+    assert "".join(tokens) == text
+    two = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, n=2,
+                                         temperature=1.0, seed=3, frequency_penalty=0.5)
+    assert len(two.choices) == 2
+
+
+def test_langchain_openai_llm(server):
+    """LangChain's OpenAI LLM sends its neutral sampling fields (frequency_penalty 0,
+    presence_penalty 0, n 1, logit_bias {}, seed null, ...) with every request."""
+    base, _ = server
+    llm = LangChainOpenAI(base_url=f"{base}/v1", api_key="unused", model="tiny",
+                          temperature=0, max_tokens=12, max_retries=0)
+    text = llm.invoke(PROMPT)
+    assert text and text == "".join(llm.stream(PROMPT))
+    direct = openai.OpenAI(base_url=f"{base}/v1", api_key="unused").completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert text == direct.choices[0].text
+
+
+def test_lm_eval_local_completions_equals_its_hf_backend(server, tokenizer):  # noqa: F811
+    """lm-eval's `local-completions` model scores loglikelihoods through the server (it asks
+    /tokenizer_info and /tokenize at start, then sends token-id prompts with echo, logprobs 1,
+    max_tokens 1); the harness's own HF backend scores the same requests on the same model.
+    1e-4: the server's batched fp32 forward against HF's, rounding only."""
+    base, path = server
+    requests = [("The quick brown", " fox jumps over"), ("Привет,", " мир!"),
+                ("def f(x):", "\n    return x + 1"), ("数据并行", "、张量并行"),
+                ("The quick brown", " dog"), ("Emoji", " 🎉 party")]
+    instances = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)]
+    api = LocalCompletionsAPI(base_url=f"{base}/v1/completions", model="tiny",
+                              num_concurrent=1, max_retries=1, batch_size=4)
+    assert api.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize
+    served = api.loglikelihood(instances, disable_tqdm=True)
+    hf = HFLM(pretrained=str(path), backend="causal", device="cpu", dtype="float32",
+              batch_size=4)
+    want = hf.loglikelihood(instances, disable_tqdm=True)
+    got_ll = torch.tensor([ll for ll, _ in served])
+    want_ll = torch.tensor([ll for ll, _ in want])
+    assert torch.allclose(got_ll, want_ll, atol=1e-4), (got_ll, want_ll)
+    assert [g for _, g in served] == [g for _, g in want]
+    assert len({round(v, 3) for v in got_ll.tolist()}) == len(requests)  # real, varied scores
+    assert json.dumps(served)  # plain floats and bools, as the harness writes them
