@@ -1108,3 +1108,37 @@ def test_cli_tp2_equals_tp1_and_sigterm_drains(model_dir, tokenizer):
     # The stream in flight at SIGTERM ran to its end.
     assert done and events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 400
+
+
+# ---- structure ------------------------------------------------------------------------------
+
+def test_one_model_code_path_and_no_training_imports():
+    """The runner runs the model's own forward: no block forward, attention math or ALiBi of
+    its own, and every ALiBi bias tensor of the package is built in one function
+    (model.bloom.alibi_bias; FlexAttention's score_mod is that kernel's in-kernel form). No
+    serve module reaches bloomtrain.train or bloomtrain.generate, even through others (the
+    shared launcher, device and dtype code is bloomtrain.runtime), and generate takes its
+    sampling from serve, not the other way round."""
+    from tests.structure import import_graph
+
+    runner = (ROOT / "bloomtrain/serve/runner.py").read_text()
+    for code in ("baddbmm", "torch.softmax", "block.mlp", "self_attention", "slopes.to", "rel >",
+                 "def _block", "def _attention"):
+        assert code not in runner, code
+    assert "self.model.transformer(" in runner
+    sources = {p: p.read_text() for p in (ROOT / "bloomtrain").rglob("*.py")}
+    built = [str(p.relative_to(ROOT)) for p, text in sources.items()
+             if ".masked_fill(rel > 0" in text]
+    assert built == ["bloomtrain/model/bloom.py"]
+    graph = import_graph(ROOT)
+    reached, todo = set(), [m for m in graph if m.startswith("bloomtrain.serve")]
+    while todo:
+        m = todo.pop()
+        if m not in reached:
+            reached.add(m)
+            todo += graph[m]
+    assert sorted(m for m in reached if m.startswith(("bloomtrain.train",
+                                                       "bloomtrain.generate"))) == []
+    assert "bloomtrain.serve.sampling" in graph["bloomtrain.generate"]
+    assert "bloomtrain.runtime" in graph["bloomtrain.train.launch"]
+    assert "bloomtrain.runtime" in graph["bloomtrain.serve.cli"]
