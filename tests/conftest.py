@@ -1,17 +1,44 @@
-"""Shared pytest fixtures, and the `--device` option.
+"""Shared pytest fixtures and options: `--device`, the test tiers, the CI rules for skips and
+missing dependencies, the fuzzers' profiles and the session's rank pool.
 
-`python -m pytest -m device --device cuda tests/` runs the single-process tests that take the
-`device` fixture (models, optimizer, generation, HF parity) on a GPU. A test that takes the
-fixture is marked `device` automatically, so `-m device` selects exactly the tests that honour
+`--device`: `python -m pytest -m device --device cuda tests/` runs the single-process tests that
+take the `device` fixture (models, optimizer, generation, HF parity) on a GPU. A test that takes
+the fixture is marked `device` automatically, so `-m device` selects exactly the tests that honour
 the option; the other tests (multi-rank gloo, data, CLI) stay on the CPU whatever it says.
-
 `--device cuda` on a machine without CUDA is a usage error, not a skip: a run asked to check the
-GPU that skipped every test would pass while checking nothing.
+GPU that skipped every test would pass while checking nothing. A test marked `cuda_only` is
+skipped unless the device is CUDA.
+
+Tiers: `python -m pytest -q -m "not slow" tests` is the fast tier (every module keeps real tests
+in it, multi-rank ones at world 2); `python -m pytest -q tests` is the full suite CI runs. The
+hypothesis fuzzers run the `fast` profile (50 random examples) when slow tests are deselected and
+the `full` one (500, derandomized: CI sees the same cases every run) otherwise;
+`--hypothesis-profile NAME` picks one explicitly.
+
+CI (`BLOOMTRAIN_CI=1`, which .ci/run sets, or `CI=true`): a test dependency that does not import
+is an error, not a skip, and the run fails when any test is skipped for a reason not on
+`CI_ALLOWED_SKIPS`. Every run lists its skips, with their reasons, at the end.
 """
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
+
+from tests import dist as rank_dist
+
+# The skips CI accepts, by marker: name -> why such a test cannot run there.
+CI_ALLOWED_SKIPS = {
+    "cuda_only": "needs a CUDA device (FlexAttention's backward, the compiled flex path); "
+                 "bench/gpu.sh runs them with -m device --device cuda",
+}
+
+
+def in_ci() -> bool:
+    return (os.environ.get("BLOOMTRAIN_CI", "") not in ("", "0")
+            or os.environ.get("CI", "").lower() == "true")
 
 
 def pytest_addoption(parser):
@@ -23,6 +50,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "device: a single-process test that runs on --device "
                                        "(applied to every test that takes the device fixture)")
+    config.pluginmanager.register(SkipLedger(), "bloomtrain-skip-ledger")
+    _load_fuzz_profile(config)
     name = config.getoption("--device")
     try:
         device = torch.device(name)
@@ -39,10 +68,110 @@ def pytest_configure(config):
                                 f"{torch.cuda.device_count()} CUDA device(s)")
 
 
+def fast_tier(config) -> bool:
+    """Whether the run's -m expression leaves the slow tests out."""
+    return re.search(r"\bnot\s+slow\b", config.option.markexpr or "") is not None
+
+
+def _load_fuzz_profile(config) -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:
+        if in_ci():
+            raise pytest.UsageError("hypothesis is not installed: pip install -e '.[test]' "
+                                    "(in CI a missing test dependency is an error)") from None
+        return
+    # too_slow: input generation runs on a 2-core machine shared with other jobs, where its speed
+    # varies several-fold; the health check would fail runs at random, not on a bug.
+    common = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("full", max_examples=500, derandomize=True, **common)
+    settings.register_profile("fast", max_examples=50, print_blob=True, **common)
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile("fast" if fast_tier(config) else "full")
+
+
 def pytest_collection_modifyitems(config, items):
+    cuda = torch.device(config.getoption("--device")).type == "cuda"
+    allowed = config.pluginmanager.get_plugin("bloomtrain-skip-ledger").allowed
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
+        for name in CI_ALLOWED_SKIPS:
+            if item.get_closest_marker(name):
+                allowed[item.nodeid] = name
+        if item.get_closest_marker("cuda_only") and not cuda:
+            item.add_marker(pytest.mark.skip(reason="CUDA only: run with --device cuda"))
+
+
+# ---- skips: listed always, refused in CI ------------------------------------------------------------
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _missing_dependency(report) -> None:
+    """In CI, pytest.importorskip's skip becomes a failure that says what to install."""
+    if in_ci() and report.skipped and _skip_reason(report).startswith("could not import"):
+        report.outcome = "failed"
+        report.longrepr = (f"{report.nodeid}: {_skip_reason(report)}\nIn CI a missing test "
+                           f"dependency is an error, not a skip: pip install -e '.[test]'")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _missing_dependency(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _missing_dependency(report)
+    return report
+
+
+class SkipLedger:
+    """Every skip of the run with its reason, listed at the end; in CI the run fails when one is
+    not allowed (CI_ALLOWED_SKIPS, by marker)."""
+
+    def __init__(self):
+        self.skips: list[tuple[str, str]] = []
+        self.allowed: dict[str, str] = {}   # nodeid -> the allow-list entry that covers it
+
+    def _record(self, report) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skips.append((report.nodeid, _skip_reason(report)))
+
+    def pytest_collectreport(self, report):
+        self._record(report)
+
+    def pytest_runtest_logreport(self, report):
+        self._record(report)
+
+    def unallowed(self) -> list[tuple[str, str]]:
+        return [(n, r) for n, r in self.skips if n not in self.allowed]
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        if in_ci() and self.unallowed() and exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.skips:
+            return
+        tr = terminalreporter
+        tr.section("skips")
+        for nodeid, reason in self.skips:
+            tag = (f"allowed in CI: {self.allowed[nodeid]}" if nodeid in self.allowed
+                   else "not on CI_ALLOWED_SKIPS")
+            tr.write_line(f"{nodeid}: {reason} [{tag}]")
+        bad = self.unallowed()
+        if bad and in_ci():
+            tr.write_line(f"CI: {len(bad)} skip(s) not on tests/conftest.py's CI_ALLOWED_SKIPS "
+                          f"({', '.join(CI_ALLOWED_SKIPS)}): the run fails", red=True)
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +214,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+# ---- the rank pool ---------------------------------------------------------------------------------
+
+POOL_KEY = pytest.StashKey[rank_dist.RankPool]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_pool(request):
+    """The session's rank pool (tests/dist.py): every run_ranks call of the run submits to it.
+    It starts no process until a test asks for ranks."""
+    pool = rank_dist.RankPool()
+    request.config.stash[POOL_KEY] = pool
+    with rank_dist.use_pool(pool):
+        yield pool
+    pool.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
+    pool = config.stash.get(POOL_KEY, None)
+    if pool is None or not pool.runs:
+        return
+    tr.section("rank pool")
+    tr.write_line(f"{pool.runs} multi-rank runs on {pool.started} worker processes started")
+    for line in pool.incidents:
+        tr.write_line(line)
