@@ -642,6 +642,7 @@ def test_tokenizer_endpoints(model_dir, tokenizer):
     assert detok == {"prompt": text}
     assert eos == [tokenizer.eod_id]
     assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == 128
+    assert (info["bos_token"], info["pad_token"]) == ("<s>", "<pad>")
     assert bad[0] == 400 and "outside the vocabulary" in bad[1]["error"]["message"]
 
 
