@@ -18,7 +18,7 @@ import math
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -191,6 +191,156 @@ class RunConfig:
     wandb: str | None = None
 
 
+@dataclass(frozen=True)
+class Domain:
+    """The values a key takes beyond its type (which loading enforces): an interval, a set of
+    choices, a form a parser accepts, or anything of the type (`free`; `note` says where else it
+    is checked). None passes wherever the key's type allows it. Config.check() enforces each
+    key's domain; tests/test_config.py generates values inside and outside each one."""
+
+    kind: str                       # interval | choice | parsed | free
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+    parse: Callable[[Any], Any] | None = None
+    note: str = ""                  # interval: appended to its message; free: where it is checked
+
+    def describe(self) -> str:
+        if self.kind == "choice":
+            names = [str(c) for c in self.choices]
+            return ", ".join(names[:-1]) + " or " + names[-1]
+        def num(x) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+        if self.high == math.inf:
+            if self.low == 0:
+                return "positive" if self.low_open else ">= 0"
+            return f"{'>' if self.low_open else '>='} {num(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{num(self.low)}, {num(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+    def check(self, key: str, value) -> None:
+        if value is None or self.kind == "free":
+            return
+        if self.kind == "parsed":
+            self.parse(value)
+            return
+        if self.kind == "choice":
+            ok = value in self.choices
+        else:
+            ok = ((value > self.low if self.low_open else value >= self.low)
+                  and (value < self.high if self.high_open else value <= self.high))
+        if not ok:
+            note = f" ({self.note})" if self.note else ""
+            shown = repr(value) if self.kind == "choice" else value
+            raise UserError(f"{key} must be {self.describe()}{note}, got {shown}")
+
+
+POSITIVE = Domain("interval", low=0, low_open=True)
+NON_NEGATIVE = Domain("interval", low=0)
+FRACTION = Domain("interval", low=0, high=1, high_open=True)  # dropout, Adam's betas
+SEED = Domain("interval", low=0, high=2 ** 32 - 1)  # numpy's RandomState (Megatron's sample order)
+BOOL = Domain("free", note="true or false")
+
+
+def choice(*values) -> Domain:
+    return Domain("choice", choices=values)
+
+
+def free(note: str) -> Domain:
+    return Domain("free", note=note)
+
+
+def _split_domain(value) -> None:
+    try:
+        parse_split(value)
+    except ValueError as e:
+        raise UserError(f"data.split: {e}") from None
+
+
+# Every key's domain, in the order check() reports them. Keys of several sections are tied
+# together by check()'s cross-key rules below and by bloomtrain.layout.
+DOMAINS: dict[str, Domain] = {
+    "model.preset": free("a preset name, checked when the model is built "
+                         "(bloomtrain.model.presets)"),
+    **{f"model.{k}": POSITIVE for k in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                                         "ffn_hidden_size", "layer_norm_epsilon")},
+    "model.hidden_dropout": FRACTION,
+    "model.attention_dropout": FRACTION,
+    "model.init_method_std": POSITIVE,
+    "model.make_vocab_size_divisible_by": POSITIVE,
+    "parallel.tp": POSITIVE,
+    "parallel.pp": POSITIVE,
+    "parallel.pp_schedule": choice("gpipe", "1f1b", "interleaved"),
+    "parallel.num_virtual_stages": POSITIVE,
+    "parallel.pp_partition": free("checked against the stages by bloomtrain.layout"),
+    "parallel.pp_timeline": BOOL,
+    "parallel.sequence_parallel": BOOL,
+    "parallel.zero_stage": choice(0, 1, 2, 3),
+    "parallel.bucket_size_mb": POSITIVE,
+    "parallel.comm_stats": BOOL,
+    "parallel.backend": choice("auto", "gloo", "nccl"),
+    "parallel.timeout_minutes": POSITIVE,
+    "parallel.offload_optimizer": BOOL,
+    "data.paths": Domain("parsed", parse=lambda v: parse_data_paths(v),
+                         note="'PREFIX', or 'WEIGHT PREFIX' entries with positive weights"),
+    "data.tokenizer": free("a path, checked when it is loaded"),
+    "data.split": Domain("parsed", parse=_split_domain,
+                         note="up to three non-negative numbers with a positive sum"),
+    "data.seq_length": POSITIVE,
+    "data.seed": SEED,
+    "data.cache_dir": free("a directory"),
+    "data.eod_mask_loss": BOOL,
+    "optim.lr": POSITIVE,
+    "optim.min_lr": NON_NEGATIVE,
+    "optim.warmup_samples": NON_NEGATIVE,
+    "optim.decay_samples": POSITIVE,
+    "optim.decay_style": choice("cosine", "linear", "constant"),
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.beta1": FRACTION,
+    "optim.beta2": FRACTION,
+    "optim.eps": POSITIVE,
+    "optim.clip_grad": Domain("interval", low=0, note="0 disables clipping"),
+    "optim.initial_loss_scale": POSITIVE,
+    "optim.loss_scale_window": POSITIVE,
+    "optim.hysteresis": POSITIVE,
+    "optim.min_loss_scale": POSITIVE,
+    "train.micro_batch_size": POSITIVE,
+    "train.global_batch_size": POSITIVE,
+    "train.train_iters": POSITIVE,
+    "train.train_samples": POSITIVE,
+    "train.rampup_batch_size": free("checked against the batch sizes by bloomtrain.layout"),
+    "train.precision": choice("bf16", "fp16", "fp32"),
+    "train.seed": SEED,
+    "train.activation_checkpointing": choice("none", "selective", "full"),
+    "train.compile": BOOL,
+    "train.attention": choice("auto", "sdpa", "flex"),
+    "train.log_interval": POSITIVE,
+    "train.eval_interval": POSITIVE,
+    "train.eval_iters": POSITIVE,
+    "train.device": choice("auto", "cpu", "cuda"),
+    "train.ignore_plan": BOOL,
+    "train.on_loss_spike": choice("log", "skip", "rollback"),
+    "train.loss_spike_window": POSITIVE,
+    "train.loss_spike_zscore": POSITIVE,
+    "train.grad_stats_interval": Domain("interval", low=0, note="0 turns it off"),
+    "train.straggler_factor": Domain("interval", low=1, low_open=True),
+    "train.exit_duration_minutes": POSITIVE,
+    "train.kill_switch_path": free("a path"),
+    "checkpoint.dir": free("a directory"),
+    "checkpoint.save_interval": POSITIVE,
+    "checkpoint.save_interval_minutes": POSITIVE,
+    "checkpoint.keep_last": POSITIVE,
+    "checkpoint.resume": free("auto, none or a checkpoint path, checked when resuming"),
+    "checkpoint.async_save": BOOL,
+    "checkpoint.on_save_error": choice("continue", "stop"),
+    "run.tensorboard": BOOL,
+    "run.wandb": free("a W&B project name"),
+    "run_dir": free("a directory"),
+}
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -255,76 +405,31 @@ class Config:
 
     # ---- per-key checks ------------------------------------------------------------------
     def check(self) -> None:
-        """Check every key on its own before anything starts; raises UserError. Combinations
-        of keys are checked by bloomtrain.layout.validate."""
-        m, p, t, o, d, c = (self.model, self.parallel, self.train, self.optim, self.data,
-                            self.checkpoint)
-        for key in ("tp", "pp", "num_virtual_stages", "bucket_size_mb", "timeout_minutes"):
-            _require_positive(f"parallel.{key}", getattr(p, key))
-        _require_choice("parallel.zero_stage", p.zero_stage, (0, 1, 2, 3))
-        _require_choice("parallel.backend", p.backend, ("auto", "gloo", "nccl"))
-        _require_choice("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved"))
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(m, name) < 1.0:
-                raise UserError(f"model.{name} must be in [0, 1), got {getattr(m, name)}")
-        _require_positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
-
-        _require_positive("data.seq_length", d.seq_length)
-        try:
-            parse_split(d.split)
-        except ValueError as e:
-            raise UserError(f"data.split: {e}") from None
-        parse_data_paths(d.paths)
-
-        _require_positive("train.micro_batch_size", t.micro_batch_size)
-        _require_positive("train.global_batch_size", t.global_batch_size)
+        """Check every key against its domain (DOMAINS), then the rules that tie keys of the
+        config together, before anything starts; raises UserError. The rules that need the world
+        size or the model are bloomtrain.layout.validate's."""
+        for key, domain in DOMAINS.items():
+            domain.check(key, self.get(key))
+        t, o, c = self.train, self.optim, self.checkpoint
         if (t.train_iters is None) == (t.train_samples is None):
             raise UserError("set exactly one of train.train_iters and train.train_samples")
-        for key in ("train_iters", "train_samples"):
-            if getattr(t, key) is not None:
-                _require_positive(f"train.{key}", getattr(t, key))
-        _require_choice("train.precision", t.precision, ("bf16", "fp16", "fp32"))
-        _require_choice("train.activation_checkpointing", t.activation_checkpointing,
-                        ("none", "selective", "full"))
-        _require_choice("train.attention", t.attention, ("auto", "sdpa", "flex"))
-        _require_choice("train.device", t.device, ("auto", "cpu", "cuda"))
-        _require_positive("train.log_interval", t.log_interval)
-        if t.eval_interval is not None:
-            _require_positive("train.eval_interval", t.eval_interval)
-            _require_positive("train.eval_iters", t.eval_iters)
-        _require_choice("train.on_loss_spike", t.on_loss_spike, ("log", "skip", "rollback"))
-        _require_positive("train.loss_spike_window", t.loss_spike_window)
-        _require_positive("train.loss_spike_zscore", t.loss_spike_zscore)
-        if t.grad_stats_interval < 0:
-            raise UserError("train.grad_stats_interval must be >= 0 (0 turns it off)")
-        if t.straggler_factor <= 1.0:
-            raise UserError(f"train.straggler_factor must be > 1, got {t.straggler_factor}")
-        if t.on_loss_spike == "rollback" and not c.dir:
-            raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
-                            "last checkpoint)")
-        self._check_optim(o)
-        for name in ("save_interval", "keep_last", "save_interval_minutes"):
-            if getattr(c, name) is not None:
-                _require_positive(f"checkpoint.{name}", getattr(c, name))
-        if (c.save_interval or c.save_interval_minutes) and not c.dir:
-            raise UserError("checkpoint.save_interval needs checkpoint.dir")
-        _require_choice("checkpoint.on_save_error", c.on_save_error, ("continue", "stop"))
-
-    @staticmethod
-    def _check_optim(o: "OptimConfig") -> None:
-        _require_choice("optim.decay_style", o.decay_style, ("cosine", "linear", "constant"))
-        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-            raise UserError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and lr > 0")
-        if o.warmup_samples < 0:
-            raise UserError("optim.warmup_samples must be >= 0")
+        if o.min_lr > o.lr:
+            raise UserError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
         if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
             raise UserError(f"optim.decay_samples ({o.decay_samples}) must exceed "
                             f"optim.warmup_samples ({o.warmup_samples})")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(o, name) < 1.0:
-                raise UserError(f"optim.{name} must be in [0, 1)")
-        if o.clip_grad < 0:
-            raise UserError("optim.clip_grad must be >= 0 (0 disables clipping)")
+        if t.on_loss_spike == "rollback" and not c.dir:
+            raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
+                            "last checkpoint)")
+        if (c.save_interval or c.save_interval_minutes) and not c.dir:
+            raise UserError("checkpoint.save_interval needs checkpoint.dir")
+
+    def get(self, key: str):
+        """The value of a dotted key ("train.seed", "run_dir")."""
+        node = self
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
 
 
 def parse_split(s: str) -> list[float]:
@@ -491,15 +596,3 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _require_positive(key: str, value) -> None:
-    if value is None or value <= 0:
-        raise UserError(f"{key} must be positive, got {value}")
-
-
-def _require_choice(key: str, value, choices: tuple) -> None:
-    if value not in choices:
-        names = [str(c) for c in choices]
-        listed = ", ".join(names[:-1]) + " or " + names[-1]
-        raise UserError(f"{key} must be {listed}, got {value!r}")

@@ -1,7 +1,8 @@
 """Fuzzing of everything bloomtrain reads from disk or the command line (hypothesis): indexed
 datasets, checkpoint manifests, configs and overrides, tokenizer text.
 
-Each property draws at least 500 cases, derandomized so that CI sees the same ones every run.
+Each property draws 500 cases in the full suite, derandomized so that CI sees the same ones every
+run (50 random ones in the fast tier: tests/conftest.py's hypothesis profiles).
 The rule for all of them: bad input ends in our UserError (or its subclass for the file kind),
 with a message that names the file or key, never in an IndexError, TypeError, struct.error or
 the like, and good input still works. Where the oracle can tell which inputs are bad, the
@@ -23,18 +24,19 @@ import pytest
 import yaml
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
+from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from bloomtrain.checkpoint import CheckpointError  # noqa: E402
 from bloomtrain.config import Config, UserError  # noqa: E402
 from bloomtrain.data.indexed import (DTYPE_CODES, IndexedDatasetError,  # noqa: E402
                                      MMapIndexedDataset, write_dataset)
+from tests.test_config import assert_in_domains  # noqa: E402
 
-# too_slow: input generation runs on a 2-core CI machine shared with other jobs, where its
-# speed varies several-fold; the health check would fail runs at random, not on a bug.
-FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+# The number of cases and their randomness come from the profile tests/conftest.py loads: `full`
+# (500, derandomized) in the full suite, `fast` (50) in the fast tier.
+FUZZ = settings()
+
 
 def _put(path: Path, data: bytes) -> None:
     """Replace `path` by a new file (a new inode): a map of the previous example's file stays
@@ -567,9 +569,11 @@ def config_dir(tmp_path_factory):
 
 
 def _accepted(cfg: Config) -> None:
-    """A config that passed: checked per key, and written to and read back from config.yaml
-    (what the run directory keeps) unchanged."""
+    """A config that passed: checked per key, every key inside its domain by the table's own
+    reading (tests/test_config.py: a check() that let a value through fails here), and written to
+    and read back from config.yaml (what the run directory keeps) unchanged."""
     cfg.check()
+    assert_in_domains(cfg)
     again = Config.from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
 
@@ -616,7 +620,11 @@ def test_config_overrides_of_random_types(overrides, raw):
 @FUZZ
 @given(content=st.binary(max_size=200) | st.text(max_size=200).map(str.encode)
        | st.sampled_from([b"[" * 5000, b"a: " + b"1" * 5000, b"train: {train_iters: .nan}",
-                          b"\xff\xfe", b"- 1\n- 2\n", b"model: !!python/object:os.system {}"]))
+                          b"\xff\xfe", b"- 1\n- 2\n", b"model: !!python/object:os.system {}",
+                          # well-formed, with a value outside its key's domain
+                          b"model: {hidden_dropout: 5}", b"parallel: {tp: -2}",
+                          b"train: {precision: fp8}", b"data: {split: '1,2,3,4'}",
+                          b"optim: {min_lr: 1.0}"]))
 def test_config_file_of_random_bytes(config_dir, content):
     """Any bytes as a config file (invalid UTF-8, deep nesting, 5000-digit integers, NaN,
     Python tags): a UserError, or a config that checks and round-trips."""
