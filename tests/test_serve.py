@@ -1143,3 +1143,32 @@ def test_one_model_code_path_and_no_training_imports():
     assert "bloomtrain.serve.sampling" in graph["bloomtrain.generate"]
     assert "bloomtrain.runtime" in graph["bloomtrain.train.launch"]
     assert "bloomtrain.runtime" in graph["bloomtrain.serve.cli"]
+
+
+def test_both_engines_implement_the_engine_client_protocol(model_dir):
+    """The front end drives one explicit interface: the in-process Engine and the pipe client
+    (RemoteEngine) each have every member of interface.EngineClient, and the server probes
+    neither with getattr."""
+    import inspect
+    import multiprocessing
+
+    from bloomtrain.serve.interface import EngineClient
+    from bloomtrain.serve.remote import RemoteEngine
+
+    members = set(EngineClient.__annotations__) | {
+        n for n, v in vars(EngineClient).items() if inspect.isfunction(v) and n[0] != "_"}
+    assert {"submit", "abort", "check_request", "stop_accepting", "metrics_snapshot",
+            "dispatch", "error", "num_waiting", "blocks_total"} <= members
+    engine = make_engine(model_dir[1])
+    here, there = multiprocessing.Pipe()
+    remote = RemoteEngine(there, CFG, vocab_limit=VOCAB, has_tokenizer=True)
+    try:
+        for impl in (engine, remote):
+            assert isinstance(impl, EngineClient)
+            assert [m for m in members if not hasattr(impl, m)] == []
+            assert inspect.iscoroutinefunction(impl.metrics_snapshot)
+    finally:
+        remote.close()  # says bye first: the reader then takes the closed pipe as the end
+        here.close()
+        engine.close()
+    assert "getattr(" not in (ROOT / "bloomtrain/serve/server.py").read_text()

@@ -10,7 +10,7 @@ them to its loop) as [(sink, SeqOutput)], and each `sink` is then called on the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 from bloomtrain.serve.config import EngineConfig
 from bloomtrain.serve.sampling import MAX_CHAT_LOGPROBS, SamplingParams, TokenLogprob
@@ -52,6 +52,7 @@ class SeqOutput:
 Dispatch = Callable[[list], None]
 
 
+@runtime_checkable
 class EngineClient(Protocol):
     """The engine as the HTTP handlers drive it."""
 
