@@ -57,8 +57,3 @@ class TextStream:
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    """One token's text, as the logprobs of the completions API name it."""
-    return tokenizer.decode([token_id])

@@ -249,11 +249,14 @@ class Sampling:
         return p
 
 
-def sampling(body, params: SamplingParams, max_sequences: int) -> Sampling:
+def parse_sampling(body, params: SamplingParams, max_sequences: int,
+                   has_best_of: bool = True) -> Sampling:
+    """`n`, `best_of` (the completions API's only: `has_best_of`), `stream` and
+    `stream_options` around `params`."""
     stream = get_bool(body, "stream")
     include_usage = _stream_options(body, stream)
     n = get_int(body, "n", 1, 1)
-    best_of = get_int(body, "best_of", n, 1)
+    best_of = get_int(body, "best_of", n, 1) if has_best_of else n
     if best_of < n:
         raise BadRequest(f"`best_of` ({best_of}) must be at least `n` ({n})", "best_of")
     if stream and best_of > n:
@@ -329,7 +332,7 @@ def parse_completion(body: dict, tokenizer, max_queue: int, strict: bool) -> Com
     echo = get_bool(body, "echo")
     params = sampling_params(body, logprobs=logprobs,
                              prompt_logprobs=echo and logprobs is not None)
-    s = sampling(body, params, max_queue)
+    s = parse_sampling(body, params, max_queue)
     prompts = _prompts(body, tokenizer, max_queue)
     if len(prompts) * s.best_of > max_queue:
         raise BadRequest(f"{len(prompts)} prompts x {s.best_of} samples is more sequences "
@@ -490,7 +493,7 @@ def parse_chat(body: dict, max_queue: int, strict: bool) -> ChatRequest:
         else "max_tokens"
     # No limit given: the room the prompt leaves, as vLLM's chat API.
     params = sampling_params(body, key, None, logprobs=(top or 0) if want else None)
-    s = sampling(body, params, max_queue)
+    s = parse_sampling(body, params, max_queue, has_best_of=False)
     return ChatRequest(messages, s, (top or 0) if want else None,
                        get_bool(body, "add_generation_prompt", True), ignored)
 
