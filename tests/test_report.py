@@ -3,6 +3,7 @@ records (every optional field, several runs overlaid), panels without data left 
 bad input, and the report opened in headless Chromium with every image loading."""
 import html.parser
 import json
+import math
 import os
 import shutil
 import struct
@@ -205,6 +206,80 @@ def test_overlaid_runs_with_every_optional_field(tmp_path):
                  "1 (last: step 20 z=8.5 log)", "straggler: rank 3 at 1.50x",
                  "loss spike at step 20", "rank 3 x1.50 (step 25)"):
         assert text in page, text
+
+
+# What each panel must show, by the metrics.jsonl field it plots: file -> sub-plot (ylabel) ->
+# [(records, field, legend suffix, scale)]. Written from the record format, not from plot.PANELS.
+SHOWN = {
+    "loss.png": {"loss": [("steps", "loss", "", 1.0), ("evals", "eval_loss", " eval", 1.0)]},
+    "lr.png": {"learning rate": [("steps", "lr", "", 1.0)]},
+    "grad_norm.png": {"grad norm": [("steps", "grad_norm", "", 1.0)]},
+    "throughput.png": {"tokens/s": [("steps", "tokens_per_s", "", 1.0)],
+                       "TFLOP/s per device": [("steps", "tflops_per_device", "", 1.0)],
+                       "MFU (%)": [("steps", "mfu", "", 100.0)]},
+    "memory.png": {"GiB": [("steps", "mem_peak_bytes", " peak", 2.0 ** -30),
+                           ("steps", "mem_reserved_bytes", " reserved", 2.0 ** -30)]},
+    "loss_scale.png": {"loss scale": [("steps", "loss_scale", "", 1.0)],
+                       "skipped steps (total)": [("steps", "skipped_steps", "", 1.0)]},
+}
+
+
+def expected_panels(runs: dict[str, Path]) -> dict[str, dict]:
+    """file -> ylabel -> legend label -> (steps, values), from each run's metrics.jsonl read
+    line by line here: what the plots must show. A non-finite value is a gap (NaN); a sub-plot
+    or panel no run has a finite value for is left out; the loss spikes are red markers."""
+    records = {label: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+               for label, d in runs.items()}
+    out = {}
+    for file, subplots in SHOWN.items():
+        panel = {}
+        for ylabel, lines in subplots.items():
+            shown = {}
+            for label, recs in records.items():
+                kinds = {"steps": [r for r in recs if "loss" in r],
+                         "evals": [r for r in recs if "eval_loss" in r]}
+                for kind, key, suffix, scale in lines:
+                    pts = [(float(r["step"]), float(r[key]) * scale) for r in kinds[kind]
+                           if isinstance(r.get(key), (int, float))]
+                    if any(math.isfinite(y) for _, y in pts):
+                        shown[label + suffix] = ([x for x, _ in pts],
+                                                 [y if math.isfinite(y) else math.nan
+                                                  for _, y in pts])
+            if ylabel == "loss":
+                spikes = [(float(r["step"]), float(r["loss"])) for recs in records.values()
+                          for r in recs if isinstance(r.get("loss_spike"), dict)]
+                if spikes:
+                    shown["loss spike"] = ([x for x, _ in spikes], [y for _, y in spikes])
+            if shown:
+                panel[ylabel] = shown
+        if panel:
+            out[file] = panel
+    return out
+
+
+def assert_panels_show(panels, runs: dict[str, Path]) -> None:
+    want = expected_panels(runs)
+    got = {p.file: p.shown for p in panels}
+    assert got.keys() == want.keys()
+    for file, subplots in want.items():
+        assert got[file].keys() == subplots.keys(), file
+        for ylabel, lines in subplots.items():
+            assert got[file][ylabel].keys() == lines.keys(), (file, ylabel)
+            for label, (xs, ys) in lines.items():
+                gx, gy = got[file][ylabel][label]
+                assert gx == xs, (file, ylabel, label)
+                # NaN marks a gap on both sides; values compare to float rounding.
+                assert gy == pytest.approx(ys, rel=1e-12, nan_ok=True), (file, ylabel, label)
+
+
+def test_each_panel_shows_the_metrics_of_each_run(tiny_run, tmp_path):
+    # The real run, and two synthesized runs carrying every optional field, overlaid.
+    a = write_run(tmp_path / "a" / "run", full_records(), CONFIG)
+    b = write_run(tmp_path / "b" / "run", full_records(24, mem_gib=5.0), CONFIG)
+    assert_panels_show(write_plots([load_run(tiny_run, "tiny")], tmp_path / "real"),
+                       {"tiny": tiny_run})
+    assert_panels_show(write_plots([load_run(a, "a/run"), load_run(b, "b/run")],
+                                   tmp_path / "out"), {"a/run": a, "b/run": b})
 
 
 def test_panels_without_data_are_left_out(tmp_path):

@@ -67,10 +67,13 @@ PANELS = (
 
 @dataclass
 class Panel:
-    """A written image: its file name (in the output dir), title and the sub-plots drawn."""
+    """A written image: its file name (in the output dir), title and the sub-plots drawn, and
+    what each sub-plot shows, read back from the figure's own artists: ylabel -> legend label ->
+    (steps, values) for every line and marker set."""
     file: str
     title: str
     axes: list[str]
+    shown: dict[str, dict[str, tuple[list[float], list[float]]]] = field(default_factory=dict)
 
 
 def series(records: list[dict], line: Line) -> tuple[list[int], list[float]]:
@@ -125,8 +128,18 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
         axes[-1].set_xlabel("step")
         with atomic_output(out_dir / spec.file, "wb") as f:
             fig.savefig(f, format="png")
-        written.append(Panel(spec.file, spec.title, [a.ylabel for a, _ in drawn]))
+        written.append(Panel(spec.file, spec.title, [a.ylabel for a, _ in drawn],
+                             {ax.get_ylabel(): _shown(ax) for ax in axes}))
     return written
+
+
+def _shown(ax) -> dict[str, tuple[list[float], list[float]]]:
+    out = {line.get_label(): ([float(x) for x in line.get_xdata()],
+                              [float(y) for y in line.get_ydata()]) for line in ax.get_lines()}
+    for markers in ax.collections:
+        xy = markers.get_offsets()
+        out[markers.get_label()] = ([float(x) for x, _ in xy], [float(y) for _, y in xy])
+    return out
 
 
 def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> list:
@@ -140,15 +153,11 @@ def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> lis
         ax.plot(xs, ys, color=f"C{i}", label=runs[i].label + line.suffix, **style)
     if axis.spikes:
         first = axis.lines[0]
-        labelled = False
-        for run in runs:
-            pts = [(r["step"], number(r, first.key)) for r in getattr(run, first.source)
-                   if isinstance(r.get("loss_spike"), dict)]
-            pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
-            if pts:
-                ax.scatter(*zip(*pts), marker="x", color="red", zorder=3, s=40,
-                           label=None if labelled else "loss spike")
-                labelled = True
+        pts = [(r["step"], number(r, first.key)) for run in runs
+               for r in getattr(run, first.source) if isinstance(r.get("loss_spike"), dict)]
+        pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
+        if pts:  # every run's spikes in one marker set, one legend entry
+            ax.scatter(*zip(*pts), marker="x", color="red", zorder=3, s=40, label="loss spike")
     values = [y for *_, ys in data for y in _finite(ys)]
     if axis.yscale == "log2" and min(values) > 0:
         ax.set_yscale("log", base=2)
