@@ -2,8 +2,9 @@
 --merge-file merges.txt` (megatron/tokenizer/gpt2_tokenization.py in Megatron-LM and
 Megatron-DeepSpeed; the files are often named gpt2-vocab.json and gpt2-merges.txt).
 
-The pair is read into the `tokenizers` library's byte-level BPE so that it encodes as Megatron's
-GPT2Tokenizer does: GPT-2's pre-tokenization regex, no prefix space, no special tokens (Megatron
+The pair is read into the `tokenizers` library's byte-level BPE (bloomtrain.data.tokenizer's
+GPT2BPETokenizer is the Tokenizer built from it) so that it encodes as Megatron's GPT2Tokenizer
+does: GPT-2's pre-tokenization regex, no prefix space, no special tokens (Megatron
 passes `special_tokens=[]`, so a literal "<|endoftext|>" in a text is encoded as ordinary text),
 and `<|endoftext|>` as the end-of-document id. Decoding replaces invalid UTF-8, as Megatron's
 `errors='replace'` does.
@@ -16,12 +17,9 @@ in the vocabulary, which Megatron would silently map to id 0, is refused too.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
-from bloomtrain.data.tokenizer import Tokenizer, _write_json
-from bloomtrain.utils import UserError, atomic_output
+from bloomtrain.utils import UserError
 
 EOD_TOKEN = "<|endoftext|>"
 # Looked for, in this order, in a directory given as a tokenizer.
@@ -143,69 +141,22 @@ def build(vocab: dict[str, int], merges: list[tuple[str, str]]):
     return tok
 
 
-def check_same(tok: Tokenizer, vocab_file: Path, merges_file: Path) -> None:
-    """A directory holding both a tokenizer.json and a vocab/merges pair is read from its
-    tokenizer.json, as transformers reads it; the pair must then describe the same BPE, so that
-    neither reader of the directory gets another tokenizer than the other."""
+def check_same(tokenizer_json: Path, loaded, vocab_file: Path, merges_file: Path) -> None:
+    """A directory holding both a tokenizer.json (`loaded` by `tokenizers`) and a vocab/merges
+    pair is read from its tokenizer.json, as transformers reads it; the pair must then describe
+    the same BPE, so that neither reader of the directory gets another tokenizer than the
+    other."""
     vocab = read_vocab(vocab_file, megatron=False)
     merges = read_merges(merges_file, vocab, vocab_file)
     try:
-        model = json.loads(tok.path.read_text(encoding="utf-8")).get("model") or {}
+        model = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("model") or {}
     except (OSError, ValueError, RecursionError) as e:
-        raise UserError(f"cannot read {tok.path}: {e}") from None
+        raise UserError(f"cannot read {tokenizer_json}: {e}") from None
     theirs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
               for m in model.get("merges") or []]
-    if model.get("type") != "BPE" or tok._tok.get_vocab(with_added_tokens=False) != vocab \
+    if model.get("type") != "BPE" or loaded.get_vocab(with_added_tokens=False) != vocab \
             or theirs != merges:
-        raise UserError(f"{tok.path.parent} holds a tokenizer.json and {vocab_file.name} + "
+        raise UserError(f"{tokenizer_json.parent} holds a tokenizer.json and {vocab_file.name} + "
                         f"{merges_file.name} that describe different tokenizers; remove the "
                         f"one that is not the run's tokenizer (a directory with a tokenizer.json "
                         f"is read from it)")
-
-
-class GPT2BPETokenizer(Tokenizer):
-    """Megatron's GPT2BPETokenizer from its vocab.json + merges.txt. Everything but loading and
-    saving is the Tokenizer's: the `tokenizers` pipeline is built here instead of read from a
-    tokenizer.json, so Tokenizer.__init__ (which reads one) is not called."""
-
-    def __init__(self, vocab_file: str | os.PathLike, merges_file: str | os.PathLike):
-        vocab_file, merges_file = Path(vocab_file), Path(merges_file)
-        vocab = read_vocab(vocab_file)
-        self._tok = build(vocab, read_merges(merges_file, vocab, vocab_file))
-        self.path, self.merges_path = vocab_file, merges_file
-        self.config: dict = {}
-        self._eod_id = vocab[EOD_TOKEN]
-
-    @property
-    def eod_id(self) -> int:
-        return self._eod_id
-
-    @property
-    def pad_id(self) -> int | None:
-        return None  # GPT-2 has no padding token; the pipeline never needs one
-
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Write vocab.json and merges.txt (copied byte for byte, for Megatron's --vocab-file and
-        --merge-file), the same tokenizer as a tokenizer.json (for transformers and everything
-        that looks for one) and a tokenizer_config.json naming `<|endoftext|>` as the
-        end-of-document token. Loaded again, the directory encodes as this tokenizer."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        for source, name in ((self.path, "vocab.json"), (self.merges_path, "merges.txt")):
-            with atomic_output(directory / name) as f, open(source, "rb") as src:
-                shutil.copyfileobj(src, f)
-        _write_json(directory / "tokenizer_config.json", {
-            "tokenizer_class": "GPT2Tokenizer",
-            "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN, "unk_token": EOD_TOKEN,
-            "add_prefix_space": False,
-            # transformers would otherwise strip spaces before punctuation when decoding.
-            "clean_up_tokenization_spaces": False,
-        })
-        # tokenizer.json last: its presence marks a finished directory.
-        with atomic_output(directory / "tokenizer.json") as f:
-            f.write(self._tok.to_str(pretty=True).encode("utf-8"))
-        return directory / "tokenizer.json"
-
-    def __repr__(self) -> str:
-        return (f"GPT2BPETokenizer({str(self.path)!r}, {str(self.merges_path)!r}, "
-                f"vocab_size={self.vocab_size})")

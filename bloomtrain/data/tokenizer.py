@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from bloomtrain.data import gpt2_bpe
 from bloomtrain.data.sources import expand_inputs, iter_texts
 from bloomtrain.utils import UserError, atomic_output
 
@@ -242,24 +243,71 @@ class Tokenizer:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+class GPT2BPETokenizer(Tokenizer):
+    """Megatron's GPT2BPETokenizer from its vocab.json + merges.txt. Everything but loading and
+    saving is the Tokenizer's: the `tokenizers` pipeline is built here instead of read from a
+    tokenizer.json, so Tokenizer.__init__ (which reads one) is not called."""
+
+    def __init__(self, vocab_file: str | os.PathLike, merges_file: str | os.PathLike):
+        vocab_file, merges_file = Path(vocab_file), Path(merges_file)
+        vocab = gpt2_bpe.read_vocab(vocab_file)
+        self._tok = gpt2_bpe.build(vocab, gpt2_bpe.read_merges(merges_file, vocab, vocab_file))
+        self.path, self.merges_path = vocab_file, merges_file
+        self.megatron_files = (vocab_file, merges_file)
+        self.config: dict = {}
+        self._eod_id = vocab[gpt2_bpe.EOD_TOKEN]
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    @property
+    def pad_id(self) -> int | None:
+        return None  # GPT-2 has no padding token; the pipeline never needs one
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write vocab.json and merges.txt (copied byte for byte, for Megatron's --vocab-file and
+        --merge-file), the same tokenizer as a tokenizer.json (for transformers and everything
+        that looks for one) and a tokenizer_config.json naming `<|endoftext|>` as the
+        end-of-document token. Loaded again, the directory encodes as this tokenizer."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for source, name in ((self.path, "vocab.json"), (self.merges_path, "merges.txt")):
+            with atomic_output(directory / name) as f, open(source, "rb") as src:
+                shutil.copyfileobj(src, f)
+        _write_json(directory / "tokenizer_config.json", {
+            "tokenizer_class": "GPT2Tokenizer",
+            **dict.fromkeys(("bos_token", "eos_token", "unk_token"), gpt2_bpe.EOD_TOKEN),
+            "add_prefix_space": False,
+            # transformers would otherwise strip spaces before punctuation when decoding.
+            "clean_up_tokenization_spaces": False,
+        })
+        # tokenizer.json last: its presence marks a finished directory.
+        with atomic_output(directory / "tokenizer.json") as f:
+            f.write(self._tok.to_str(pretty=True).encode("utf-8"))
+        return directory / "tokenizer.json"
+
+    def __repr__(self) -> str:
+        return (f"GPT2BPETokenizer({str(self.path)!r}, {str(self.merges_path)!r}, "
+                f"vocab_size={self.vocab_size})")
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer at `path`: a tokenizer.json, Megatron's GPT-2 vocab.json (its merges.txt
     beside it, see gpt2_bpe.merges_beside), or a directory holding either. A directory with both
     is read from its tokenizer.json, as transformers reads it, and its vocab.json + merges.txt
     must describe the same tokenizer."""
-    from bloomtrain.data import gpt2_bpe
-
     path = Path(path)
     has_json = (path / "tokenizer.json").is_file()
     pair = gpt2_bpe.find_pair(path, required=not has_json) if path.exists() else None
     if pair is not None and not has_json:
-        return gpt2_bpe.GPT2BPETokenizer(*pair)
+        return GPT2BPETokenizer(*pair)
     if path.is_file() and "merges" in path.name and path.suffix == ".txt":
         raise UserError(f"{path} is a merges file; pass the vocab.json beside it, or the "
                         f"directory holding both")
     tok = Tokenizer(path)
     if pair is not None:
-        gpt2_bpe.check_same(tok, *pair)
+        gpt2_bpe.check_same(tok.path, tok._tok, *pair)
         tok.megatron_files = pair
     return tok
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bloomtrain.data.gpt2_bpe import GPT2BPETokenizer
-from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
+from bloomtrain.data.tokenizer import GPT2BPETokenizer, Tokenizer, load_tokenizer
 from bloomtrain.utils import UserError
 from tests.conftest import MULTILINGUAL_TEXT
 
@@ -185,7 +184,8 @@ def test_save_round_trip_and_directory_with_both(gpt2_files, tmp_path):
         assert again.encode(text) == tok.encode(text)
     # Saving what was loaded keeps Megatron's files too.
     again.save(tmp_path / "twice")
-    assert (tmp_path / "twice" / "merges.txt").read_bytes() == (gpt2_files / "merges.txt").read_bytes()
+    twice = (tmp_path / "twice" / "merges.txt").read_bytes()
+    assert twice == (gpt2_files / "merges.txt").read_bytes()
     # transformers reads the saved directory as the same tokenizer.
     from transformers import AutoTokenizer
 
@@ -216,7 +216,8 @@ def test_checkpoint_keeps_it(gpt2_files, tmp_path):
     back = load_tokenizer(step / ref)
     assert back.eod_id == tok.eod_id
     assert [back.encode(t) for t in TEXTS] == [tok.encode(t) for t in TEXTS]
-    assert (step / "tokenizer" / "vocab.json").read_bytes() == (gpt2_files / "vocab.json").read_bytes()
+    kept = (step / "tokenizer" / "vocab.json").read_bytes()
+    assert kept == (gpt2_files / "vocab.json").read_bytes()
 
 
 def test_preprocess_with_the_files(gpt2_files, tmp_path):
