@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "bloomtrain.pipeline_timeline",
     "bloomtrain.planner.cli",
     "bloomtrain.report.cli",
+    "bloomtrain.import_config",
 ]
 
 

@@ -1,0 +1,318 @@
+"""The launch in a Megatron launch script or args file: the program's arguments, the world size the
+launcher starts, and the files the script writes with heredocs (its ds_config). The shell
+reading is bloomtrain.import_config.shell's; this module evaluates the commands in order."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from bloomtrain.config import UserError
+from bloomtrain.import_config.shell import (_ASSIGNMENT, Command, Lexer, Part, _arith, mark,
+                                            show, unresolved_in)
+
+_TORCHRUN = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+# Launcher options that take no value (torchrun, torch.distributed.launch, deepspeed).
+_LAUNCHER_FLAGS = {"--standalone", "--no_python", "--use_env", "--module", "-m", "--run_path",
+                   "--force_multi", "--no_local_rank", "--no_ssh_check", "--save_pid",
+                   "--elastic_training", "--bind_cores_to_rank", "--no_ssh", "-u"}
+_NOT_LAUNCHES = {"echo", "printf", "cat", "tee", ":", "true", "test", "[", "[[", "eval"}
+_MAX_DEPTH = 50
+
+
+@dataclass
+class Launch:
+    argv: list[str]                 # the program's arguments
+    program: str | None             # the script it runs (None for an args file)
+    line: int | None
+    world_size: int | None
+    world_note: str                 # how the world size was found, or why it is unknown
+    files: dict[str, str] = field(default_factory=dict)   # path -> text the script writes
+
+
+@dataclass
+class _Found:
+    launcher: str | None
+    options: dict[str, str]
+    program: str
+    argv: list[str]
+    line: int
+    under_srun: bool
+
+
+@dataclass
+class _Slurm:
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+    ntasks_per_node: int | None = None
+    ntasks: int | None = None
+
+    def env(self) -> dict[str, str]:
+        pairs = {"SLURM_NNODES": self.nodes, "SLURM_JOB_NUM_NODES": self.nodes,
+                 "SLURM_GPUS_ON_NODE": self.gpus_per_node,
+                 "SLURM_GPUS_PER_NODE": self.gpus_per_node,
+                 "SLURM_NTASKS_PER_NODE": self.ntasks_per_node, "SLURM_NTASKS": self.ntasks}
+        return {k: str(v) for k, v in pairs.items() if v is not None}
+
+
+def read_launch(text: str, variables: Mapping[str, str] | None = None) -> Launch:
+    """The launch `text` describes. `variables` are the environment the script expects (--var):
+    they define what the script does not, and replace an assignment the script makes from a
+    command's output."""
+    variables = dict(variables or {})
+    commands = Lexer(text).commands()
+    evaluator = _Evaluator(variables, variables)
+    if _is_args_file(commands):
+        argv = [f for c in commands for w in c.words for f in evaluator.fields(w)]
+        return Launch(argv, None, None, None, "an args file names no launcher")
+    slurm = _sbatch(text)
+    evaluator.env = {**slurm.env(), **variables}
+    for command in commands:
+        evaluator.command(command, command.line)
+    found = evaluator.launches
+    if not found:
+        raise UserError("found no launch: no command runs a program under torchrun, python -m "
+                        "torch.distributed.run/launch or deepspeed, and python runs no "
+                        "pretrain_*.py; pass the program's arguments as an args file instead")
+    if len(found) > 1:
+        raise UserError(f"found {len(found)} launches (lines "
+                        f"{', '.join(str(f.line) for f in found)}); keep the one to convert")
+    world, note = _world(found[0], slurm)
+    return Launch(found[0].argv, found[0].program, found[0].line, world, note, evaluator.files)
+
+
+def _is_args_file(commands: list[Command]) -> bool:
+    first = commands[0].words[0] if commands and commands[0].words else []
+    return bool(first) and first[0].kind == "lit" and first[0].text.startswith("-")
+
+
+def _sbatch(text: str) -> _Slurm:
+    slurm = _Slurm()
+    names = {"--nodes": "nodes", "-N": "nodes", "--ntasks-per-node": "ntasks_per_node",
+             "--ntasks": "ntasks", "-n": "ntasks", "--gpus-per-node": "gpus_per_node"}
+    for line in re.findall(r"^#SBATCH\s+(.*)$", text, flags=re.M):
+        words = line.split("#")[0].split()
+        for i, word in enumerate(words):
+            name, eq, value = word.partition("=")
+            if not eq and re.fullmatch(r"-[Nn]\d+", word):
+                name, value = word[:2], word[2:]
+            elif not eq:
+                value = words[i + 1] if i + 1 < len(words) else ""
+            if name == "--gres" and (m := re.fullmatch(r"gpu(?::[^:,]+)?:(\d+)", value)):
+                slurm.gpus_per_node = int(m.group(1))
+            elif name in names and value.isdigit():
+                setattr(slurm, names[name], int(value))
+    return slurm
+
+
+class _Evaluator:
+    """Runs the commands' assignments in order and finds the launch among them."""
+
+    def __init__(self, env: dict[str, str], overrides: dict[str, str]):
+        self.env, self.overrides = dict(env), overrides
+        self.files: dict[str, str] = {}
+        self.launches: list[_Found] = []
+        self.depth = 0
+
+    def command(self, cmd: Command, line: int) -> None:
+        words, i = cmd.words, 0
+        while i < len(words) and (assignment := _assignment(words[i])):
+            self._assign(*assignment)
+            i += 1
+        if i < len(words) and self.string(words[i]) in ("export", "declare", "typeset",
+                                                         "local", "readonly"):
+            for word in words[i + 1:]:
+                if assignment := _assignment(word):
+                    self._assign(*assignment)
+            return
+        if cmd.heredoc is not None and cmd.output is not None:
+            self.files[self.string(cmd.output)] = self.string(cmd.heredoc)
+        fields = [f for w in words[i:] for f in self.fields(w)]
+        if fields and os.path.basename(fields[0]) not in _NOT_LAUNCHES:
+            self._find_launch(fields, line)
+
+    def _assign(self, name: str, append: bool, parts: list[Part]) -> None:
+        value = self.string(parts)
+        if unresolved_in(value) is not None and name in self.overrides:
+            value = self.overrides[name]
+        self.env[name] = self.env.get(name, "") + value if append else value
+
+    def string(self, parts: list[Part]) -> str:
+        return "".join(self._single(p) for p in parts)
+
+    def _single(self, part: Part) -> str:
+        if part.kind == "lit":
+            return part.text
+        if part.kind == "var":
+            return self._lookup(part)
+        if part.kind == "arith":
+            return self._arith(part.text)
+        return mark(part.text)
+
+    def _lookup(self, part: Part) -> str:
+        value = self.env.get(part.text)
+        if not value and part.default is not None:
+            return self.string(part.default)
+        return mark("$" + part.text) if value is None else value
+
+    def _arith(self, text: str) -> str:
+        missing = []
+
+        def value(m: re.Match) -> str:
+            name = next(g for g in m.groups() if g)
+            v = self.env.get(name, "")
+            if not v.strip().lstrip("-").isdigit():
+                missing.append(name)
+            return f"({v.strip() or 0})"
+
+        expr = re.sub(r"\$\{(\w+)\}|\$(\w+)|\b([A-Za-z_]\w*)\b", value, text)
+        if missing:
+            return mark("$" + missing[0])
+        try:
+            return str(_arith(ast.parse(expr.strip(), mode="eval")))
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            return mark(f"$(({text}))")
+
+    def fields(self, parts: list[Part]) -> list[str]:
+        """A word after expansion: unquoted variables split into several (and their quotes
+        honoured), everything else joined."""
+        out: list[str] = []
+        cur: str | None = None
+        for part in parts:
+            if part.kind != "var" or part.quoted:
+                cur = (cur or "") + self._single(part)
+                continue
+            value = self._lookup(part)
+            sub = self._split(value)
+            lead, trail = value[:1].isspace(), value[-1:].isspace()
+            if (lead or not sub and trail) and cur is not None:
+                out.append(cur)
+                cur = None
+            for k, word in enumerate(sub):
+                if k:
+                    out.append(cur)
+                    cur = None
+                cur = (cur or "") + word
+            if trail and cur is not None:
+                out.append(cur)
+                cur = None
+        if cur is not None:
+            out.append(cur)
+        return out
+
+    def _split(self, value: str) -> list[str]:
+        if not value.strip():
+            return []
+        self.depth += 1
+        if self.depth > _MAX_DEPTH:
+            raise UserError(f"variables expand into themselves without end (at {value[:60]!r})")
+        try:
+            words = Lexer(value, words_only=True).commands()
+            return [f for c in words for w in c.words for f in self.fields(w)]
+        finally:
+            self.depth -= 1
+
+    def _find_launch(self, fields: list[str], line: int) -> None:
+        for k, word in enumerate(fields):
+            base = os.path.basename(show(word))
+            if base in ("bash", "sh"):
+                options = fields[k + 1:]
+                at = next((j for j, f in enumerate(options) if f == "-c"), None)
+                if at is not None and at + 1 < len(options) and \
+                        all(f.startswith("-") for f in options[:at]):
+                    return self._nested(options[at + 1], line)
+            if base in ("torchrun", "deepspeed"):
+                return self._launcher(base, fields, k + 1, line)
+            if base.startswith("python") and k + 1 < len(fields):
+                return self._python(fields, k, line)
+
+    def _nested(self, script: str, line: int) -> None:
+        self.depth += 1
+        if self.depth > _MAX_DEPTH:
+            raise UserError(f"line {line}: bash -c nests too deep")
+        try:
+            for command in Lexer(script, first_line=line).commands():
+                self.command(command, line)
+        finally:
+            self.depth -= 1
+
+    def _python(self, fields: list[str], k: int, line: int) -> None:
+        j = k + 1
+        while j < len(fields) and fields[j].startswith("-") and fields[j] != "-m":
+            j += 2 if fields[j] in ("-X", "-W") else 1
+        if j + 1 < len(fields) and fields[j] == "-m":
+            module = fields[j + 1]
+            if module in _TORCHRUN:
+                self._launcher(module, fields, j + 2, line)
+            elif module == "deepspeed.launcher.runner":
+                self._launcher("deepspeed", fields, j + 2, line)
+            return
+        name = os.path.basename(show(fields[j])) if j < len(fields) else ""
+        if name.endswith(".py") and name.startswith(("pretrain", "finetune")):
+            srun = any(os.path.basename(f) == "srun" for f in fields[:k])
+            self.launches.append(_Found(None, {}, fields[j], fields[j + 1:], line, srun))
+
+    def _launcher(self, launcher: str, fields: list[str], j: int, line: int) -> None:
+        options: dict[str, str] = {}
+        while j < len(fields) and fields[j].startswith("-"):
+            name, eq, value = fields[j].partition("=")
+            name = "--" + name.lstrip("-").replace("-", "_") if name.startswith("--") else name
+            if eq or name in _LAUNCHER_FLAGS:
+                options[name], j = value, j + 1
+            else:
+                options[name], j = (fields[j + 1] if j + 1 < len(fields) else ""), j + 2
+        if j >= len(fields):
+            raise UserError(f"line {line}: {launcher} runs no program")
+        self.launches.append(_Found(launcher, options, fields[j], fields[j + 1:], line, False))
+
+
+def _assignment(word: list[Part]):
+    if not word or word[0].kind != "lit" or word[0].quoted:
+        return None
+    m = _ASSIGNMENT.match(word[0].text)
+    if not m:
+        return None
+    rest = word[0].text[m.end():]
+    return m.group(1), bool(m.group(2)), ([Part("lit", rest, False)] if rest else []) + word[1:]
+
+
+def _count(value: str | None, what: str, default: int | None) -> tuple[int | None, str]:
+    if value is None:
+        return default, ""
+    if (name := unresolved_in(value)) is not None:
+        return None, f"{what} is {show(value)}, and {name} is not defined (pass --var)"
+    if re.fullmatch(r"\d+(:\d+)?", value) and len(set(value.split(":"))) == 1:
+        return int(value.split(":")[0]), ""
+    return None, f"{what} is {value!r}, not a fixed number"
+
+
+def _world(found: _Found, slurm: _Slurm) -> tuple[int | None, str]:
+    o, where = found.options, f"line {found.line}"
+    if found.launcher in _TORCHRUN:
+        nodes, why_nodes = _count(o.get("--nnodes"), "--nnodes", 1)
+        procs, why_procs = _count(o.get("--nproc_per_node"), "--nproc_per_node", 1)
+        how = f"{found.launcher} --nnodes {show(o.get('--nnodes', 1))} --nproc_per_node " \
+              f"{show(o.get('--nproc_per_node', 1))}, {where}"
+    elif found.launcher == "deepspeed":
+        if any(k in o for k in ("--hostfile", "--include", "--exclude")):
+            return None, f"deepspeed with a hostfile, --include or --exclude ({where})"
+        nodes, why_nodes = _count(o.get("--num_nodes"), "--num_nodes", None)
+        gpus = o.get("--num_gpus", o.get("--num_accelerators"))
+        procs, why_procs = _count(gpus, "--num_gpus", None)
+        if nodes is None and not why_nodes or procs is None and not why_procs:
+            return None, f"deepspeed without --num_nodes and --num_gpus uses every GPU it " \
+                         f"finds ({where})"
+        how = f"deepspeed --num_nodes {nodes} --num_gpus {procs}, {where}"
+    elif not found.under_srun:
+        return 1, f"python runs one process ({where})"
+    else:
+        tasks = slurm.ntasks or (slurm.nodes and slurm.ntasks_per_node and
+                                 slurm.nodes * slurm.ntasks_per_node)
+        if not tasks:
+            return None, f"srun starts as many processes as SLURM gives it ({where})"
+        return tasks, f"srun tasks from #SBATCH ({where})"
+    if nodes is None or procs is None:
+        return None, why_nodes or why_procs
+    return nodes * procs, f"{nodes} node(s) x {procs} process(es) per node ({how})"
