@@ -86,7 +86,8 @@ class DataConfig:
     # Dataset prefixes (as written by `bloomtrain preprocess`, without .bin/.idx), each either a
     # plain string or "WEIGHT PREFIX". With one path the weight is 1.
     paths: list[str] = field(default_factory=list)
-    # A tokenizer.json, or a directory holding one (any local HF tokenizer directory).
+    # A tokenizer.json, or a directory holding one (any local HF tokenizer directory), or
+    # Megatron's GPT-2 vocab.json with its merges.txt beside it (or a directory of the two).
     tokenizer: str | None = None
     # Train/valid/test split of each dataset's documents, Megatron style.
     split: str = "969,30,1"

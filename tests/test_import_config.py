@@ -292,6 +292,11 @@ def test_function_on_a_checkpoint_namespace(tmp_path, capsys):
     assert config == BLOOM_176B
     assert {s.source.split(" ")[0] for s in report.unsupported} == {
         "--train-weighted-split-paths-path", "--valid-weighted-split-paths-path"}
+    # Without --pad-vocab-size-to the Namespace's padded_vocab_size still gives the rows.
+    del typed["pad_vocab_size_to"]
+    config, _ = megatron_to_config(_namespace(**typed), ds)
+    assert (config["model"]["vocab_size"], config["model"]["make_vocab_size_divisible_by"]) == \
+        (250880, 512)
 
 
 def test_shell_forms(tmp_path):

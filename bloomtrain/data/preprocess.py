@@ -285,7 +285,8 @@ def register(subparsers) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="input files, globs or directories")
     p.add_argument("--tokenizer", required=True, metavar="PATH",
-                   help="tokenizer.json or a directory holding one (any local HF tokenizer)")
+                   help="tokenizer.json or a directory holding one (any local HF tokenizer), "
+                        "or Megatron's GPT-2 vocab.json with its merges.txt beside it")
     p.add_argument("--output-prefix", required=True, metavar="P",
                    help="writes P_<json-key>_document.bin and .idx")
     p.add_argument("--json-key", default="text", help="JSON key / Parquet column of the text (default: text)")

@@ -89,6 +89,12 @@ def _vocab(c: Conversion) -> None:
     exactly --pad-vocab-size-to; bloomtrain pads to model.make_vocab_size_divisible_by alone."""
     multiple = c.int("make_vocab_size_divisible_by")
     pad_to = c.int("pad_vocab_size_to")
+    if pad_to is None and c.has("padded_vocab_size"):
+        # A checkpoint's Namespace records the rows Megatron padded to: the model then has
+        # them without its tokenizer.
+        rows = c.int("padded_vocab_size")
+        c.set("model.vocab_size", rows, "padded_vocab_size", source="the checkpoint's "
+              "args.padded_vocab_size", note="the embedding rows of the checkpoint")
     if pad_to is None:
         c.set("model.make_vocab_size_divisible_by", multiple * c.tp,
               ["make_vocab_size_divisible_by", "tensor_model_parallel_size"],
