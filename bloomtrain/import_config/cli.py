@@ -152,8 +152,8 @@ def _check(config: dict, world: int | None) -> None:
     rule between them."""
     from bloomtrain.layout import validate
 
-    cfg = Config.from_dict(config)
     try:
+        cfg = Config.from_dict(config)
         if world is None:
             cfg.check()
         else:

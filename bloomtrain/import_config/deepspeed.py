@@ -134,7 +134,7 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
                                               "decides")
     if ds is None:
         if c.flag("deepspeed"):
-            stage = int(float(c.raw("zero_stage")))
+            stage = _zero_stage(c)
             c.set("parallel.zero_stage", _bf16_stage(stage, precision), "zero_stage",
                   _bf16_note(stage, precision))
         else:
@@ -154,7 +154,7 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
     _mapped(c, "parallel.zero_stage", _bf16_stage(stage, precision),
             "zero_optimization.stage", _bf16_note(stage, precision))
     if c.has("zero_stage"):
-        given = int(float(c.raw("zero_stage")))
+        given = _zero_stage(c)
         c.ignore("zero_stage", "DeepSpeed takes the stage from the ds_config"
                  + (f" ({stage}), not this" if given != stage else ", which agrees"))
     _offload(c, zero)
@@ -164,6 +164,13 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
         elif key not in ("stage", "offload_optimizer", "offload_param", "cpu_offload"):
             _skip(c, f"zero_optimization.{key}", value,
                   "a ZeRO setting import-config does not know", "unsupported")
+
+
+def _zero_stage(c: Conversion) -> int:
+    stage = c.float("zero_stage")  # Megatron's default is the float 1.0
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"{c.given_text('zero_stage')}: a ZeRO stage is 0, 1, 2 or 3")
+    return int(stage)
 
 
 def _bf16_stage(stage: int, precision: str) -> int:
@@ -242,8 +249,12 @@ def _loss_scale(c: Conversion, ds: Mapping | None, precision: str) -> None:
                                                          "scales dynamically", "unsupported")
     for name, (key, default) in _DYNAMIC.items():
         value = fp16.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UserError(f"ds_config fp16.{name} must be a number, got {value!r}")
+        # A scale beyond 2^127 is no float32 number.
+        top = 127 if name == "initial_scale_power" else 1e9
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not 0 <= value <= top:
+            raise UserError(f"ds_config fp16.{name} must be a number in [0, {top:g}], got "
+                            f"{value!r}")
         value = 2.0 ** value if name == "initial_scale_power" else value
         _mapped(c, key, float(value) if key.endswith("_scale") else int(value), f"fp16.{name}",
                 "" if name in fp16 else "not given: DeepSpeed's default")

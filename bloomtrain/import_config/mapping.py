@@ -68,10 +68,10 @@ def _leftovers(c: Conversion) -> None:
             continue
         kind, _, reason = option.action.partition(":")
         if kind == "map":
-            # A section leaves an argument untouched only where it has its default (a switch
-            # that is off, a Namespace's unused entry); anything else is a section's bug.
+            # A section leaves an argument untouched where it has no effect: a switch that is
+            # off, an option the other arguments make unused.
             if not _is_default(value, option.default):
-                raise RuntimeError(f"{option.flag} {value!r} is mapped but no section took it")
+                c.ignore(dest, "no effect with the other arguments given")
             continue
         if kind == "ignore":
             c.ignore(dest, REASONS[reason])

@@ -19,6 +19,10 @@ _ARCH = "bloomtrain's BLOOM is built with it"
 def parallel(c: Conversion) -> None:
     c.tp = c.int("tensor_model_parallel_size")
     c.pp = c.int("pipeline_model_parallel_size")
+    for dest, size in (("tensor_model_parallel_size", c.tp), ("pipeline_model_parallel_size",
+                                                               c.pp)):
+        if size <= 0:
+            raise UserError(f"{c.given_text(dest)}: a parallel size must be positive")
     c.set("parallel.tp", c.tp, "tensor_model_parallel_size")
     c.set("parallel.pp", c.pp, "pipeline_model_parallel_size")
     if c.world is None and c.has("world_size"):
@@ -182,6 +186,8 @@ def _tokenizer(c: Conversion) -> None:
 
 def batch(c: Conversion) -> None:
     micro = c.int("micro_batch_size", required=True)
+    if micro <= 0:
+        raise UserError(f"{c.given_text('micro_batch_size')}: must be positive")
     c.micro = micro
     c.set("train.micro_batch_size", micro, "micro_batch_size")
     if c.has("global_batch_size"):
@@ -198,6 +204,8 @@ def batch(c: Conversion) -> None:
     else:
         raise UserError("--global-batch-size is not given and the world size is unknown, so "
                         "the global batch (micro x dp) is too: pass --world-size")
+    if c.gbs <= 0:
+        raise UserError(f"the global batch must be positive, got {c.gbs}")
     rampup = c.list("rampup_batch_size")
     if rampup is not None:
         try:
