@@ -403,3 +403,35 @@ def test_fp16_loss_scaling_from_the_ds_config():
     with pytest.raises(UserError, match="runs DeepSpeed in fp16 but the Megatron arguments "
                                         "build the model in bf16"):
         _convert("--bf16 --deepspeed", FP16_DS, 8)
+
+
+def test_merges_elsewhere_is_said():
+    config, report = _convert("--tokenizer-type GPT2BPETokenizer --vocab-file /a/vocab.json "
+                              "--merge-file /b/merges.txt")
+    assert config["data"]["tokenizer"] == "/a/vocab.json"
+    note = next(m.note for m in report.mapped if m.key == "data.tokenizer")
+    assert note == ("bloomtrain reads the merges from /a/merges.txt, beside the vocab file: "
+                    "copy /b/merges.txt there")
+
+
+def test_mixed_up_values_are_user_errors():
+    """Whatever values the arguments and the ds_config hold, the conversion either succeeds or
+    says what is wrong (UserError); found ZeroDivision and Overflow errors before."""
+    import random
+
+    rng = random.Random(0)
+    base = parse_argv(SMALL.split())
+    values = [None, True, False, "0", "-1", "abc", "1.5", "auto", ["1", "2"], [], 0, 3, 2.0,
+              "nan", "1e400", 10 ** 30, "type:x", "GPT2BPETokenizer"]
+    configs = [None, {}, {"train_batch_size": "auto"}, {"fp16": {"enabled": True}},
+               {"zero_optimization": 5}, {"fp16": {"enabled": True, "initial_scale_power": 5000}},
+               {"gradient_accumulation_steps": 3}, {"train_batch_size": 0}, {"data_types": 3}]
+    options = sorted(OPTIONS.values(), key=lambda o: o.flag)
+    for _ in range(3000):
+        args = dict(base)
+        for option in rng.sample(options, rng.randint(1, 5)):
+            args[option.dest] = rng.choice(values)
+        try:
+            megatron_to_config(args, rng.choice(configs), world_size=rng.choice([None, 1, 8]))
+        except UserError:
+            pass
