@@ -311,7 +311,8 @@ def train(c: Conversion) -> None:
         c.set("train.kill_switch_path", c.str("kill_switch_path"), "kill_switch_path")
     if c.has("tensorboard_dir"):
         c.set("run.tensorboard", True, "tensorboard_dir",
-              "bloomtrain writes the event files under run_dir/tensorboard")
+              "bloomtrain writes the event files under run_dir/tensorboard (it needs the "
+              "tensorboard package; run.tensorboard=null writes them only when installed)")
 
 
 def checkpoint(c: Conversion) -> None:
