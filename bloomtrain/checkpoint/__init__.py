@@ -39,13 +39,14 @@ from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, O
                                           TIED_ALIAS, CheckpointError, find_latest_valid,
                                           list_checkpoints, prune, read_manifest, resolve,
                                           sha256_file, step_dir_name, verify)
-from bloomtrain.checkpoint.fragments import Fragment, full_fragments
+from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
 from bloomtrain.checkpoint.reader import CheckpointReader, LazyState, load_model_state
 from bloomtrain.checkpoint.writer import CheckpointWriter, save_checkpoint
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MODEL_KINDS", "OPTIM_KINDS", "TIED_ALIAS", "CheckpointError",
-    "CheckpointReader", "CheckpointWriter", "Fragment", "LazyState", "find_latest_valid",
+    "CheckpointReader", "CheckpointWriter", "Deferred", "Fragment", "LazyState",
+    "find_latest_valid",
     "full_fragments", "list_checkpoints", "load_model_state", "prune", "read_manifest", "resolve",
     "save_checkpoint", "sha256_file", "step_dir_name", "verify",
 ]

@@ -7,6 +7,7 @@ the layout that reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,7 +21,7 @@ class Fragment:
     the full parameter `name` (full shape `shape`); tp_size 1 means the full parameter itself.
 
     `tensors` maps a kind ("model", "exp_avg", "exp_avg_sq") to a flat tensor of `numel`
-    elements."""
+    elements, or to a `Deferred` one that the writer computes when it writes it."""
 
     name: str
     shape: tuple[int, ...]
@@ -30,6 +31,29 @@ class Fragment:
     offset: int
     numel: int
     tensors: dict[str, torch.Tensor]
+
+
+class Deferred:
+    """A flat tensor of known dtype and size that is computed only when the writer writes it, so
+    that a converter (bloomtrain import-deepspeed) holds one parameter at a time, not the model.
+    Has the attributes of a flat tensor the writer reads before writing (`dtype`, `shape`,
+    `numel()`, `element_size()`)."""
+
+    def __init__(self, dtype: torch.dtype, numel: int, compute: Callable[[], torch.Tensor]):
+        self.dtype, self.shape, self._compute = dtype, (numel,), compute
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def element_size(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        t = self._compute().detach().reshape(-1)
+        if t.dtype != self.dtype or t.numel() != self.numel():
+            raise ValueError(f"a deferred tensor computed {t.dtype} [{t.numel()}], "
+                             f"announced {self.dtype} [{self.numel()}]")
+        return t
 
 
 def full_fragments(state: dict[str, torch.Tensor], kind: str = "model") -> list[Fragment]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, OPTIM_KINDS,
                                           CheckpointError, prune, sha256_file, step_dir_name,
                                           verify)
-from bloomtrain.checkpoint.fragments import Fragment, full_fragments
+from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
 from bloomtrain.safetensors_io import write_safetensors_streaming
@@ -49,7 +49,8 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
         keys = {}
         for kind, t in frag.tensors.items():
             key = f"{kind}/{frag.name}/{rank}.{i}"
-            groups["model" if kind in MODEL_KINDS else "optim"][key] = t.detach().reshape(-1)
+            flat = t if isinstance(t, Deferred) else t.detach().reshape(-1)
+            groups["model" if kind in MODEL_KINDS else "optim"][key] = flat
             keys[kind] = key
         index.append({
             "name": frag.name, "shape": list(frag.shape), "tp_dim": frag.tp_dim,
@@ -64,7 +65,8 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
         if not tensors:
             continue
         name = f"{prefix}-{rank:05d}.safetensors"
-        entries = [(key, str(t.dtype).removeprefix("torch."), tuple(t.shape), (lambda t=t: t))
+        entries = [(key, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                    t.materialize if isinstance(t, Deferred) else (lambda t=t: t))
                    for key, t in tensors.items()]
         # Straight to disk inside the temporary checkpoint directory, hashed on the way.
         try:
