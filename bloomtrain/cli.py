@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "bloomtrain.data.preprocess",
     "bloomtrain.data.inspect",
     "bloomtrain.hf",
+    "bloomtrain.checkpoint.interop.importer",
     "bloomtrain.generate",
     "bloomtrain.serve.cli",
     "bloomtrain.pipeline_timeline",
