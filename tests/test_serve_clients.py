@@ -127,3 +127,20 @@ def test_lm_eval_local_completions_equals_its_hf_backend(server, tokenizer):  # 
     assert [g for _, g in served] == [g for _, g in want]
     assert len({round(v, 3) for v in got_ll.tolist()}) == len(requests)  # real, varied scores
     assert json.dumps(served)  # plain floats and bools, as the harness writes them
+
+
+def test_lm_eval_generate_until_equals_its_hf_backend(server):
+    """lm-eval's generate_until through the server (token-id prompts, temperature 0, its stop
+    sequences with the end-of-text string added) continues as its HF backend does."""
+    base, path = server
+    kwargs = {"until": ["\n\n", "."], "max_gen_toks": 12, "do_sample": False}
+    requests = [("The quick brown fox", kwargs), ("def f(x):", kwargs), ("Привет,", kwargs)]
+    instances = [Instance("generate_until", {}, args, i) for i, args in enumerate(requests)]
+    api = LocalCompletionsAPI(base_url=f"{base}/v1/completions", model="tiny",
+                              num_concurrent=1, max_retries=1, batch_size=1)
+    served = api.generate_until(instances, disable_tqdm=True)
+    hf = HFLM(pretrained=str(path), backend="causal", device="cpu", dtype="float32",
+              batch_size=1)
+    assert served == hf.generate_until(instances, disable_tqdm=True)
+    assert any(served)
+

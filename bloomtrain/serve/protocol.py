@@ -209,6 +209,8 @@ def sampling_params(body, max_tokens_key: str = "max_tokens",
     holds the limit, None when absent and `default_max_tokens` is None: the handler fills in
     the room the prompt leaves; `logprobs`: the top alternatives asked for, as each API spells
     it)."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("`user` must be a string", "user")
     top_k = get_int(body, "top_k", 0, -1)
     max_tokens = get_int(body, max_tokens_key, default_max_tokens, 0)
     return SamplingParams(
@@ -325,9 +327,6 @@ def parse_completion(body: dict, tokenizer, max_queue: int, strict: bool) -> Com
     if body.get("suffix") not in (None, ""):
         raise BadRequest("`suffix` is not supported (a BLOOM model has no fill-in-the-middle "
                          "training); drop it or send null", "suffix")
-    for key in ("user",):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise BadRequest(f"`{key}` must be a string", key)
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo")
     params = sampling_params(body, logprobs=logprobs,
