@@ -139,7 +139,9 @@ def test_vocab_padding_cut_by_the_converter_comes_back_as_zeros(tmp_path):
         torch.save({"param": d["param"][:100].clone(), "vocab_tensor": True}, emb_dir / f"{kind}.pt")
     reader = imported(tmp_path, MEGATRON, "universal")  # the untouched one
     out = tmp_path / "cut"
-    import_deepspeed(copy, out, log=lambda *a: None)
+    lines = []
+    import_deepspeed(copy, out, log=lines.append)
+    assert any("vocabulary padding was cut" in line for line in lines), lines
     cut = ckpt.CheckpointReader(out, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
     for kind in KINDS:
         full, got = reader.load("transformer.word_embeddings.weight", kind), \
@@ -425,3 +427,13 @@ def test_fp16_loss_scaler_state_continues_deepspeeds():
             assert (ours.scale > before) == theirs_grows, (cur_iter, last_overflow, step)
             it += 1
     assert loss_scaler_state({"dynamic": False, "scale": 1.0}) is None
+
+
+def test_zero3_weights_only_come_from_the_shards(tmp_path):
+    # ZeRO-3's model-states files hold empty placeholders: the weights are the fp32 masters in
+    # the optimizer shards, as DeepSpeed's zero_to_fp32 consolidates them.
+    ref = reference("hf_zero3_fp32")
+    reader = imported(tmp_path, "hf_zero3_fp32", weights_only=True)
+    assert not reader.has("exp_avg")
+    for name in reader.names():
+        assert torch.equal(reader.load(name), ref["zero_to_fp32"][name]), name

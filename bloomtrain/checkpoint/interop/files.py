@@ -135,3 +135,11 @@ def find_config_json(files: CheckpointFiles) -> Path | None:
         if (d / "config.json").is_file():
             return d / "config.json"
     return None
+
+
+def deepspeed_position(meta: dict) -> dict:
+    """The run's step, consumed samples and skipped steps by DeepSpeed's own counters (a
+    model-states file's global_steps, global_samples, skipped_steps)."""
+    return {"step": int(meta.get("global_steps") or 0),
+            "consumed_samples": int(meta.get("global_samples") or 0),
+            "skipped_steps": int(meta.get("skipped_steps") or 0)}

@@ -56,13 +56,9 @@ def _hf_shape(files, where):
         raise InteropError(f"{path}: {e}") from None
 
 
-def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
-    from bloomtrain.hf import _canonical_name as canonical
-    from bloomtrain.hf import check_state
-
-    where = files.tag_dir
+def _model_states(files: dsfiles.CheckpointFiles) -> dict:
     if files.num_mp != 1:
-        raise InteropError(f"{where}: {files.num_mp} model-parallel ranks (mp_rank_00.."
+        raise InteropError(f"{files.tag_dir}: {files.num_mp} model-parallel ranks (mp_rank_00.."
                            f"{files.num_mp - 1:02d}) and no pipeline layer files: a tensor-"
                            f"parallel HF model (DeepSpeed AutoTP), which bloomtrain does not "
                            f"import; consolidate it to one rank first")
@@ -70,49 +66,51 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
     if not isinstance(meta, dict) or "param_shapes" not in meta:
         raise InteropError(f"{files.model_file(0)} has no param_shapes; not a DeepSpeed model "
                            f"states file")
+    return meta
+
+
+def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
+    from bloomtrain.hf import _canonical_name as canonical
+    from bloomtrain.hf import check_state
+
+    where, meta = files.tag_dir, _model_states(files)
     shape, hf_cfg = _hf_shape(files, where)
     ds_config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else None
     precision = precision_of(ds_config, files.optim_prefix)
     param_shapes = meta["param_shapes"]
     names = {canonical(n): n for g in param_shapes for n in g}  # HF name -> DeepSpeed's
-    shapes = {h: tuple(s) for g in param_shapes for n, s in g.items() for h in [canonical(n)]}
+    shapes = {canonical(n): tuple(s) for g in param_shapes for n, s in g.items()}
     check_state(shape, shapes, files.model_file(0))
     dp = int(meta.get("dp_world_size") or 1)
     files.check_complete(dp if files.optim else None, 1)
     module = meta.get("module") or {}
+    # ZeRO-3 keeps the weights only in the shards: its module holds empty placeholders.
     stage3 = bool(files.zero3_model) or zero_stage_of(ds_config) == 3
-    zero = None
-    if files.optim and not weights_only:
-        zero = ZeroShards(files.dp_files(0), param_shapes, str(where))
-    elif stage3:
+    shards = ZeroShards(files.dp_files(0), param_shapes, str(where)) if files.optim else None
+    if stage3 and shards is None:
         raise InteropError(f"{where}: a ZeRO-3 checkpoint keeps its weights only in the "
                            f"optimizer shards, and none are here; copy the "
                            f"zero_pp_rank_*_optim_states.pt files")
-    zero_for_weights = zero if zero is not None else (
-        ZeroShards(files.dp_files(0), param_shapes, str(where)) if stage3 else None)
-    dtype = torch_dtype(precision)
+    zero, dtype = (None if weights_only else shards), torch_dtype(precision)
 
     def read(name: str, kind: str) -> torch.Tensor:
         if kind != WEIGHTS:
             return zero.load(names[name], kind)
         if stage3:
-            return zero_for_weights.load(names[name], "fp32").to(dtype)
-        t = module.get(names[name])
-        if t is None:
+            return shards.load(names[name], "fp32").to(dtype)
+        if names[name] not in module:
             raise InteropError(f"{files.model_file(0)}: the module has no {names[name]}")
-        return t.detach().clone()
+        return module[names[name]].detach().clone()
 
-    src = Source(label=f"HF BloomForCausalLM under DeepSpeed ZeRO-{zero_stage_of(ds_config)}"
+    stage = zero_stage_of(ds_config)
+    src = Source(label=f"HF BloomForCausalLM under DeepSpeed ZeRO-{stage}"
                        f"{' (BF16_Optimizer)' if files.optim_prefix == 'bf16_' else ''}, "
                        f"{precision}, dp={dp}",
                  path=files.root, shape=shape, shapes=shapes, weight_dtype=dtype, read=read,
-                 optimizer=zero is not None, optimizer_found=bool(files.optim), layout={"tp": 1, "pp": 1, "dp": dp,
-                                                     "zero_stage": zero_stage_of(ds_config),
-                                                     "precision": precision},
-                 ds_config=ds_config, args=_args_from_hf(hf_cfg))
-    src.train_state = {"step": int(meta.get("global_steps") or 0),
-                       "consumed_samples": int(meta.get("global_samples") or 0),
-                       "skipped_steps": int(meta.get("skipped_steps") or 0)}
+                 optimizer=zero is not None, optimizer_found=shards is not None,
+                 layout={"tp": 1, "pp": 1, "dp": dp, "zero_stage": stage, "precision": precision},
+                 ds_config=ds_config, args=_args_from_hf(hf_cfg),
+                 train_state=dsfiles.deepspeed_position(meta))
     if zero is not None:
         src.adam_step = zero.adam_step()
         src.param_groups = [{**g, "names": [canonical(n) for n in g["names"]]}

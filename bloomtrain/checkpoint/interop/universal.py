@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from bloomtrain.checkpoint.interop import megatron
+from bloomtrain.checkpoint.interop.files import deepspeed_position
 from bloomtrain.checkpoint.interop.hf_zero import precision_of, zero_stage_of
 from bloomtrain.checkpoint.interop.safe_load import InteropError, load
-from bloomtrain.checkpoint.interop.source import MASTER_KINDS, WEIGHTS, Source
+from bloomtrain.checkpoint.interop.source import WEIGHTS, Source
 from bloomtrain.runtime import torch_dtype
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
 
@@ -80,78 +81,102 @@ def _shape_and_names(root: Path, names: list[str], meta: dict):
     return shape, {n: _canonical_name(n) for n in names}, _args_from_hf(cfg)
 
 
-def read_universal(root: Path, weights_only: bool) -> Source:
-    from bloomtrain.hf import check_state
-    from bloomtrain.model import expected_parameters
+class UniversalCheckpoint:
+    """The files of one universal step by HF name; `read(name, kind)` gives a full tensor."""
 
-    zero = root / "zero"
-    names = sorted(d.name for d in zero.iterdir() if d.is_dir())
-    models = sorted(root.glob("*_model_states.pt"))
-    if not names or not models:
-        raise InteropError(f"{root}: a universal checkpoint has zero/NAME/fp32.pt for every "
-                           f"parameter and the source's *_model_states.pt; "
-                           f"{'no parameters' if not names else 'no model-states file'} here")
-    meta = load(models[0], mmap=True)
-    # The converter copies an HF model's tied lm_head.weight too (its fp32 value only): it is the
-    # embedding, stored once here, and checked to be equal to it.
-    head = zero / LM_HEAD if LM_HEAD in names else None
-    names = [n for n in names if n != LM_HEAD]
-    shape, to_hf, args = _shape_and_names(root, names, meta)
-    want = expected_parameters(shape)
-    file_of = {to_hf[n]: zero / n for n in names}
-    check_state(shape, {hf: want.get(hf, ()) for hf in file_of}, root)
-    ds_config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else None
-    precision = "bf16" if args.get("bf16") else "fp16" if args.get("fp16") else \
-        precision_of(ds_config)
-    padded: list[str] = []
+    def __init__(self, root: Path):
+        from bloomtrain.hf import check_state
+        from bloomtrain.model import expected_parameters
 
-    def read(name: str, kind: str) -> torch.Tensor:
-        file = file_of[name] / f"{'fp32' if kind == WEIGHTS else kind}.pt"
+        self.root, zero = root, root / "zero"
+        names = sorted(d.name for d in zero.iterdir() if d.is_dir())
+        models = sorted(root.glob("*_model_states.pt"))
+        if not names or not models:
+            raise InteropError(f"{root}: a universal checkpoint has zero/NAME/fp32.pt for every "
+                               f"parameter and the source's *_model_states.pt; "
+                               f"{'no parameters' if not names else 'no model-states file'} here")
+        self.meta = load(models[0], mmap=True)
+        # The converter copies an HF model's tied lm_head.weight too (its fp32 value only): it
+        # is the embedding, stored once here, and checked to be equal to it.
+        self.head = zero / LM_HEAD if LM_HEAD in names else None
+        names = [n for n in names if n != LM_HEAD]
+        self.shape, to_hf, self.args = _shape_and_names(root, names, self.meta)
+        self.want = expected_parameters(self.shape)
+        self.file_of = {to_hf[n]: zero / n for n in names}
+        check_state(self.shape, {hf: self.want.get(hf, ()) for hf in self.file_of}, root)
+        for d in self.file_of.values():
+            if not (d / "fp32.pt").is_file():
+                raise InteropError(f"{d / 'fp32.pt'} is missing")
+        ds = self.meta.get("ds_config")
+        self.ds_config = ds if isinstance(ds, dict) else None
+        self.precision = "bf16" if self.args.get("bf16") else \
+            "fp16" if self.args.get("fp16") else precision_of(self.ds_config)
+        self.has_moments = all((d / f"{k}.pt").is_file() for d in self.file_of.values()
+                               for k in ("exp_avg", "exp_avg_sq"))
+
+    def _tensor(self, name: str, kind: str) -> tuple[torch.Tensor, bool, Path]:
+        file = self.file_of[name] / f"{kind}.pt"
         tensor, stripped = _unwrap(load(file, mmap=True), file)
-        shape_ = want[name]
-        if stripped and name == EMBEDDING and tensor.dim() == 2 and tensor.shape[0] < shape_[0]:
-            # The converter cut the vocabulary padding; DeepSpeed's loader pads with zeros too.
-            tensor = torch.cat([tensor, tensor.new_zeros(shape_[0] - tensor.shape[0],
-                                                         tensor.shape[1])])
-            if name not in padded:
-                padded.append(name)
-        if tensor.numel() != math.prod(shape_):
-            raise InteropError(f"{file} holds {tensor.numel()} elements, a "
-                               f"{shape.num_layers}-layer BLOOM's {name} has {math.prod(shape_)}")
-        tensor = tensor.reshape(shape_).float()
-        return tensor.to(torch_dtype(precision)) if kind == WEIGHTS else tensor.clone()
+        return tensor, stripped, file
 
-    have = {k: all((file_of[h] / f"{k}.pt").is_file() for h in file_of) for k in MASTER_KINDS}
-    missing = [f"{file_of[h] / 'fp32.pt'}" for h in file_of if not (file_of[h] / "fp32.pt").is_file()]
-    if missing:
-        raise InteropError(f"{missing[0]} is missing")
-    optimizer = not weights_only and have["exp_avg"] and have["exp_avg_sq"]
-    src = Source(label=f"DeepSpeed universal checkpoint ({precision}, from tp="
+    def read(self, name: str, kind: str) -> torch.Tensor:
+        tensor, stripped, file = self._tensor(name, "fp32" if kind == WEIGHTS else kind)
+        want = self.want[name]
+        if stripped and name == EMBEDDING and tensor.dim() == 2 and tensor.shape[0] < want[0]:
+            # The converter cut the vocabulary padding; DeepSpeed's loader pads with zeros too.
+            tensor = torch.cat([tensor, tensor.new_zeros(want[0] - tensor.shape[0],
+                                                         tensor.shape[1])])
+        if tensor.numel() != math.prod(want):
+            raise InteropError(f"{file} holds {tensor.numel()} elements, a "
+                               f"{self.shape.num_layers}-layer BLOOM's {name} has "
+                               f"{math.prod(want)}")
+        tensor = tensor.reshape(want).float()
+        return tensor.to(torch_dtype(self.precision)) if kind == WEIGHTS else tensor.clone()
+
+    def check_sizes(self, kinds) -> list[str]:
+        """Every file holds its parameter's elements (memory-mapped: no data is read); says
+        when the converter cut the embedding's vocabulary padding."""
+        cut = False
+        for name in self.file_of:
+            for kind in kinds:
+                tensor, stripped, file = self._tensor(name, kind)
+                short = stripped and name == EMBEDDING and \
+                    tensor.shape[0] < self.want[name][0]
+                cut |= short
+                if not short and tensor.numel() != math.prod(self.want[name]):
+                    raise InteropError(f"{file} holds {tensor.numel()} elements, a "
+                                       f"{self.shape.num_layers}-layer BLOOM's {name} has "
+                                       f"{math.prod(self.want[name])}")
+        return [f"the embedding's vocabulary padding was cut by the converter; its rows are "
+                f"zeros here, as DeepSpeed pads them"] if cut else []
+
+
+def read_universal(root: Path, weights_only: bool) -> Source:
+    u = UniversalCheckpoint(root)
+    args, meta = u.args, u.meta
+    optimizer = not weights_only and u.has_moments
+    src = Source(label=f"DeepSpeed universal checkpoint ({u.precision}, from tp="
                        f"{args.get('tensor_model_parallel_size', 1)} "
                        f"pp={args.get('pipeline_model_parallel_size', 1)})",
-                 path=root, shape=shape, shapes={h: want[h] for h in sorted(file_of)},
-                 weight_dtype=torch_dtype(precision), read=read, optimizer=optimizer,
-                 optimizer_found=have["exp_avg"] and have["exp_avg_sq"],
+                 path=root, shape=u.shape, shapes={h: u.want[h] for h in sorted(u.file_of)},
+                 weight_dtype=torch_dtype(u.precision), read=u.read, optimizer=optimizer,
+                 optimizer_found=u.has_moments,
                  layout={"tp": int(args.get("tensor_model_parallel_size") or 1),
                          "pp": int(args.get("pipeline_model_parallel_size") or 1),
-                         "dp": int(meta.get("dp_world_size") or 1), "precision": precision,
-                         "zero_stage": zero_stage_of(ds_config)},
-                 args=args, ds_config=ds_config)
-    if "args" in meta:
-        src.train_state = megatron.train_position(args, meta)
-    else:
-        src.train_state = {"step": int(meta.get("global_steps") or 0),
-                           "consumed_samples": int(meta.get("global_samples") or 0),
-                           "skipped_steps": int(meta.get("skipped_steps") or 0)}
+                         "dp": int(meta.get("dp_world_size") or 1), "precision": u.precision,
+                         "zero_stage": zero_stage_of(u.ds_config)},
+                 args=args, ds_config=u.ds_config)
+    src.train_state = megatron.train_position(args, meta) if "args" in meta else \
+        deepspeed_position(meta)
     if optimizer:
-        src.adam_step, note = _adam_step(root, file_of, src.train_state)
+        src.adam_step, note = _adam_step(root, u.file_of, src.train_state)
         src.notes += [note] if note else []
-        src.param_groups = _param_groups(zero)
-    if head is not None:
-        src.checks.append(lambda: _check_head(head, read(EMBEDDING, "fp32"), src.weight_dtype))
-    src.checks.append(lambda: [f"the embedding's vocabulary padding was cut by the converter; "
-                               f"its rows are zeros here, as DeepSpeed pads them"]
-                      if padded else [])
+        src.param_groups = _param_groups(root / "zero")
+    kinds = ("fp32",) + (("exp_avg", "exp_avg_sq") if optimizer else ())
+    src.checks.append(lambda: u.check_sizes(kinds))
+    if u.head is not None:
+        src.checks.append(lambda: _check_head(u.head, u.read(EMBEDDING, "fp32"),
+                                              src.weight_dtype))
     return src
 
 
