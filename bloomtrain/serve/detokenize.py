@@ -2,7 +2,8 @@
 
 A byte-level BPE token can end inside a multi-byte character, so text is released only once it
 decodes cleanly. Text that could be the start of a stop string is held back until it is known
-not to be; a stop string found ends the text before it (OpenAI's `stop`).
+not to be; a stop string found ends the text before it (OpenAI's `stop`). Special tokens
+(`<s>`, `</s>`, padding...) produce no text, as vLLM's and HF's decoding skip them by default.
 """
 from __future__ import annotations
 
@@ -11,36 +12,53 @@ class TextStream:
     """The text of one sequence's generated tokens, released piece by piece (`push`, then
     `finish` once the sequence ends)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (),
+                 skip_ids: frozenset[int] = frozenset()):
+        self.tokenizer, self.stop, self.skip_ids = tokenizer, stop, skip_ids
         self.max_stop = max((len(s) for s in stop), default=0)
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.check_stop = True
 
     def push(self, token_id: int, check_stop: bool = True) -> str:
         """Add a token; returns the text it releases. `check_stop` False (before `min_tokens`
         tokens are out, as vLLM) lets a stop string pass without ending the text."""
+        self.check_stop = check_stop
+        if token_id in self.skip_ids:
+            return ""
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
-        full = decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
+        new = self._decoded_since_read()
+        if new and not new.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            start = max(0, len(self.text) - self.max_stop + 1)
-            self.text += new
-            if self.stop and check_stop:
-                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    self.stopped = True
+            self._append(new)
         return self._release(self._held())
 
     def finish(self) -> str:
+        """The rest of the text once the sequence ended: what was held back for the stop
+        strings, and tokens that never decoded cleanly (a cut-off byte sequence), with
+        replacement characters, as decoding all the tokens at once gives them."""
+        if not self.stopped and self.read_offset < len(self.ids):
+            self._append(self._decoded_since_read())
+            self.prefix_offset = self.read_offset = len(self.ids)
         return self._release(0)
+
+    def _decoded_since_read(self) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+    def _append(self, new: str) -> None:
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += new
+        if self.stop and self.check_stop:
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
 
     def _held(self) -> int:
         """Length of the longest end of the text that begins some stop string."""
@@ -57,3 +75,24 @@ class TextStream:
         out = self.text[self.emitted:end]
         self.emitted = end
         return out
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens, as tokenizer_config.json names them (bos, eos,
+    unk, pad, additional_special_tokens), and its end-of-text token."""
+    config = tokenizer.config
+    names = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    extra = config.get("additional_special_tokens")
+    names += extra if isinstance(extra, list) else []
+    ids = set()
+    for name in names:
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str) and name:
+            found = tokenizer.encode(name)
+            if len(found) == 1:
+                ids.add(found[0])
+    try:
+        ids.add(tokenizer.eod_id)
+    except Exception:  # a tokenizer without an end-of-text token
+        pass
+    return frozenset(ids)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from bloomtrain.serve.config import EngineConfig
-from bloomtrain.serve.detokenize import TextStream
+from bloomtrain.serve.detokenize import TextStream, special_token_ids
 from bloomtrain.serve.interface import EngineClosed, QueueFull, SeqOutput, check_request
 from bloomtrain.serve.sampling import SamplingParams, logprob_entries, sample_next
 from bloomtrain.serve.scheduler import Entry, Scheduler, Sequence
@@ -47,6 +47,7 @@ class Engine:
         self.vocab_limit = vocab_limit if vocab_limit is not None else vocab_size
         self.eos_token_id = eos_token_id
         self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer) if tokenizer is not None else frozenset()
         self.metrics = metrics
         self.scheduler = Scheduler(config, on_admit=self._admitted, on_preempt=self._preempted)
         self.pool = self.scheduler.pool
@@ -103,7 +104,8 @@ class Engine:
         """Queue a sequence; `sink(SeqOutput)` receives its results. Returns its id. Raises
         RequestError, QueueFull or EngineClosed."""
         self.check_request(prompt_ids, params)
-        text = TextStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        text = (TextStream(self.tokenizer, params.stop, self.special_ids)
+                if self.tokenizer is not None else None)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is shutting down" if self.error is None
