@@ -1,7 +1,11 @@
 """`bloomtrain serve`: continuous batching that never changes a request's tokens (against the
 request served alone and against HF `generate`), scheduling (join, leave, chunked prefill beside
 decodes, preemption), the HTTP API (bad requests, streaming, disconnects, overload, /metrics),
-and the CLI end to end: tensor parallelism (tp=2 equals tp=1) and the drain on SIGTERM.
+the OpenAI/vLLM request surface (neutral and unknown fields, model names, n and best_of against
+separately seeded requests, chat completions, the tokenizer endpoints, the drain timeout), the
+structure (one model code path, no training imports, the EngineClient protocol), and the CLI
+end to end: tensor parallelism (tp=2 equals tp=1) and the drain on SIGTERM. Real clients:
+tests/test_serve_clients.py; the sampling edits against references: tests/test_sampling.py.
 
 Models: an HF BloomForCausalLM (hidden 64, 4 heads, 2 layers, vocab 512) with weights widened
 as in tests/test_generate.py, so that greedy paths are not decided by 1e-6 differences between
