@@ -1176,3 +1176,33 @@ def test_both_engines_implement_the_engine_client_protocol(model_dir):
         here.close()
         engine.close()
     assert "getattr(" not in (ROOT / "bloomtrain/serve/server.py").read_text()
+
+
+def test_cli_drain_timeout_ends_the_stream_with_an_error_event(model_dir):
+    """`bloomtrain serve --drain-timeout 0.5` (front end and engine in their two processes):
+    SIGTERM mid-stream, a stream too long to finish in time ends with an error event and
+    `data: [DONE]`, the server says the drain timed out, and exits 0."""
+    _, path = model_dir
+    server = ServerProcess(["--checkpoint", str(path), "--drain-timeout", "0.5",
+                            "--max-model-len", "4096", "--kv-cache-tokens", "8192"])
+    try:
+        port = int(server.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+
+        async def main():
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                resp = await session.post("/v1/completions", json={
+                    "prompt": "The quick brown fox", "max_tokens": 4000, "temperature": 0,
+                    "ignore_eos": True, "stream": True})
+                await resp.content.readline()
+                server.proc.send_signal(signal.SIGTERM)
+                return await sse_events(resp)
+
+        events, done = asyncio.run(main())
+        server.wait_line(r"drain timed out")
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    assert done and "--drain-timeout" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["type"] == "overloaded_error"
+    tokens = sum(len(ch["text"]) > 0 for e in events[:-1] for ch in e["choices"])
+    assert 0 < tokens < 4000
