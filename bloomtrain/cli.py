@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "bloomtrain.hf",
     "bloomtrain.checkpoint.interop.importer",
     "bloomtrain.generate",
+    "bloomtrain.eval.cli",
     "bloomtrain.serve.cli",
     "bloomtrain.pipeline_timeline",
     "bloomtrain.planner.cli",

@@ -1,0 +1,149 @@
+"""Rank 0 drives, the other ranks follow: rank 0 runs the harness and turns its requests into
+commands, which it broadcasts to every rank of the job before running them itself; the other
+ranks loop in `worker_loop`, receiving and running commands until told to stop. A command is a
+header of four int64 (op and three sizes) and an int64 payload, both broadcast from global
+rank 0 over the world group (bloomtrain.serve.tp does the same for a tensor-parallel server).
+
+Ops: SCORE (bloomtrain.eval.forward.score), PREFILL (start a generated batch: a fresh KV cache,
+then its prompts), DECODE (finished rows leave the cache, the others' next tokens), STOP.
+"""
+from __future__ import annotations
+
+import torch
+
+from bloomtrain.eval import forward
+from bloomtrain.eval.model import EvalModel
+from bloomtrain.parallel import comm
+
+STOP, SCORE, PREFILL, DECODE = 0, 1, 2, 3
+
+
+def _send(group, op: int, sizes: tuple[int, int, int], payload: torch.Tensor | None) -> None:
+    comm.broadcast(torch.tensor([op, *sizes], dtype=torch.int64), 0, group, forward.COMM_NAME)
+    if payload is not None and group is not None:
+        comm.broadcast(payload, 0, group, forward.COMM_NAME)
+
+
+def _receive(group) -> tuple[int, tuple[int, int, int], torch.Tensor | None]:
+    head = torch.empty(4, dtype=torch.int64)
+    comm.broadcast(head, 0, group, forward.COMM_NAME)
+    op, a, b, c = head.tolist()
+    if op == STOP:
+        return op, (a, b, c), None
+    payload = torch.empty(_payload_size(op, a, b, c), dtype=torch.int64)
+    comm.broadcast(payload, 0, group, forward.COMM_NAME)
+    return op, (a, b, c), payload
+
+
+def _payload_size(op: int, a: int, b: int, c: int) -> int:
+    if op == SCORE:  # a rows of b tokens, c queries: lengths, ids, (row, pos, target) each
+        return a + a * b + 3 * c
+    if op == PREFILL:  # a rows of b tokens (c: the position whose logits are wanted)
+        return a * b
+    return 2 * a  # DECODE: a tokens, the cache rows they continue
+
+
+def _score_batch(payload: torch.Tensor, rows: int, seq: int, queries: int) -> forward.ScoreBatch:
+    lengths, rest = payload[:rows], payload[rows:]
+    inputs, q = rest[:rows * seq].view(rows, seq), rest[rows * seq:].view(3, queries)
+    return forward.ScoreBatch(inputs, lengths, q[0], q[1], q[2])
+
+
+class Executor:
+    """Rank 0's side: each method broadcasts its command, then runs it here too. With one
+    process the broadcasts are no-ops. `micro_rows`: rows per pipeline micro-batch (None:
+    forward's rule). `busy` is true from a command's broadcast until it has run: an error
+    raised meanwhile left the ranks out of step, which no caller can repair."""
+
+    def __init__(self, model: EvalModel, micro_rows: int | None = None):
+        self.model, self.micro_rows = model, micro_rows
+        self.group = comm.world_group()
+        self.cache: forward.KVCache | None = None
+        self.rows: torch.Tensor | None = None  # the generated batch so far, without a cache
+        self.closed = False
+        self.busy = False
+
+    def _run(self, op: int, sizes: tuple[int, int, int], payload: torch.Tensor, work):
+        self.busy = True
+        _send(self.group, op, sizes, payload)
+        out = work()
+        self.busy = False
+        return out
+
+    def score(self, rows: list[list[int]], queries: list[tuple[int, int, int]]) -> torch.Tensor:
+        """[2, Q]: the log-probability of each query's target at (row, position), and
+        whether it is the greedy token there."""
+        seq = max(len(r) for r in rows)
+        inputs = torch.zeros((len(rows), seq), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            inputs[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        q = torch.tensor(queries, dtype=torch.int64).reshape(-1, 3).t()
+        payload = torch.cat([lengths, inputs.reshape(-1), q.reshape(-1)])
+        batch = _score_batch(payload, len(rows), seq, len(queries))
+        return self._run(SCORE, (len(rows), seq, len(queries)), payload,
+                         lambda: forward.score(self.model, batch, self.micro_rows))
+
+    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
+        """Start generating from `rows` (prompts of one length): the logits [b, V] after each."""
+        ids = torch.tensor(rows, dtype=torch.int64)
+        if not forward.uses_cache(self.model):
+            self.rows = ids
+            return self._whole(ids)
+        self.cache = forward.KVCache()
+        return self._run(PREFILL, (ids.shape[0], ids.shape[1], ids.shape[1] - 1), ids.view(-1),
+                         lambda: forward.next_logits(self.model, ids, ids.shape[1] - 1,
+                                                     self.cache))
+
+    def decode(self, tokens: list[int], keep: list[int]) -> torch.Tensor:
+        """Continue rows `keep` of the batch (the others have finished) by `tokens`, one each:
+        the logits [len(keep), V] after them."""
+        new = torch.tensor(tokens, dtype=torch.int64)
+        rows = torch.tensor(keep, dtype=torch.int64)
+        if not forward.uses_cache(self.model):
+            self.rows = torch.cat([self.rows.index_select(0, rows), new[:, None]], dim=1)
+            return self._whole(self.rows)
+
+        def step():
+            self.cache.keep(rows)
+            return forward.next_logits(self.model, new[:, None], 0, self.cache)
+
+        return self._run(DECODE, (len(tokens), 0, 0), torch.cat([new, rows]), step)
+
+    def _whole(self, ids: torch.Tensor) -> torch.Tensor:
+        """Without a cache: the whole sequences, right-padded to the model's multiple."""
+        seq = forward.padded_length(self.model, ids.shape[1])
+        padded = torch.zeros((ids.shape[0], seq), dtype=torch.int64)
+        padded[:, :ids.shape[1]] = ids
+        return self._run(PREFILL, (ids.shape[0], seq, ids.shape[1] - 1), padded.view(-1),
+                         lambda: forward.next_logits(self.model, padded, ids.shape[1] - 1, None))
+
+    def close(self) -> None:
+        """Tell the other ranks to leave `worker_loop` (once; not while they run a command
+        with this rank, whose error is then the job's)."""
+        if not self.closed and not self.busy:
+            self.closed = True
+            _send(self.group, STOP, (0, 0, 0), None)
+
+
+def worker_loop(model: EvalModel, micro_rows: int | None = None) -> int:
+    """Every rank but 0: run the commands rank 0 broadcasts until STOP. Returns how many ran."""
+    group = comm.world_group()
+    cache = forward.KVCache()
+    count = 0
+    while True:
+        op, (a, b, c), payload = _receive(group)
+        if op == STOP:
+            return count
+        if op == SCORE:
+            forward.score(model, _score_batch(payload, a, b, c), micro_rows)
+        elif op == PREFILL:
+            cache = forward.KVCache()
+            forward.next_logits(model, payload.view(a, b), c,
+                                cache if forward.uses_cache(model) else None)
+        elif op == DECODE:
+            cache.keep(payload[a:])
+            forward.next_logits(model, payload[:a, None], 0, cache)
+        else:
+            raise RuntimeError(f"unknown evaluation command {op} from rank 0")
+        count += 1
