@@ -165,6 +165,14 @@ class TrainConfig:
     exit_duration_minutes: float | None = None
     # BLOOM's kill switch: when this file exists, save and exit at the next step.
     kill_switch_path: str | None = None
+    # Downstream evaluation (bloomtrain.eval.training): lm-evaluation-harness tasks,
+    # comma-separated, run on the live model every eval_harness_interval steps (None: at the
+    # end only), task YAMLs also looked up in eval_harness_include_path, at most
+    # eval_harness_limit documents per task. Needs the `eval` extra and data.tokenizer.
+    eval_harness_tasks: str | None = None
+    eval_harness_interval: int | None = None
+    eval_harness_include_path: str | None = None
+    eval_harness_limit: int | None = None
 
 
 @dataclass
@@ -329,6 +337,11 @@ DOMAINS: dict[str, Domain] = {
     "train.straggler_factor": Domain("interval", low=1, low_open=True),
     "train.exit_duration_minutes": POSITIVE,
     "train.kill_switch_path": free("a path"),
+    "train.eval_harness_tasks": free("harness task names, comma-separated, looked up when the "
+                                     "evaluation runs"),
+    "train.eval_harness_interval": POSITIVE,
+    "train.eval_harness_include_path": free("a directory of task YAMLs"),
+    "train.eval_harness_limit": POSITIVE,
     "checkpoint.dir": free("a directory"),
     "checkpoint.save_interval": POSITIVE,
     "checkpoint.save_interval_minutes": POSITIVE,

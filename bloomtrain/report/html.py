@@ -77,6 +77,13 @@ def _summary_rows(runs: list[Run], sums: list[Summary]) -> list[tuple[str, list[
             return "-"
         return f"{s.eval_loss:.4f} (ppl {fmt(s.eval_ppl, '.2f')}, step {s.eval_step:,})"
 
+    def harness_text(s: Summary) -> str:
+        if s.harness_step is None:
+            return "-"
+        tasks = "; ".join(f"{task}: " + ", ".join(f"{m} {v:.4g}" for m, v in sorted(ms.items()))
+                          for task, ms in sorted(s.harness.items()))
+        return f"step {s.harness_step:,}: {tasks or 'no results'}"
+
     def spikes_text(s: Summary) -> str:
         if not s.spikes:
             return "0"
@@ -88,6 +95,7 @@ def _summary_rows(runs: list[Run], sums: list[Summary]) -> list[tuple[str, list[
         ("samples", [fmt(s.consumed_samples, ",") for s in sums]),
         ("last loss", [fmt(s.loss) for s in sums]),
         ("last eval loss", [eval_text(s) for s in sums]),
+        ("last downstream eval", [harness_text(s) for s in sums]),
         ("tokens/s (recent median)", [fmt(s.tokens_per_s, ",.0f") for s in sums]),
         ("TFLOP/s per device", [fmt(s.tflops, ".3g") for s in sums]),
         ("MFU", [fmt(None if s.mfu is None else 100 * s.mfu, ".1f") +
@@ -152,7 +160,7 @@ def write_report(run_dirs: list, out_dir=None) -> Path:
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
     runs = load_runs(run_dirs)
-    empty = [str(r.path) for r in runs if not r.steps and not r.evals]
+    empty = [str(r.path) for r in runs if not r.steps and not r.evals and not r.harness]
     if len(empty) == len(runs):
         raise UserError(f"nothing to plot: metrics.jsonl has no records yet in {', '.join(empty)}"
                         f" (training writes one every train.log_interval steps)")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bloomtrain.config import UserError
-from bloomtrain.report.runs import Run, number
+from bloomtrain.report.runs import HARNESS_PREFIX, Run, harness_metrics, number
 from bloomtrain.utils import atomic_output
 
 GIB = 2.0 ** 30
@@ -19,7 +19,7 @@ GIB = 2.0 ** 30
 
 @dataclass(frozen=True)
 class Line:
-    source: str  # "steps" or "evals": which records of a run it reads
+    source: str  # "steps", "evals" or "harness": which records of a run it reads
     key: str
     suffix: str = ""  # appended to the run's label in the legend
     scale: float = 1.0
@@ -65,6 +65,30 @@ PANELS = (
 )
 
 
+# A run keeps its colour in every panel; on a downstream sub-plot its tasks differ by these.
+TASK_STYLES = tuple({"linestyle": ls, "marker": m, "markersize": 4}
+                    for m, ls in zip("os^Dv<>p", ("-", "--", ":", "-.") * 2))
+
+
+def harness_panels(runs: list[Run]) -> tuple[PanelSpec, ...]:
+    """The downstream evaluations' panel (eval/<task>/<metric> records, bloomtrain.eval): a
+    sub-plot per metric, a line per task; none when no run has such a record."""
+    tasks_of: dict[str, set[str]] = {}
+    for run in runs:
+        for rec in run.harness:
+            for task, metrics in harness_metrics(rec).items():
+                for metric in metrics:
+                    tasks_of.setdefault(metric, set()).add(task)
+    if not tasks_of:
+        return ()
+    axes = tuple(
+        Axis(metric, tuple(Line("harness", f"{HARNESS_PREFIX}{task}/{metric}", f" {task}",
+                                style=TASK_STYLES[i % len(TASK_STYLES)])
+                           for i, task in enumerate(sorted(tasks))), yscale="log")
+        for metric, tasks in sorted(tasks_of.items()))
+    return (PanelSpec("downstream.png", "Downstream evaluation (lm-evaluation-harness)", axes),)
+
+
 @dataclass
 class Panel:
     """A written image: its file name (in the output dir), title and the sub-plots drawn, and
@@ -107,7 +131,7 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
     Figure, FigureCanvasAgg = _load_matplotlib()
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for spec in PANELS:
+    for spec in PANELS + harness_panels(runs):
         # (axis, [(run index, line, xs, ys)]) for the axes that have any finite value.
         drawn = []
         for axis in spec.axes:

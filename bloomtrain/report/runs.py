@@ -19,6 +19,8 @@ import yaml
 from bloomtrain.config import UserError
 from bloomtrain.layout import BatchSchedule
 
+# The keys of a downstream evaluation's results: eval/<task>/<metric> (bloomtrain.eval.run).
+HARNESS_PREFIX = "eval/"
 # Throughput and step time are medians over this many recent step records: the median ignores
 # the odd slow interval (a checkpoint save, an eval) without lagging far behind a real change.
 RECENT = 10
@@ -34,6 +36,8 @@ class Run:
     config_text: str | None
     partial_tail: bool  # the file ended in a half-written line (a live run mid-write)
     updated: float  # mtime of metrics.jsonl
+    # downstream eval records (eval/<task>/<metric>: bloomtrain.eval.training)
+    harness: list[dict] = field(default_factory=list)
 
 
 def read_metrics(path: Path) -> tuple[list[dict], bool]:
@@ -98,6 +102,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     return Run(path=path, label=label or path.resolve().name,
                steps=[r for r in records if "loss" in r and "eval_loss" not in r],
                evals=[r for r in records if "eval_loss" in r],
+               harness=[r for r in records if any(k.startswith(HARNESS_PREFIX) for k in r)],
                config=config, config_text=config_text, partial_tail=partial,
                updated=mpath.stat().st_mtime)
 
@@ -196,6 +201,8 @@ class Summary:
     spikes: list[tuple[int, float | None, str]] = field(default_factory=list)
     alerts: list[tuple[int, str]] = field(default_factory=list)
     straggler: tuple[int, int, float | None] | None = None  # (step, rank, ratio), the last named
+    harness_step: int | None = None  # the last downstream evaluation's step
+    harness: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value
 
     @property
     def finished(self) -> bool:
@@ -206,7 +213,7 @@ class Summary:
 def summarize(run: Run) -> Summary:
     s = Summary()
     steps = run.steps
-    records = steps + run.evals
+    records = steps + run.evals + run.harness
     if records:
         last_any = max(records, key=lambda r: r["step"])
         s.step = last_any["step"]
@@ -252,7 +259,33 @@ def summarize(run: Run) -> Summary:
             s.alerts.extend((r["step"], str(a)) for a in alerts)
         if isinstance(r.get("straggler_rank"), int):
             s.straggler = (r["step"], r["straggler_rank"], number(r, "straggler_ratio"))
+    _summarize_harness(run, s)
     return s
+
+
+def harness_metrics(rec: dict) -> dict[str, dict[str, float]]:
+    """task -> metric -> value of a downstream evaluation record, stderrs left out."""
+    out: dict[str, dict[str, float]] = {}
+    for key in rec:
+        if not key.startswith(HARNESS_PREFIX):
+            continue
+        task, _, metric = key[len(HARNESS_PREFIX):].rpartition("/")
+        v = number(rec, key)
+        if task and v is not None and "_stderr" not in metric:
+            out.setdefault(task, {})[metric] = v
+    return out
+
+
+def _summarize_harness(run: Run, s: Summary) -> None:
+    """The last downstream evaluation's results, and its failed tasks among the alerts."""
+    if run.harness:
+        last = run.harness[-1]
+        s.harness_step, s.harness = last["step"], harness_metrics(last)
+    for r in run.harness:
+        alerts = r.get("alerts")
+        if isinstance(alerts, list):
+            s.alerts.extend((r["step"], str(a)) for a in alerts)
+    s.alerts.sort(key=lambda item: item[0])
 
 
 # ---- text ------------------------------------------------------------------------------------

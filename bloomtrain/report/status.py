@@ -19,6 +19,7 @@ from bloomtrain.report.runs import (Run, Summary, fmt, fmt_duration, fmt_mem, fm
 
 WIDTH, HEIGHT = 80, 24
 LABEL = 11  # width of the label column
+HARNESS_ROWS = 4  # downstream tasks shown, one row each; the rest counted
 
 
 def _clip(text: str, width: int = WIDTH) -> str:
@@ -99,6 +100,22 @@ def _state(run: Run, s: Summary, now: float) -> str:
     return f"in progress (last record {fmt_duration(age)} ago)"
 
 
+def _harness_rows(s: Summary) -> list[str]:
+    """The last downstream evaluation: its step, then a row per task with its metrics."""
+    if s.harness_step is None:
+        return []
+    tasks = sorted(s.harness)
+    rows = [_row("downstream", f"lm-eval at step {s.harness_step:,}"
+                               + ("" if tasks else ": no task gave results"))]
+    width = max((len(t) for t in tasks[:HARNESS_ROWS]), default=0)
+    for task in tasks[:HARNESS_ROWS]:
+        shown = "  ".join(f"{m} {v:.4g}" for m, v in sorted(s.harness[task].items()))
+        rows.append(_row("", f"  {task:<{width}}  {shown}"))
+    if len(tasks) > HARNESS_ROWS:
+        rows.append(_row("", f"  and {len(tasks) - HARNESS_ROWS} more task(s)"))
+    return rows
+
+
 def status_lines(run_dir, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     run = load_run(run_dir)
@@ -121,6 +138,7 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     ev = ("-" if s.eval_loss is None else
           f"{s.eval_loss:.4f} (ppl {fmt(s.eval_ppl, '.2f')}, step {s.eval_step:,})")
     rows.append(_row("loss", f"{fmt(s.loss):<10}  eval loss {ev}"))
+    rows += _harness_rows(s)
     speed = f"{fmt(s.tokens_per_s, ',.0f')} tokens/s   {fmt(s.tflops, '.3g')} TFLOP/s per device"
     if s.mfu is not None:
         speed += f"   MFU {100 * s.mfu:.1f}%"

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from bloomtrain.config import Config, UserError, parse_data_paths
+from bloomtrain.eval.training import HarnessHook
 from bloomtrain.layout import validate
 from bloomtrain.model import BloomForCausalLM
 from bloomtrain.model.attention import resolve_attention
@@ -115,6 +116,7 @@ class Trainer:
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
         open_sinks(cfg, Path(cfg.run_dir), False, None, [])  # a required viewer's package
+        self.harness = HarnessHook.from_config(cfg, self.tokenizer, self.print)
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
         self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.timeout_minutes)
@@ -270,6 +272,8 @@ class Trainer:
                     self._log_record(meter, loss, lr, res, gbs, stats)
                 if t.eval_interval and state.step % t.eval_interval == 0:
                     self._eval_and_log(result)
+                if self.harness is not None and self.harness.due(state.step):
+                    self._harness_eval()
                 stop = self.control.should_stop()
                 if stop:
                     self.print(f"[train] stopping at step {state.step}: {stop}; saving")
@@ -286,6 +290,8 @@ class Trainer:
                     return result
             if not (t.eval_interval and state.step % t.eval_interval == 0):
                 self._eval_and_log(result)
+            if self.harness is not None and not self.harness.due(state.step):
+                self._harness_eval()
             # A resumed step, or one whose interval save committed, needs no new save.
             if cfg.checkpoint.dir and self.checkpoints.saved_step() != state.step:
                 result.checkpoint = str(self.checkpoints.save_final(state))
@@ -342,6 +348,11 @@ class Trainer:
             rec["skipped"] = True
         self.metrics.record(rec)
         self.metrics.progress(progress_line(rec))
+
+    def _harness_eval(self) -> None:
+        """lm-evaluation-harness tasks on the live model (bloomtrain.eval.training)."""
+        self.harness.run(self.parts, self.engine.compute_dtype, self.device, self.state,
+                         self.metrics)
 
     def _eval_and_log(self, result: TrainResult) -> None:
         loss = self.evaluate()

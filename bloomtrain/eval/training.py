@@ -1,0 +1,153 @@
+"""Downstream evaluation during training: every `train.eval_harness_interval` steps, and once
+more at the end, the harness's `train.eval_harness_tasks` run on the live model. Every rank
+takes part with the shards it trains (no checkpoint round trip, the same ZeRO-3 gathers as an
+evaluation step); rank 0 runs the harness (bloomtrain.eval.protocol).
+
+Each task runs on its own, so one that fails (a malformed YAML, a dataset it cannot read) is
+logged, named in the record's `alerts`, and the others and training go on. A failure inside a
+batch the ranks are running together is not a task's: the ranks are then out of step, and the
+error ends the run as any collective's would.
+
+The record, `{"step", "consumed_samples", "eval/<task>/<metric>": value, ...,
+"eval_harness_s"}`, goes to metrics.jsonl and its sinks (TensorBoard, W&B). Stderrs are not
+computed (the harness's bootstrap starts a process pool, which has no place inside a
+training job). Rank 0's Python, NumPy and torch generators are put back afterwards: the
+harness seeds them, and training must not depend on whether it ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+
+import torch
+
+from bloomtrain.config import Config
+from bloomtrain.eval.model import EvalModel
+from bloomtrain.eval.protocol import Executor, worker_loop
+from bloomtrain.utils import UserError
+
+
+def parse_tasks(text: str | None) -> list[str]:
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
+
+
+class HarnessHook:
+    """Built by every rank before the process groups start (so a missing package or
+    tokenizer stops the run at once); `run` is collective."""
+
+    def __init__(self, cfg: Config, tokenizer, log):
+        t = cfg.train
+        self.tasks = parse_tasks(t.eval_harness_tasks)
+        self.interval, self.limit = t.eval_harness_interval, t.eval_harness_limit
+        self.include = [t.eval_harness_include_path] if t.eval_harness_include_path else []
+        self.tokenizer, self.log = tokenizer, log
+        self.micro_rows = t.micro_batch_size
+        self.global_batch = t.global_batch_size
+        # The harness's task index and the tasks it lacks, found at the first evaluation.
+        self.manager, self.unknown = None, {}
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer, log) -> "HarnessHook | None":
+        t = cfg.train
+        if not parse_tasks(t.eval_harness_tasks):
+            if t.eval_harness_interval or t.eval_harness_include_path or t.eval_harness_limit:
+                raise UserError("train.eval_harness_interval, _include_path and _limit need "
+                                "train.eval_harness_tasks (the harness tasks to run)")
+            return None
+        import importlib.util
+        if importlib.util.find_spec("lm_eval") is None:
+            raise UserError("train.eval_harness_tasks needs EleutherAI's lm-evaluation-harness: "
+                            "pip install 'bloomtrain[eval]'")
+        if tokenizer is None:
+            raise UserError("train.eval_harness_tasks needs data.tokenizer: the harness "
+                            "sends text")
+        return cls(cfg, tokenizer, log)
+
+    def due(self, step: int) -> bool:
+        return bool(self.interval) and step % self.interval == 0
+
+    def run(self, parts, dtype: torch.dtype, device, state, metrics) -> None:
+        """Evaluate the live model (every rank); rank 0 records and logs the results."""
+        model = EvalModel.from_parts(parts, dtype, device)
+        topo = parts.topo
+        try:
+            if topo.rank != 0:
+                worker_loop(model, self.micro_rows)
+                return
+            executor = Executor(model, self.micro_rows)
+            started = time.time()
+            try:
+                with _kept_rng(), _quiet_harness():
+                    values, alerts = self._tasks(executor, model)
+            finally:
+                executor.close()
+        finally:
+            parts.train(True)
+        record = {"step": state.step, "consumed_samples": state.consumed_samples, **values,
+                  "eval_harness_s": time.time() - started}
+        if alerts:
+            record["alerts"] = alerts
+        metrics.record(record)
+        shown = "; ".join(f"{k.removeprefix('eval/')} {v:.4g}" for k, v in values.items())
+        self.log(f"[eval-harness] step {state.step} | {shown or 'no results'} | "
+                 f"{record['eval_harness_s']:.1f} s")
+
+    def _tasks(self, executor: Executor, model: EvalModel) -> tuple[dict, list[str]]:
+        """Each task on its own; a failure is logged and named, unless it struck while the
+        ranks ran a batch together (then it is the run's)."""
+        from bloomtrain.eval.lm import BloomtrainLM, default_max_length
+        from bloomtrain.eval.run import evaluate, find_tasks, metric_values
+
+        topo = model.topo
+        per_replica = max(1, self.global_batch // topo.dp_size)
+        lm = BloomtrainLM(executor, self.tokenizer, max_length=default_max_length(self.tokenizer),
+                          batch_size=per_replica * (1 if model.dp_lockstep else topo.dp_size),
+                          progress=False)
+        values, alerts = {}, []
+        for task in self.tasks:
+            try:
+                if self.manager is None:
+                    self.manager, self.unknown = find_tasks(self.tasks, self.include)
+                if task in self.unknown:
+                    raise LookupError(self.unknown[task])
+                results = evaluate(lm, [task], self.manager, limit=self.limit, bootstrap_iters=0)
+                values.update(metric_values(results))
+            except Exception as e:  # noqa: BLE001 - a task's failure must not end the run
+                if executor.busy:
+                    raise
+                text = f"eval harness: task {task} failed: {type(e).__name__}: {e}"
+                self.log(f"[eval-harness] {text}")
+                alerts.append(text)
+        return values, alerts
+
+
+@contextlib.contextmanager
+def _kept_rng():
+    """The harness seeds Python's, NumPy's and torch's generators; training's are put back."""
+    import numpy as np
+
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if saved[3] is not None:
+            torch.cuda.set_rng_state_all(saved[3])
+
+
+@contextlib.contextmanager
+def _quiet_harness():
+    """The harness's info and warnings (one per truncated request) would flood the training
+    log; its errors still show."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
