@@ -21,8 +21,10 @@ is an error, not a skip, and the run fails when any test is skipped for a reason
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -34,6 +36,56 @@ CI_ALLOWED_SKIPS = {
     "cuda_only": "needs a CUDA device (FlexAttention's backward, the compiled flex path); "
                  "bench/gpu.sh runs them with -m device --device cuda",
 }
+
+
+MODULES_KEY = pytest.StashKey[set]()
+
+# The slow tier: node ids (fnmatch patterns) left out of the fast tier, -m "not slow". Each module
+# keeps real tests in the fast tier, multi-rank ones at world 2; what goes here is the rest of a
+# parametrized matrix, worlds above 2, and whole jobs launched as processes. A pattern that stops
+# matching is an error, so a renamed test cannot drift into the fast tier unseen.
+SLOW: list[str] = [
+    # whole jobs launched as processes: the launcher, kills, restarts, nodes, CLIs
+    "tests/test_chaos.py::*",
+    "tests/test_restart.py::*",
+    "tests/test_gpu_script.py::test_every_section_ran_and_left_numbers",
+    "tests/test_lost_rank.py::test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it",
+    "tests/test_multinode.py::test_two_nodes_on_one_machine_match_one_process",
+    "tests/test_multinode.py::test_a_node_that_never_arrives_fails_the_other_with_a_clear_message",
+    "tests/test_watchdog.py::test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_report",
+    "tests/test_train_parallel.py::test_cli_nproc4_pp4_1f1b_matches_nproc1",
+    "tests/test_checkpoint.py::test_preemption_signal_saves_and_exits_cleanly[[]SIGUSR1[]]",
+    "tests/test_checkpoint.py::test_kill_switch_saves_and_exits",
+    "tests/test_plan.py::test_cli_json_and_table",
+    "tests/test_serve.py::test_cli_tp2_equals_tp1_and_sigterm_drains",
+    "tests/test_serve.py::test_cli_front_end_failures_end_the_server",
+    # more than 2 ranks (the fast tier runs each of these at world 2)
+    "tests/test_zero.py::*[[]dp4*",
+    "tests/test_zero.py::test_tensor_and_pipeline_composition_and_norm_counting",
+    "tests/test_tensor_parallel.py::*[[]tp4*",
+    "tests/test_pipeline.py::*[[]world4[]]",
+    "tests/test_pipeline.py::*[[]world8[]]",
+    "tests/test_checkpoint.py::test_reshard_between_parallel_layouts*",
+    "tests/test_checkpoint.py::test_reshard_from_single_process[[]1.1.1->2.2.2z1[]]",
+    "tests/test_checkpoint.py::test_reshard_from_single_process[[]1.1.1->tp2.dp2.z3[]]",
+    "tests/test_resume.py::test_crash_and_resume_is_bitwise_equal[[]tp2.pp2.dp2-z3[]]",
+    "tests/test_train_parallel.py::test_3d_tp2_pp2_dp2_matches_single_process*",
+    "tests/test_train_parallel.py::test_other_compositions_match_single_process*",
+    "tests/test_train_reference.py::test_layout_matches_plain_loop[[]4-*",
+    "tests/test_train_reference.py::test_layout_matches_plain_loop[[]8-*",
+    "tests/test_plan.py::test_comm_bytes_per_step_equal_the_comm_counters",
+    "tests/test_monitors.py::test_straggler_named_only_when_slowed",
+    "tests/test_monitors.py::test_memory_peak_per_interval_and_rank",
+    "tests/test_monitors.py::test_grad_stats_dp4_zero3_match_one_process",
+    "tests/test_monitors.py::test_grad_stats_tp2_pp2_match_one_process",
+    # the rest of a matrix whose world-2 cases stay fast
+    "tests/test_resume.py::test_crash_and_resume_is_bitwise_equal[[]tp2-sp[]]",
+    "tests/test_compile.py::test_compiled_matches_eager_through_the_trainer*",
+]
+# Test modules whose only tests are whole multi-process jobs with kills (~100 s each on a loaded
+# 2-core machine): the fast tier reaches the same code (the launcher, SIGKILL and a bitwise
+# resume) through test_lost_rank, test_resume and test_train_parallel's CLI test.
+FAST_EXEMPT = {"tests/test_chaos.py", "tests/test_restart.py"}
 
 
 def in_ci() -> bool:
@@ -90,20 +142,46 @@ def _load_fuzz_profile(config) -> None:
         settings.load_profile("fast" if fast_tier(config) else "full")
 
 
+@pytest.hookimpl(tryfirst=True)  # markers first: -m deselects by them afterwards
 def pytest_collection_modifyitems(config, items):
     cuda = torch.device(config.getoption("--device")).type == "cuda"
     allowed = config.pluginmanager.get_plugin("bloomtrain-skip-ledger").allowed
+    slow = {p: 0 for p in SLOW}
     for item in items:
         if "device" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.device)
+        for pattern in slow:
+            if fnmatch.fnmatchcase(item.nodeid, pattern):
+                item.add_marker(pytest.mark.slow)
+                slow[pattern] += 1
         for name in CI_ALLOWED_SKIPS:
             if item.get_closest_marker(name):
                 allowed[item.nodeid] = name
         if item.get_closest_marker("cuda_only") and not cuda:
             item.add_marker(pytest.mark.skip(reason="CUDA only: run with --device cuda"))
+    config.stash[MODULES_KEY] = {item.nodeid.split("::")[0] for item in items}
+    stale = [p for p, n in slow.items() if not n and p.split("::")[0] in config.stash[MODULES_KEY]]
+    if stale:
+        message = (f"tests/conftest.py SLOW names no collected test: {stale}; update it to the "
+                   f"test's new name")
+        if in_ci():
+            raise pytest.UsageError(message)
+        warnings.warn(message)
 
 
-# ---- skips: listed always, refused in CI ------------------------------------------------------------
+def pytest_collection_finish(session):
+    """The fast tier keeps a test of every module (when it runs them all)."""
+    config = session.config
+    if not fast_tier(config) or config.getoption("keyword") or config.getoption("deselect"):
+        return
+    left = (config.stash.get(MODULES_KEY, set()) - FAST_EXEMPT
+            - {i.nodeid.split("::")[0] for i in session.items})
+    if left:
+        raise pytest.UsageError(f"the fast tier (-m 'not slow') has no test of {sorted(left)}: "
+                                f"take one test of each out of tests/conftest.py's SLOW")
+
+
+# ---- skips: listed always, refused in CI ---------------------------------------------------------
 
 def _skip_reason(report) -> str:
     longrepr = report.longrepr
@@ -216,7 +294,7 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
-# ---- the rank pool ---------------------------------------------------------------------------------
+# ---- the rank pool -------------------------------------------------------------------------------
 
 POOL_KEY = pytest.StashKey[rank_dist.RankPool]()
 

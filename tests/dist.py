@@ -19,8 +19,9 @@ default dtype and device, one intra-op thread, grad mode on, anomaly detection a
 algorithms off, dynamo's caches reset, the global RNGs as a fresh process has them (torch's fixed
 default seed, Python's and NumPy's from OS entropy); bloomtrain's module-level state (comm's STATS,
 INFLIGHT and group-device cache, an active watchdog) as at import. What cannot be reset is
-refused: a worker that is left with a thread the function started, or that has grown past
-`MAX_WORKER_RSS`, retires after reporting and the pool starts a new one when next needed.
+refused: a worker that is left with a thread the function started (but a library's idle
+process-wide helper, BENIGN_THREADS), or that has grown past `MAX_WORKER_RSS`, retires after
+reporting and the pool starts a new one when next needed.
 
 A function that hangs, kills its process or leaves its peers blocked in a collective does not
 poison the next test: the pool kills the workers that did not come back, starts new ones for the
@@ -35,6 +36,8 @@ lost rank, the serve CLI) start their own processes and do not come here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import itertools
 import logging
 import os
@@ -63,11 +66,24 @@ FAILURE_GRACE_S = 5.0
 # freed arenas back; 8 workers at this size still fit the CI machine).
 MAX_WORKER_RSS = 3 * 2 ** 30
 POOL_SIZE = 8
+# Process-wide helpers a library starts once and keeps, idle, whoever called it first.
+BENIGN_THREADS = {"tqdm_monitor"}
 
 _SIGNALS = [s for s in signal.valid_signals()
             if s not in (signal.SIGKILL, signal.SIGSTOP) and isinstance(s, signal.Signals)]
 # torch's CPU generator's seed in a process that never seeded it (c10's default_rng_seed_val).
 _TORCH_DEFAULT_SEED = 67280421310721
+
+
+def _malloc_trim():
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
+_LIBC_TRIM = _malloc_trim()
 
 
 class RankError(RuntimeError):
@@ -113,7 +129,7 @@ def _call(rank, world_size, fn, args, init) -> tuple[bool, bytes | str]:
             dist.destroy_process_group()
 
 
-# ---- fresh processes ------------------------------------------------------------------------------
+# ---- fresh processes -----------------------------------------------------------------------------
 
 def _spawned(rank, world_size, port, fn, args, env, results):
     os.environ.update(env)
@@ -168,7 +184,7 @@ def _rank_error(errors: dict[int, str], extra: str = "") -> RankError:
     return RankError(f"{len(errors)} rank(s) failed:\n{msg}{extra}")
 
 
-# ---- the pool's workers ---------------------------------------------------------------------------
+# ---- the pool's workers --------------------------------------------------------------------------
 
 class _Clean:
     """A worker's state as it started, restored around each submitted function; what cannot be
@@ -214,13 +230,16 @@ class _Clean:
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
         _reset_bloomtrain_globals()
+        gc.collect()
+        _LIBC_TRIM()  # freed heap back to the OS: the next function starts near a fresh RSS
 
     def dirty(self) -> str | None:
         """Why this worker must not run another function (None: it may)."""
         deadline = time.monotonic() + 2.0
         for t in set(threading.enumerate()) - self.threads:  # a thread that is just finishing
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        left = [t.name for t in set(threading.enumerate()) - self.threads if t.is_alive()]
+        left = [t.name for t in set(threading.enumerate()) - self.threads
+                if t.is_alive() and t.name not in BENIGN_THREADS]
         if left:
             return f"left thread(s) running: {', '.join(sorted(left))}"
         rss = _rss_bytes()
@@ -285,7 +304,7 @@ def _pool_worker(conn, store_port: int) -> None:
             return
 
 
-# ---- the pool -------------------------------------------------------------------------------------
+# ---- the pool ------------------------------------------------------------------------------------
 
 class _Worker:
     def __init__(self, ctx, slot: int, store_port: int):

@@ -99,7 +99,7 @@ def test_bf16_logits_match_hf_bf16_at_every_position(reference, device):
     assert (over <= 0).all(), f"cached positions over: {(over > 0).nonzero().tolist()}"
 
 
-# ---- the bound is tight: each of these one-line slips in the ALiBi bias fails it ------------------
+# ---- the bound is tight: each of these one-line slips in the ALiBi bias fails it -----------------
 _correct_bias = bloom.alibi_causal_bias
 
 

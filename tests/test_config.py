@@ -70,7 +70,7 @@ def test_rampup_sizes_must_fit_the_interleaved_schedule():
         validate(cfg, 2)
 
 
-# ---- every key's domain (bloomtrain.config.DOMAINS), inside accepted and outside refused ----------
+# ---- every key's domain (bloomtrain.config.DOMAINS), inside accepted and outside refused ---------
 # The table is the documentation of each key's values; check() enforces it. The oracle here reads
 # the table's bounds and choices itself (never Domain.check) and generates values on both sides,
 # so a check() that skipped a key, or skipped everything, fails hundreds of cases.
@@ -331,8 +331,8 @@ def _edges(key: str) -> list[tuple[object, bool]]:
 
 @pytest.mark.parametrize("key", sorted(k for k, d in DOMAINS.items() if d.kind != "free"))
 def test_each_key_at_the_edges_of_its_domain(key):
-    # A key whose check is missing fails here whatever the random draws above: model.hidden_dropout=5
-    # once passed every config test.
+    # A key whose check is missing fails here whatever the random draws above (model.hidden_dropout
+    # = 5 once passed every config test).
     edges = _edges(key)
     assert any(not ok for _, ok in edges) and any(ok for _, ok in edges)
     for value, ok in edges:

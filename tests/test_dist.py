@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bloomtrain.parallel import comm
 from tests.dist import RankError, run_ranks
 
 
 def _all_reduce(rank, world):
     x = torch.tensor([float(rank + 1)])
-    dist.all_reduce(x)
+    comm.all_reduce(x, comm.world_group(), "test")
     return x.item(), dist.get_world_size(), os.getpid()
 
 
@@ -33,7 +34,8 @@ def _kill_rank_1(rank, world):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     x = torch.ones(1)
-    dist.all_reduce(x)  # rank 0 waits here for a peer that is gone
+    # rank 0 waits here for a peer that is gone
+    comm.all_reduce(x, comm.world_group(), "test")
     return "unreachable"
 
 
@@ -58,7 +60,7 @@ def test_then_a_multi_rank_test_passes(rank_pool):
 def _hang(rank, world):
     if rank == 0:
         time.sleep(3600)
-    dist.barrier()
+    comm.barrier(comm.world_group(), "test")
 
 
 def test_a_hang_is_killed_at_the_timeout_and_named(rank_pool):
@@ -76,7 +78,7 @@ def test_then_after_the_hang(rank_pool):
 def _fail_while_peer_waits(rank, world):
     if rank == 0:
         raise ValueError("rank 0 gives up")
-    dist.recv(torch.empty(1), src=0)  # never sent
+    comm.recv(torch.empty(1), 0, "test")  # never sent
 
 
 def test_a_failure_with_a_peer_blocked_reports_the_failure(rank_pool):
@@ -106,7 +108,6 @@ def _dirty(rank, world, tmp):
     torch.set_grad_enabled(False)
     torch.manual_seed(123)
     signal.signal(signal.SIGUSR1, lambda *a: None)
-    from bloomtrain.parallel import comm
     comm.STATS.enable()
     comm.STATS.record("all_reduce", "leak", torch.ones(4))
     comm.declare_devices(None, {"cuda"})
@@ -115,7 +116,6 @@ def _dirty(rank, world, tmp):
 
 
 def _observe(rank, world):
-    from bloomtrain.parallel import comm
     return dict(pid=os.getpid(), env=os.environ.get("BLOOMTRAIN_TEST_LEAK"), cwd=os.getcwd(),
                 dtype=torch.get_default_dtype(), threads=torch.get_num_threads(),
                 grad=torch.is_grad_enabled(), seed=torch.initial_seed(),

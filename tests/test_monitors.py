@@ -290,7 +290,9 @@ def _worker(rank, world, dataset, tmp):
 
 @pytest.fixture(scope="module")
 def four_ranks(dataset, tmp_path_factory):
-    return run_ranks(4, _worker, dataset, str(tmp_path_factory.mktemp("four")))[0]
+    # fresh: the memory test compares per-rank peak RSS, so every rank must start from the same
+    # resident size, not one a pool worker's earlier tests left.
+    return run_ranks(4, _worker, dataset, str(tmp_path_factory.mktemp("four")), fresh=True)[0]
 
 
 @pytest.fixture(scope="module")
