@@ -101,37 +101,44 @@ def _main(args) -> int:
 
 
 def eval_worker(opts: dict) -> None:
-    """One rank: load this rank's shards; rank 0 runs the harness, the others run its
-    batches."""
+    """One process of the job: join it, run this rank (`run_rank`), leave it."""
+    import torch.distributed as dist
+
+    from bloomtrain.runtime import process_group_backend, resolve_device
+
+    device = resolve_device(opts["device"])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group(process_group_backend("auto", device))
+    try:
+        run_rank(opts, device)
+    except UserError as e:
+        if not os.environ.get("TORCHELASTIC_RUN_ID"):
+            raise  # one process, or torchrun: the command prints it
+        print(f"bloomtrain eval: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(_USAGE_EXIT)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_rank(opts: dict, device) -> None:
+    """This rank's part in a joined job (or alone): load its shards; rank 0 runs the harness,
+    the others run its batches."""
     import torch.distributed as dist
 
     from bloomtrain.eval.model import load_eval_model
     from bloomtrain.eval.protocol import worker_loop
     from bloomtrain.layout import ParallelLayout
-    from bloomtrain.runtime import process_group_backend, resolve_device
     from bloomtrain.topology import Topology
 
-    device = resolve_device(opts["device"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(process_group_backend("auto", device))
-    try:
-        topo = Topology.build(layout=ParallelLayout.for_world(world, opts["tp"], opts["pp"]))
-        dtype = None if opts["dtype"] == "auto" else opts["dtype"]
-        model = load_eval_model(opts["checkpoint"], topo, device, dtype)
-        if topo.rank != 0:
-            worker_loop(model)
-            return
-        try:
-            _lead(opts, model)
-        except UserError as e:
-            if not os.environ.get("TORCHELASTIC_RUN_ID"):
-                raise  # one process, or torchrun: the command prints it
-            print(f"bloomtrain eval: error: {e}", file=sys.stderr, flush=True)
-            sys.exit(_USAGE_EXIT)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    topo = Topology.build(layout=ParallelLayout.for_world(world, opts["tp"], opts["pp"]))
+    dtype = None if opts["dtype"] == "auto" else opts["dtype"]
+    model = load_eval_model(opts["checkpoint"], topo, device, dtype)
+    if topo.rank != 0:
+        worker_loop(model)
+        return
+    _lead(opts, model)
 
 
 def _lead(opts: dict, model) -> None:

@@ -138,7 +138,8 @@ class BloomtrainLM(TemplateLM):
                                                for j, t in enumerate(member_cont)]))
             stats = self.executor.score(rows, list(queries))
             for member_str, where in plans:
-                answer = (float(stats[0, where].sum()), bool((stats[1, where] > 0.5).all()))
+                answer = (float(stats[0, where].double().sum()),
+                          bool((stats[1, where] > 0.5).all()))
                 results.append(answer)
                 if member_str is not None:
                     self.cache_hook.add_partial("loglikelihood", member_str, answer)

@@ -11,8 +11,9 @@ error ends the run as any collective's would.
 The record, `{"step", "consumed_samples", "eval/<task>/<metric>": value, ...,
 "eval_harness_s"}`, goes to metrics.jsonl and its sinks (TensorBoard, W&B). Stderrs are not
 computed (the harness's bootstrap starts a process pool, which has no place inside a
-training job). Rank 0's Python, NumPy and torch generators are put back afterwards: the
-harness seeds them, and training must not depend on whether it ran.
+training job). Every rank's Python, NumPy and torch generators are put back afterwards: the
+harness seeds rank 0's, tensor-parallel forwards draw from all of them, and training must not
+depend on whether the evaluation ran.
 """
 from __future__ import annotations
 
@@ -71,20 +72,24 @@ class HarnessHook:
     def run(self, parts, dtype: torch.dtype, device, state, metrics) -> None:
         """Evaluate the live model (every rank); rank 0 records and logs the results."""
         model = EvalModel.from_parts(parts, dtype, device)
-        topo = parts.topo
-        try:
-            if topo.rank != 0:
-                worker_loop(model, self.micro_rows)
-                return
-            executor = Executor(model, self.micro_rows)
-            started = time.time()
+        started = time.time()
+        # Every rank's generators are put back, not only rank 0's: a tensor-parallel
+        # attention draws one number from the default generator per call even in eval
+        # (bloomtrain.parallel.tensor.rng), and a rank that kept the draws would drop other
+        # elements of the replicated activations than its peers from then on.
+        with _kept_rng():
             try:
-                with _kept_rng(), _quiet_harness():
-                    values, alerts = self._tasks(executor, model)
+                if parts.topo.rank != 0:
+                    worker_loop(model, self.micro_rows)
+                    return
+                executor = Executor(model, self.micro_rows)
+                try:
+                    with _quiet_harness():
+                        values, alerts = self._tasks(executor, model)
+                finally:
+                    executor.close()
             finally:
-                executor.close()
-        finally:
-            parts.train(True)
+                parts.train(True)
         record = {"step": state.step, "consumed_samples": state.consumed_samples, **values,
                   "eval_harness_s": time.time() - started}
         if alerts:
@@ -125,7 +130,7 @@ class HarnessHook:
 
 @contextlib.contextmanager
 def _kept_rng():
-    """The harness seeds Python's, NumPy's and torch's generators; training's are put back."""
+    """Python's, NumPy's and torch's (CPU and CUDA) generator states as they were."""
     import numpy as np
 
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),

@@ -1,0 +1,467 @@
+"""`bloomtrain eval` against lm-evaluation-harness's own HF backend (`lm_eval --model hf`) on the
+same model exported to HF: per-request loglikelihoods within 1e-4 in fp32 and the same metrics,
+on the local tasks of tests/eval_tasks/ (last word, multiple choice, rolling perplexity,
+generation); the same per-request numbers from tp=2, pp=2 and dp=2 as from one process;
+generate_until equal to HF `generate`; the prefix-logits cache and batching by length; the
+command's errors. During training: tests/test_eval_training.py.
+
+Model: hidden 64, 4 heads, 4 layers, vocab 512 (the session's tiny BPE has 500 tokens), its
+weights widened x3 so that the choices of a question and the greedy tokens are not decided by
+1e-6 differences between near-equal scores; the padded embedding rows are zero, so no greedy
+path depends on whether padding is masked (HF's generate does not mask it).
+
+Nothing is downloaded: the tasks read jsonl files through `dataset_path: json` (relative to the
+repository root, where these tests run them), the models are local directories, and the HF
+libraries are told they are offline.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Offline before datasets / huggingface_hub are imported: they read these once, at import.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+lm_eval = pytest.importorskip("lm_eval")
+transformers = pytest.importorskip("transformers")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from bloomtrain import cli  # noqa: E402
+from bloomtrain.eval import cli as eval_cli  # noqa: E402
+from bloomtrain.eval import protocol  # noqa: E402
+from bloomtrain.utils import UserError  # noqa: E402
+from tests.dist import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread", "at_root")
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS_DIR = "tests/eval_tasks"
+TASKS = ["lastword_tiny", "choice_tiny", "rolling_tiny", "greedy_tiny"]
+# Below the longest requests: contexts are cut on the left, documents take several windows.
+MAX_LENGTH = 64
+WIDEN = 3.0
+COUNTED = ("acc", "acc_norm", "exact_match")  # metrics that count documents: equal exactly
+
+
+@pytest.fixture
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+
+
+@contextlib.contextmanager
+def in_root():
+    """For module fixtures, which run before a test's own fixtures."""
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tiny_tokenizer_dir):
+    """(bloomtrain checkpoint, its HF export) of the widened tiny model, with the tokenizer."""
+    from bloomtrain import checkpoint, hf
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.model import BloomShape, build_model
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    shape = BloomShape(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                       ffn_hidden_size=256)
+    model = build_model(shape, seed=7)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(WIDEN)
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        model.transformer.word_embeddings.weight[tok.vocab_size:] = 0.0
+    root = tmp_path_factory.mktemp("eval_model")
+    checkpoint.save_checkpoint(root / "ckpt", 1, model.state_dict(), shape, tokenizer=tok)
+    hf.export_hf(root / "ckpt", root / "hf", log=lambda *_: None)
+    return root / "ckpt", root / "hf"
+
+
+def hf_backend(hf_dir, batch_size: int = 4):
+    from lm_eval.models.huggingface import HFLM
+    return HFLM(pretrained=str(hf_dir), backend="causal", device="cpu", dtype="float32",
+                batch_size=batch_size, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def hf_results(model_dirs):
+    """The harness's HF backend on the export: `lm_eval --model hf --model_args
+    pretrained=EXPORT,dtype=float32,max_length=64` on the four tasks, samples logged."""
+    with in_root():
+        return lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={model_dirs[1]},dtype=float32,max_length={MAX_LENGTH}",
+            tasks=TASKS, task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False),
+            batch_size=4, device="cpu", bootstrap_iters=0, log_samples=True)
+
+
+def eval_args(checkpoint, out: Path, *extra) -> list[str]:
+    return ["eval", "--checkpoint", str(checkpoint), "--tasks", ",".join(TASKS),
+            "--include-path", TASKS_DIR, "--max-length", str(MAX_LENGTH), "--batch-size", "4",
+            "--bootstrap-iters", "0", "--output", str(out), "--log-samples", *extra]
+
+
+def read_samples(out: Path) -> dict[str, list[dict]]:
+    return {t: [json.loads(line) for line in open(out.with_name(f"{out.stem}_samples_{t}.jsonl"))]
+            for t in TASKS}
+
+
+def per_request(samples: dict[str, list[dict]]) -> dict[tuple, object]:
+    """(task, doc, request) -> loglikelihood, (loglikelihood, greedy) or generated text."""
+    out = {}
+    for task, docs in samples.items():
+        for doc in docs:
+            for i, resp in enumerate(doc["resps"]):
+                value = resp[0]
+                if isinstance(value, (list, tuple)):
+                    value = (float(value[0]), bool(value[1]))
+                out[(task, doc["doc_id"], i)] = value
+    return out
+
+
+def max_differences(got: dict, want: dict) -> tuple[float, int]:
+    """(largest |difference| of a loglikelihood, number of other values that differ)."""
+    assert got.keys() == want.keys()
+    worst, unequal = 0.0, 0
+    for key, w in want.items():
+        g = got[key]
+        if isinstance(w, str):
+            unequal += g != w
+            continue
+        if isinstance(w, tuple):
+            unequal += g[1] != w[1]
+            g, w = g[0], w[0]
+        worst = max(worst, abs(g - w))
+    return worst, unequal
+
+
+def assert_same_metrics(got: dict, want: dict) -> None:
+    """Counting metrics equal exactly; perplexities (exp of a mean of loglikelihoods equal
+    within 1e-4) to 1e-4 relative."""
+    assert got.keys() == want.keys()
+    for task, metrics in want.items():
+        for key, w in metrics.items():
+            if not isinstance(w, float) or "stderr" in key:
+                continue
+            g = got[task][key]
+            if key.split(",")[0] in COUNTED:
+                assert g == w, (task, key, g, w)
+            else:
+                assert math.isclose(g, w, rel_tol=1e-4), (task, key, g, w)
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dirs, tmp_path_factory):
+    """`bloomtrain eval` in one process on the bloomtrain checkpoint: (results, samples)."""
+    out = tmp_path_factory.mktemp("eval_out") / "results.json"
+    with in_root():
+        assert cli.main(eval_args(model_dirs[0], out)) == 0
+    return json.loads(out.read_text()), per_request(read_samples(out))
+
+
+# ---- agreement with the harness's HF backend ----------------------------------------------------
+
+def test_agrees_with_the_harness_hf_backend_request_by_request(one_process, hf_results):
+    results, got = one_process
+    want = per_request(hf_results["samples"])
+    worst, unequal = max_differences(got, want)
+    # fp32 on both sides; the sums differ by the order terms are added in (HF's log_softmax
+    # over the whole row, ours from the vocabulary-parallel max and sum): ~1e-5 measured on a
+    # rolling document's ~1000 summed logprobs.
+    assert worst < 1e-4 and unequal == 0, (worst, unequal)
+    assert_same_metrics(results["results"], hf_results["results"])
+    # Real, varied numbers: not every request alike, some greedy hits, generations that
+    # stopped at a stop sequence before the token limit.
+    lls = [v[0] for v in got.values() if isinstance(v, tuple)]
+    assert len({round(v, 2) for v in lls}) > len(lls) // 2
+    texts = [v for k, v in got.items() if k[0] == "greedy_tiny"]
+    assert len(set(texts)) > 1
+
+
+# ---- layouts -------------------------------------------------------------------------------------
+
+def _layout_rank(rank, world, opts, root):
+    """One rank of `bloomtrain eval` (the command's own per-rank code) in a joined job."""
+    import tqdm
+    tqdm.tqdm.monitor_interval = 0  # no monitor thread left behind in the pool's worker
+    os.chdir(root)
+    eval_cli.run_rank(opts, torch.device("cpu"))
+
+
+def layout_opts(checkpoint, out: Path, tp: int, pp: int, world: int) -> dict:
+    """The options `bloomtrain eval ... parallel.tp=T parallel.pp=P` gives each rank of a job
+    of `world` processes."""
+    from bloomtrain.eval.cli import _options
+
+    args = cli.build_parser().parse_args(eval_args(checkpoint, out, f"parallel.tp={tp}",
+                                                   f"parallel.pp={pp}"))
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)  # as under a launcher: no processes started here
+    try:
+        return _options(args)
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_layouts_give_the_same_requests_as_one_process(tp, pp, model_dirs, one_process,
+                                                        tmp_path):
+    """Each rank reads only its shards (tp: half of every split matrix; pp: its stage's
+    blocks); the per-request numbers equal one process's within 1e-5 (tp reduces its partial
+    sums over two ranks, rounding differently; pp computes the same sums)."""
+    out = tmp_path / "results.json"
+    run_ranks(2, _layout_rank, layout_opts(model_dirs[0], out, tp, pp, 2), str(ROOT))
+    results, want = one_process
+    worst, unequal = max_differences(per_request(read_samples(out)), want)
+    assert worst < 1e-5 and unequal == 0, (worst, unequal)
+    assert_same_metrics(json.loads(out.read_text())["results"], results["results"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,world", [(1, 1, 2), (2, 2, 4)], ids=["dp2", "tp2pp2"])
+def test_data_parallel_and_3d_layouts(tp, pp, world, model_dirs, one_process, tmp_path):
+    """dp=2: each replica scores its half of every batch; tp2 x pp2 from the HF export (its
+    safetensors read by slices)."""
+    out = tmp_path / "results.json"
+    source = model_dirs[1] if world == 4 else model_dirs[0]
+    run_ranks(world, _layout_rank, layout_opts(source, out, tp, pp, world), str(ROOT))
+    results, want = one_process
+    worst, unequal = max_differences(per_request(read_samples(out)), want)
+    assert worst < 1e-5 and unequal == 0, (worst, unequal)
+
+
+@pytest.mark.slow
+def test_command_with_nproc_against_the_harness_command(model_dirs, tmp_path):
+    """The commands as users type them: `bloomtrain eval --nproc 2 parallel.pp=2` and
+    `lm_eval run --model hf` (separate processes, the harness's own CLI)."""
+    import glob
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "bt" / "results.json"
+    subprocess.run([sys.executable, "-m", "bloomtrain", *eval_args(model_dirs[0], out),
+                    "--nproc", "2", "parallel.pp=2"], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=600)
+    ref = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+                    f"pretrained={model_dirs[1]},dtype=float32,max_length={MAX_LENGTH}",
+                    "--tasks", *TASKS, "--include_path", TASKS_DIR, "--batch_size", "4",
+                    "--device", "cpu", "--output_path", str(ref), "--log_samples"],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=900)
+    want = {}
+    for task in TASKS:  # the harness writes every value of a sample as a string
+        path, = glob.glob(f"{ref}/*/samples_{task}_*.jsonl")
+        for line in open(path):
+            doc = json.loads(line)
+            for i, resp in enumerate(doc["resps"]):
+                v = resp[0]
+                want[(task, doc["doc_id"], i)] = (
+                    v if task == "greedy_tiny" else float(v) if not isinstance(v, list)
+                    else (float(v[0]), v[1] == "True"))
+    worst, unequal = max_differences(per_request(read_samples(out)), want)
+    assert worst < 1e-4 and unequal == 0, (worst, unequal)
+    results, = glob.glob(f"{ref}/*/results_*.json")
+    assert_same_metrics(json.loads(out.read_text())["results"],
+                        json.loads(Path(results).read_text())["results"])
+
+
+# ---- generate_until ------------------------------------------------------------------------------
+
+def local_lm(checkpoint, batch_size: int = 4):
+    """A BloomtrainLM on one process (the executor's broadcasts are no-ops)."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.eval.lm import BloomtrainLM
+    from bloomtrain.eval.model import load_eval_model
+    from bloomtrain.topology import Topology
+
+    model = load_eval_model(checkpoint, Topology.single(), "cpu")
+    return BloomtrainLM(protocol.Executor(model), load_tokenizer(_tokenizer_dir(checkpoint)),
+                        max_length=MAX_LENGTH, batch_size=batch_size, progress=False)
+
+
+def _tokenizer_dir(checkpoint):
+    from bloomtrain.runtime import checkpoint_tokenizer
+    return checkpoint_tokenizer(checkpoint, None)
+
+
+PROMPTS = ["The quick brown fox", "def f(x):", "Привет, мир!", "数据并行",
+           "The quick brown dog", "Emoji 🎉"]
+
+
+def instances(kwargs: dict, prompts=PROMPTS) -> list[Instance]:
+    return [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"until": ["\n", "."], "max_gen_toks": 12, "do_sample": False, "repetition_penalty": 2.0},
+    {"until": ["ер", "x"], "max_gen_toks": 10, "do_sample": False, "repetition_penalty": 1.5},
+    {"max_gen_toks": 8, "do_sample": False}], ids=["stops", "more-stops", "no-stop"])
+def test_generate_until_equals_hf_generate(kwargs, model_dirs):
+    """Greedy continuations with the harness's stop sequences equal its HF backend's, which
+    runs HF `generate` with the harness's stopping criteria (prompts batched there with left
+    padding, here by equal length); the first two also stop before the token limit."""
+    ours = local_lm(model_dirs[0]).generate_until(instances(kwargs))
+    want = hf_backend(model_dirs[1], batch_size=3).generate_until(instances(kwargs))
+    assert ours == want
+    assert len(set(ours)) == len(ours)  # continuations that depend on the prompt
+
+
+def test_greedy_tokens_equal_hf_generate(model_dirs, tiny_tokenizer_dir):
+    """Token for token against `BloomForCausalLM.generate` itself (no stop sequence, no end of
+    text reached), two prompts of one length in one batch over the KV cache."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.eval.generation import GenerationSettings
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    prompts = [tok.encode("The quick brown fox"), tok.encode("The quick brown dog")]
+    assert len(prompts[0]) == len(prompts[1])
+    lm = local_lm(model_dirs[0])
+    settings = GenerationSettings.from_gen_kwargs({"max_gen_toks": 16, "do_sample": False},
+                                                  256, None)
+    outputs = []
+    lm.generator.executor = _Recording(lm.executor, outputs)
+    texts = lm.generator.generate(prompts, settings)
+    ref = transformers.BloomForCausalLM.from_pretrained(model_dirs[1]).eval()
+    with torch.no_grad():
+        want = ref.generate(torch.tensor(prompts), attention_mask=torch.ones(2, len(prompts[0]),
+                            dtype=torch.long), max_new_tokens=16, do_sample=False,
+                            pad_token_id=3)[:, len(prompts[0]):]
+    got = torch.tensor(outputs).t()  # the tokens fed back, step by step: all but the last
+    assert got.shape[1] == 15 and torch.equal(got, want[:, :15])
+    assert texts == [tok.decode(row) for row in want.tolist()]
+
+
+class _Recording:
+    """An Executor that records the tokens `decode` feeds back."""
+
+    def __init__(self, executor, sink):
+        self.executor, self.sink = executor, sink
+
+    def prefill(self, rows):
+        return self.executor.prefill(rows)
+
+    def decode(self, tokens, keep):
+        self.sink.append(list(tokens))
+        return self.executor.decode(tokens, keep)
+
+
+def test_sampled_generation_follows_the_harness_seed(model_dirs):
+    """Sampling draws from torch's global generator, which the harness seeds: the same seed
+    gives the same texts, another seed others; top_k=1 is greedy."""
+    lm = local_lm(model_dirs[0])
+    sampled = {"until": ["\n"], "max_gen_toks": 10, "do_sample": True, "temperature": 1.0}
+
+    def run(seed, kwargs):
+        torch.manual_seed(seed)
+        return lm.generate_until(instances(kwargs))
+
+    first = run(1234, sampled)
+    assert first == run(1234, sampled)
+    assert first != run(4321, sampled)
+    greedy = run(0, {"until": ["\n"], "max_gen_toks": 10, "do_sample": False})
+    assert run(7, {**sampled, "top_k": 1}) == greedy != first
+
+
+def test_unsupported_generation_kwargs_are_refused(model_dirs):
+    with pytest.raises(ValueError, match="num_beams"):
+        local_lm(model_dirs[0]).generate_until(instances({"num_beams": 4, "max_gen_toks": 4}))
+
+
+# ---- batching ----------------------------------------------------------------------------------
+
+class _Spy:
+    """Records each scoring command's rows."""
+
+    def __init__(self, executor):
+        self.executor, self.calls = executor, []
+
+    def score(self, rows, queries):
+        self.calls.append([len(r) for r in rows])
+        return self.executor.score(rows, queries)
+
+
+def test_batches_by_length_and_shares_prefix_logits(model_dirs, tiny_tokenizer_dir):
+    """Requests go longest first in batches of at most batch_size rows; questions whose
+    choices are one token each take one row per question (the harness's prefix-logits cache),
+    and every answer equals the request scored alone (batch of one, no other request)."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    contexts = ["The quick brown fox jumps over the", "Привет, мир", "def f(x):\n\treturn",
+                "数据并行、张量并行和流水线", "Emoji"]
+    one_token = [c for c in (" the", ".", "!", ",", " x", "?", "\n", " мир")
+                 if len(tok.encode("Emoji" + c)) == len(tok.encode("Emoji")) + 1][:3]
+    assert len(one_token) == 3
+    requests = [(ctx, c) for ctx in contexts for c in one_token]
+    requests += [("The quick brown", " fox jumps over"), ("def", " f(x):\n\treturn x * 2")]
+    lm = local_lm(model_dirs[0], batch_size=2)
+    spy = lm.executor = _Spy(lm.executor)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in
+                            enumerate(requests)])
+    assert sum(len(c) for c in spy.calls) == len(contexts) + 2  # one row per shared prefix
+    assert all(len(c) <= 2 for c in spy.calls)
+    lengths = [n for c in spy.calls for n in c]
+    assert lengths == sorted(lengths, reverse=True)
+    alone = local_lm(model_dirs[0], batch_size=1)
+    for i, r in enumerate(requests):
+        want = alone.loglikelihood([Instance("loglikelihood", {}, r, 0)])[0]
+        assert abs(got[i][0] - want[0]) < 1e-5 and got[i][1] == want[1], (r, got[i], want)
+    hf = hf_backend(model_dirs[1]).loglikelihood(
+        [Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)])
+    assert max(abs(a[0] - b[0]) for a, b in zip(got, hf)) < 1e-4
+    assert [a[1] for a in got] == [b[1] for b in hf]
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def run_cli(args: list[str], capsys) -> tuple[int, str]:
+    rc = cli.main(args)
+    return rc, capsys.readouterr().err
+
+
+def test_command_errors_say_what_to_change(model_dirs, tmp_path, capsys, monkeypatch):
+    ckpt = str(model_dirs[0])
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tny",
+                       "--include-path", TASKS_DIR], capsys)
+    assert rc == 2 and "unknown task choice_tny" in err and "choice_tiny" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny", "--log-samples"],
+                      capsys)
+    assert rc == 2 and "--output" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny",
+                       "parallel.dp=2"], capsys)
+    assert rc == 2 and "parallel.tp=N and parallel.pp=N" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny", "--nproc", "3",
+                       "parallel.tp=2"], capsys)
+    assert rc == 2 and "multiple of 2" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny",
+                       "--include-path", str(tmp_path / "none")], capsys)
+    assert rc == 2 and "not a directory" in err
+    rc, err = run_cli(["eval", "--checkpoint", str(tmp_path / "missing"), "--tasks", "x"],
+                      capsys)
+    assert rc == 2 and "does not exist" in err
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny"], capsys)
+    assert rc == 2 and "pip install 'bloomtrain[eval]'" in err
