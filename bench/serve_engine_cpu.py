@@ -1,0 +1,71 @@
+"""The serving engine's own cost, as CPU time per generated token: 16 greedy sequences (prompts of
+32 tokens, 96 new tokens each) served to the end by `Engine.generate` in this process, one torch
+thread (OMP_NUM_THREADS=1, as bench/serve_load.py runs the server), no HTTP. CPU time
+(time.process_time) rather than wall time, because on a machine shared with other jobs the wall
+time says more about them than about the engine.
+
+`--root DIR` imports bloomtrain from another source tree (e.g. `git archive COMMIT | tar -x -C
+DIR`), to compare two versions of the engine in alternation on the same machine. The checkpoint
+is bench/serve_load.py's trained demo model (run that first, or give --checkpoint).
+Measures; asserts nothing. Prints one line per round, then one JSON line.
+
+    python bench/serve_engine_cpu.py
+    python bench/serve_engine_cpu.py --root /tmp/old --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                    help="the source tree to import bloomtrain from (default: this one)")
+    ap.add_argument("--checkpoint", default=str(Path(tempfile.gettempdir())
+                                                / "bloomtrain_serve_load" / "checkpoints"))
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    sys.path.insert(0, args.root)
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
+    import torch
+
+    import bloomtrain
+    from bloomtrain.serve.config import EngineConfig
+    from bloomtrain.serve.engine import Engine
+    from bloomtrain.serve.tp import build_runner
+    try:
+        from bloomtrain.serve.sampling import SamplingParams
+    except ImportError:  # trees from before the serve split
+        from bloomtrain.serve.engine import SamplingParams
+
+    torch.set_num_threads(1)
+    cfg = EngineConfig(max_model_len=512, kv_cache_tokens=16384)
+    runner = build_runner(args.checkpoint, cfg)
+    engine = Engine(runner.forward, cfg, vocab_size=runner.model.shape.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    vocab = runner.model.shape.vocab_size
+    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(16)]
+    params = SamplingParams(max_tokens=96, temperature=0)
+    per_token = []
+    for r in range(args.rounds):
+        start = time.process_time()
+        out = engine.generate(prompts, params)
+        tokens = sum(len(o["token_ids"]) for o in out)
+        per_token.append((time.process_time() - start) / tokens)
+        print(f"round {r + 1}: {tokens} tokens, {per_token[-1] * 1e3:.4f} ms CPU per token",
+              flush=True)
+    print(json.dumps({"bench": "serve_engine_cpu", "bloomtrain": str(Path(
+        bloomtrain.__file__).parent), "rounds": args.rounds,
+        "cpu_ms_per_token_median": statistics.median(per_token) * 1e3,
+        "cpu_ms_per_token_rounds": [t * 1e3 for t in per_token]}))
+
+
+if __name__ == "__main__":
+    main()
