@@ -50,6 +50,8 @@ TASKS = ["lastword_tiny", "choice_tiny", "rolling_tiny", "greedy_tiny"]
 MAX_LENGTH = 64
 WIDEN = 3.0
 COUNTED = ("acc", "acc_norm", "exact_match")  # metrics that count documents: equal exactly
+PROMPTS = ["The quick brown fox", "def f(x):", "Привет, мир!", "数据并行",
+           "The quick brown dog", "Emoji 🎉"]
 
 
 @pytest.fixture
@@ -194,6 +196,33 @@ def test_agrees_with_the_harness_hf_backend_request_by_request(one_process, hf_r
     assert len(set(texts)) > 1
 
 
+def test_the_served_model_gives_the_same_requests_and_metrics(model_dirs, one_process):
+    """The README's route: lm-eval's `local-completions` model pointed at `bloomtrain serve`
+    (token-id prompts scored with echo, logprobs 1, max_tokens 1; the server's /tokenize and
+    /tokenizer_info). The harness's API models keep max_length - 1 tokens of input and score
+    rolling windows of max_length - 2, so max_length=66 there is --max-length 64 here."""
+    from tests.test_serve import ServerProcess
+
+    proc = ServerProcess(["--checkpoint", str(model_dirs[0]), "--served-model-name", "tiny",
+                          "--max-model-len", "512"])
+    try:
+        port = int(proc.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+        served = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=f"base_url=http://127.0.0.1:{port}/v1/completions,model=tiny,"
+                       f"max_length={MAX_LENGTH + 2},num_concurrent=1,max_retries=1",
+            tasks=TASKS, task_manager=TaskManager(include_path=TASKS_DIR, include_defaults=False),
+            batch_size=8, bootstrap_iters=0, log_samples=True)
+    finally:
+        proc.stop()
+    results, want = one_process
+    worst, unequal = max_differences(per_request(served["samples"]), want)
+    # The server's batched forward against ours; the harness sums a rolling window's
+    # logprobs in fp32 (1.4e-5 measured).
+    assert worst < 1e-4 and unequal == 0, (worst, unequal)
+    assert_same_metrics(served["results"], results["results"])
+
+
 # ---- layouts -------------------------------------------------------------------------------------
 
 def _layout_rank(rank, world, opts, root):
@@ -234,6 +263,68 @@ def test_layouts_give_the_same_requests_as_one_process(tp, pp, model_dirs, one_p
     worst, unequal = max_differences(per_request(read_samples(out)), want)
     assert worst < 1e-5 and unequal == 0, (worst, unequal)
     assert_same_metrics(json.loads(out.read_text())["results"], results["results"])
+
+
+REQUESTS = {
+    "loglikelihood": [("The quick brown", " fox jumps over"), ("Привет,", " мир!"),
+                      ("def f(x):", "\n    return x + 1"), ("数据并行", "、张量并行"),
+                      ("Emoji", " 🎉 party")],
+    "loglikelihood_rolling": [("The quick brown fox jumps over the lazy dog. " * 6,),
+                              ("Привет, мир! Съешь же ещё этих мягких французских булок.",)],
+    "generate_until": [(p, {"until": ["\n", "."], "max_gen_toks": 10, "do_sample": False,
+                            "repetition_penalty": 2.0}) for p in PROMPTS],
+}
+
+
+def run_requests(lm) -> dict:
+    return {kind: getattr(lm, kind)([Instance(kind, {}, args, i)
+                                     for i, args in enumerate(REQUESTS[kind])])
+            for kind in REQUESTS}
+
+
+def _live_parts_rank(rank, world, checkpoint, tokenizer_dir, parallel):
+    """Parts cut by `parallelize` from the model, as a training run holds them (with
+    sequence parallelism, or two model chunks per pipeline rank), evaluated in place."""
+    from bloomtrain import load_model
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.eval.lm import BloomtrainLM
+    from bloomtrain.eval.model import EvalModel
+    from bloomtrain.parallel.parallelize import parallelize
+    from tests.helpers import config, topology
+
+    full = load_model(checkpoint)
+    cfg = config(full.shape, parallel=parallel, precision="fp32", attention="sdpa")
+    parts = parallelize(full, topology(cfg), cfg, device="cpu", engine=False)
+    model = EvalModel.from_parts(parts, torch.float32, "cpu")
+    if rank != 0:
+        protocol.worker_loop(model)
+        return None
+    executor = protocol.Executor(model)
+    try:
+        return run_requests(BloomtrainLM(executor, load_tokenizer(tokenizer_dir),
+                                         max_length=MAX_LENGTH, batch_size=3, progress=False))
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2, "sequence_parallel": True},
+    {"pp": 2, "pp_schedule": "interleaved", "num_virtual_stages": 2,
+     "pp_partition": "uniform"}],
+    ids=["tp2-sequence-parallel", "pp2-interleaved"])
+def test_training_layouts_give_the_same_answers(parallel, model_dirs, tiny_tokenizer_dir):
+    """Sequence parallelism (hidden states in sequence shards: the LM head over every
+    position, generation without a KV cache, the sequence padded to a multiple of tp) and
+    interleaved pipelines (two chunks per rank, activations round the ring twice) answer
+    loglikelihood, rolling and generate_until requests as one process does."""
+    got = run_ranks(2, _live_parts_rank, str(model_dirs[0]), str(tiny_tokenizer_dir),
+                    parallel)[0]
+    want = run_requests(local_lm(model_dirs[0], batch_size=3))
+    for (g, g_greedy), (w, w_greedy) in zip(got["loglikelihood"], want["loglikelihood"]):
+        assert abs(g - w) < 1e-5 and g_greedy == w_greedy
+    for g, w in zip(got["loglikelihood_rolling"], want["loglikelihood_rolling"]):
+        assert abs(g - w) < 1e-5
+    assert got["generate_until"] == want["generate_until"]
 
 
 @pytest.mark.slow
@@ -302,10 +393,6 @@ def local_lm(checkpoint, batch_size: int = 4):
 def _tokenizer_dir(checkpoint):
     from bloomtrain.runtime import checkpoint_tokenizer
     return checkpoint_tokenizer(checkpoint, None)
-
-
-PROMPTS = ["The quick brown fox", "def f(x):", "Привет, мир!", "数据并行",
-           "The quick brown dog", "Emoji 🎉"]
 
 
 def instances(kwargs: dict, prompts=PROMPTS) -> list[Instance]:
