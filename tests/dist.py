@@ -62,8 +62,8 @@ GROUP_TIMEOUT = timedelta(seconds=120)
 # After one rank failed, how long the others get to report before they are killed (a peer blocked
 # in a collective with the failed rank usually fails at once when that rank closes its group).
 FAILURE_GRACE_S = 5.0
-# A worker whose resident memory grew past this after a function is retired (glibc rarely gives
-# freed arenas back; 8 workers at this size still fit the CI machine).
+# A worker still this large after a function (and malloc_trim) is retired: 8 workers at this size
+# still fit the CI machine.
 MAX_WORKER_RSS = 3 * 2 ** 30
 POOL_SIZE = 8
 # Process-wide helpers a library starts once and keeps, idle, whoever called it first.
@@ -235,11 +235,13 @@ class _Clean:
 
     def dirty(self) -> str | None:
         """Why this worker must not run another function (None: it may)."""
+        def extra():
+            return [t for t in set(threading.enumerate()) - self.threads
+                    if t.is_alive() and t.name not in BENIGN_THREADS]
         deadline = time.monotonic() + 2.0
-        for t in set(threading.enumerate()) - self.threads:  # a thread that is just finishing
+        for t in extra():  # a thread that is just finishing
             t.join(timeout=max(0.0, deadline - time.monotonic()))
-        left = [t.name for t in set(threading.enumerate()) - self.threads
-                if t.is_alive() and t.name not in BENIGN_THREADS]
+        left = [t.name for t in extra()]
         if left:
             return f"left thread(s) running: {', '.join(sorted(left))}"
         rss = _rss_bytes()
