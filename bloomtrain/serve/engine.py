@@ -263,7 +263,9 @@ class Engine:
                                                      seq.params.logprobs)
             self._token_metrics(seq, now)
             if token == self.eos_token_id and not seq.params.ignore_eos:
-                out.logprobs = []  # the end-of-text token is not part of the completion
+                # The end-of-text token is no part of the text or the token ids, but its
+                # logprob is reported, as OpenAI's and vLLM's completions do: a harness scoring
+                # with echo + max_tokens 1 drops the last entry as the generated token's.
                 self._emit(seq, out, finish="stop")
                 continue
             seq.tokens.append(token)
