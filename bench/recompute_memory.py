@@ -40,7 +40,7 @@ from bloomtrain.config import ModelConfig
 from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
 from bloomtrain.model.attention import resolve_attention
 from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 MODES = ("none", "selective", "full")
 DEFAULT_SHAPE = {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192}

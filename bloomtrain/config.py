@@ -1,15 +1,7 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML plus dotted
-`section.key=value` overrides.
-
-This module is the leaf of the package: it imports nothing from bloomtrain, so every other module
-can import it. `Config.check()` validates each key on its own (ranges, choices, the forms of
-`data.split` and `data.paths`); the rules that tie keys of different sections together (tp
-against the head count, the global batch against micro-batch and dp, ramp-up, pipeline
-partitions) live in bloomtrain.layout, which applies both before any process group starts.
-
-Every error names the key and says what to change, e.g. `train.precision must be bf16, fp16 or
-fp32, got 'fp8'`.
-"""
+`section.key=value` overrides, and each key's domain (`DOMAINS`), which `Config.check()`
+enforces. It imports nothing of the package but its errors, so every module can import it; the
+rules that tie sections together are bloomtrain.layout's."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-
-class UserError(Exception):
-    """An error caused by the user's input or environment. The CLI prints it without a
-    traceback, so the message must say what to change. Defined here, in the package's leaf
-    module, so that every module can raise it; bloomtrain.utils re-exports it."""
+from bloomtrain.errors import UserError
 
 
 @dataclass

@@ -213,7 +213,7 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
 def _report(run_dir: str, log) -> Path | None:
     """The run's plots and report.html (bloomtrain plot), when matplotlib is installed."""
     from bloomtrain.report import write_report
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
     try:
         html = write_report([run_dir])
     except UserError as e:  # matplotlib missing: the demo itself has succeeded

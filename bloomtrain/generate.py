@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bloomtrain.serve.sampling import next_tokens
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 if TYPE_CHECKING:  # the CLI parser imports this module and must not wait for torch
     import torch

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from bloomtrain.model.params import EMBEDDING, LM_HEAD
+from bloomtrain.model.presets import EMBEDDING, LM_HEAD
 from bloomtrain.utils import (PathOutside, UserError, disk_full_error, fsync_dir, is_disk_full,
                              path_inside)
 
@@ -468,8 +468,6 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
 
 # ---- writing HF directories ----------------------------------------------------------------------
 
-from bloomtrain.safetensors_io import write_safetensors_streaming  # noqa: E402
-
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
     """bos/eos/pad ids as HF resolves them: tokenizer_config.json's tokens, else BLOOM's
     `<s>`, `</s>`, `<pad>`."""
@@ -510,6 +508,8 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     """Write an HF `BloomForCausalLM` directory from a bloomtrain checkpoint (a step directory or
     a root with `latest`). The directory is assembled under a temporary name and renamed into
     place, so a failure leaves any previous export untouched."""
+    from bloomtrain.safetensors_io import write_safetensors_streaming  # torch: not at parse time
+
     reader = open_checkpoint(checkpoint_path)
     ckpt, manifest, shape = reader.path, reader.manifest, reader.shape
     output_dir = Path(output_dir)

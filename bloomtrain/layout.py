@@ -20,7 +20,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from bloomtrain.config import Config, ParallelConfig, TrainConfig, UserError
+from bloomtrain.config import Config, ParallelConfig, TrainConfig
+from bloomtrain.errors import UserError
 from bloomtrain.model.presets import BloomShape, resolve_model_config
 from bloomtrain.parallel.pipeline.partition import check_micro_batches, partition_layers
 

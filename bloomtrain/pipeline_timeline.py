@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from bloomtrain.parallel.pipeline import TIMELINE_DIR, summarize
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 _FILE = re.compile(r"step_(\d+)_rank_(\d+)\.json")
 _FILL = {"F": "-", "B": "=", "recv": "."}

@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 if TYPE_CHECKING:
     import torch

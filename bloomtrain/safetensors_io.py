@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 # torch dtype name -> safetensors dtype tag (the subset a BLOOM checkpoint can hold).
 ST_DTYPES = {

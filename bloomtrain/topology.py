@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from bloomtrain.layout import ParallelLayout, RankCoords
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 @dataclass

@@ -76,6 +76,21 @@ def import_graph(repo: Path) -> dict[str, set[str]]:
     return graph
 
 
+ERROR_NAMES = {"UserError"}
+
+
+def imports_of_config_for_errors(repo: Path) -> list[str]:
+    """Modules that import bloomtrain.config only to raise its errors (which live in the leaf
+    bloomtrain.errors), function-local imports included."""
+    hits = []
+    for name, path in modules(repo).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.ImportFrom) and node.module == "bloomtrain.config"
+                    and {a.name for a in node.names} <= ERROR_NAMES):
+                hits.append(f"{name}:{node.lineno}")
+    return hits
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []

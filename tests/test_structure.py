@@ -11,7 +11,8 @@ import torch
 
 from tests import helpers
 from tests.structure import (calls_outside, composition_sites, cycles,
-                             direct_collective_calls, import_graph, parameter_flag_writes, sizes)
+                             direct_collective_calls, import_graph,
+                             imports_of_config_for_errors, parameter_flag_writes, sizes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,9 +29,18 @@ def test_no_class_over_300_lines_and_no_function_over_80():
 def test_no_import_cycle_and_config_is_a_leaf():
     graph = import_graph(REPO)
     assert cycles(graph) == []
-    assert graph["bloomtrain.config"] == set()
+    assert graph["bloomtrain.errors"] == set()
+    assert graph["bloomtrain.config"] <= {"bloomtrain.errors"}
     # The input readers serve both the tokenizer trainer and the preprocessor.
-    assert graph["bloomtrain.data.sources"] <= {"bloomtrain.utils", "bloomtrain.data.indexed"}
+    assert graph["bloomtrain.data.sources"] <= {"bloomtrain.errors", "bloomtrain.utils",
+                                                "bloomtrain.data.indexed"}
+
+
+def test_errors_come_from_the_errors_module():
+    """UserError lives in bloomtrain.errors, a leaf; the config is imported for its sections and
+    domains only (the top-level CLI may take both from it)."""
+    assert [h for h in imports_of_config_for_errors(REPO) if not h.startswith("bloomtrain.cli:")] \
+        == []
 
 
 def test_one_place_composes_tensor_pipeline_and_zero():

@@ -39,9 +39,14 @@ from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, O
                                           TIED_ALIAS, CheckpointError, find_latest_valid,
                                           list_checkpoints, prune, read_manifest, resolve,
                                           sha256_file, step_dir_name, verify)
-from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
-from bloomtrain.checkpoint.reader import CheckpointReader, LazyState, load_model_state
-from bloomtrain.checkpoint.writer import CheckpointWriter, save_checkpoint
+from bloomtrain.utils import lazy_exports
+
+# fragments, reader and writer import torch; the format (finding and checking checkpoints, for
+# `bloomtrain status` and the CLI's parsers) must not wait for it.
+__getattr__ = lazy_exports(__name__, {
+    **dict.fromkeys(["Deferred", "Fragment", "full_fragments"], "fragments"),
+    **dict.fromkeys(["CheckpointReader", "LazyState", "load_model_state"], "reader"),
+    **dict.fromkeys(["CheckpointWriter", "save_checkpoint"], "writer")})
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MODEL_KINDS", "OPTIM_KINDS", "TIED_ALIAS", "CheckpointError",

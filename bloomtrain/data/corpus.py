@@ -17,7 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-from bloomtrain.utils import UserError, atomic_output
+from bloomtrain.errors import UserError
+from bloomtrain.utils import atomic_output
 
 MAX_DOC_CHARS = 20_000
 MIN_DOCSTRING_CHARS = 40

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 EOD_TOKEN = "<|endoftext|>"
 # Looked for, in this order, in a directory given as a tokenizer.

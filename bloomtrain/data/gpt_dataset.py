@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from bloomtrain.config import parse_split  # noqa: F401  (the one parser of data.split)
-from bloomtrain.utils import UserError, atomic_output, fsync_dir
+from bloomtrain.errors import UserError
+from bloomtrain.utils import atomic_output, fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset, strip_suffix
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 _BAR_WIDTH = 40
 _SAMPLE_CHARS = 200

@@ -23,7 +23,7 @@ from bloomtrain.config import parse_data_paths
 from bloomtrain.data.blend import BlendableDataset, normalize_weights_and_num_samples
 from bloomtrain.data.gpt_dataset import GPTDataset, split_documents
 from bloomtrain.data.indexed import MMapIndexedDataset
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 _SPLIT_NAMES = ("train", "valid", "test")
 

@@ -28,7 +28,8 @@ from bloomtrain.data.sources import (
     skip_message,
 )
 from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
-from bloomtrain.utils import UserError, disk_full_error, is_disk_full
+from bloomtrain.errors import UserError
+from bloomtrain.utils import disk_full_error, is_disk_full
 
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 # Record kinds yielded by iter_records. Records stay unparsed until parse_record so that the
 # preprocessor can parse them in its worker processes rather than in the reading one.

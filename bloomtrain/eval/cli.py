@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from bloomtrain.runtime import DTYPE_NAMES
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 _OVERRIDE = re.compile(r"parallel\.(tp|pp)=(\d+)")
 # Exit code of rank 0 after a UserError it has printed (argparse's, and main()'s).

@@ -83,7 +83,7 @@ def _check_layout(topo: Topology, shape: BloomShape) -> None:
     layout = topo.layout
     layout.check_tensor_parallel(shape, 1, layout.tp)
     if shape.num_layers < layout.pp:
-        from bloomtrain.utils import UserError
+        from bloomtrain.errors import UserError
         raise UserError(f"parallel.pp={layout.pp} needs at least {layout.pp} layers; the model "
                         f"has {shape.num_layers}")
     layout.check_pipeline(shape.num_layers)

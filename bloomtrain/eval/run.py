@@ -9,7 +9,8 @@ import difflib
 import json
 from pathlib import Path
 
-from bloomtrain.utils import UserError, atomic_output
+from bloomtrain.errors import UserError
+from bloomtrain.utils import atomic_output
 
 
 def find_tasks(tasks: list[str], include_paths: list[str] | tuple = ()):

@@ -27,7 +27,7 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.eval.model import EvalModel
 from bloomtrain.eval.protocol import Executor, worker_loop
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 def parse_tasks(text: str | None) -> list[str]:

@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.utils import atomic_output
 
 _SECTIONS = ("model", "parallel", "data", "optim", "train", "checkpoint", "run")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.import_config.megatron_args import BY_DEST, flag_of
 from bloomtrain.import_config.shell import show, unresolved_in
 

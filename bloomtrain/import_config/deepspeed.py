@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.import_config.conversion import Conversion, Mapped, Skipped
 
 _LOG = "logging and profiling; bloomtrain logs to run_dir/metrics.jsonl"

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.import_config.shell import (_ASSIGNMENT, Command, Lexer, Part, _arith, mark,
                                             show, unresolved_in)
 

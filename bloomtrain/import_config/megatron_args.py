@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 
 REASONS = {
     # ---- ignored --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 
 from pathlib import Path
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.data.gpt2_bpe import merges_beside
 from bloomtrain.import_config.conversion import Conversion
 

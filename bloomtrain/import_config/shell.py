@@ -21,7 +21,7 @@ import operator
 import re
 from dataclasses import dataclass
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 
 _OPEN, _CLOSE = "\ue000", "\ue001"
 # A marker's text is shifted into a private-use plane so that no character of it means anything

@@ -1,15 +1,4 @@
 """Single-device BLOOM model and its shapes. No distributed code lives here."""
-from bloomtrain.model.bloom import (  # noqa: F401
-    BloomBlock,
-    BloomForCausalLM,
-    BloomModel,
-    alibi_causal_bias,
-    alibi_slopes,
-    build_model,
-    expected_parameters,
-    init_weights,
-    lm_loss,
-)
 from bloomtrain.model.presets import (  # noqa: F401
     BLOOM_VOCAB,
     PRESETS,
@@ -17,3 +6,9 @@ from bloomtrain.model.presets import (  # noqa: F401
     pad_vocab,
     resolve_model_config,
 )
+from bloomtrain.utils import lazy_exports
+
+# bloom.py imports torch; presets (shapes, for config validation) must not wait for it.
+__getattr__ = lazy_exports(__name__, dict.fromkeys(
+    ["BloomBlock", "BloomForCausalLM", "BloomModel", "alibi_causal_bias", "alibi_slopes",
+     "build_model", "expected_parameters", "init_weights", "lm_loss"], "bloom"))

@@ -38,7 +38,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-EMBEDDING = "transformer.word_embeddings.weight"
-LM_HEAD = "lm_head.weight"
+from bloomtrain.model.presets import EMBEDDING, LM_HEAD  # noqa: F401  (re-exported)
+
 INIT_BLOCK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per generated block
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.planner.evaluate import Candidate, Plan, Workload, evaluate
 from bloomtrain.planner.hardware import GPUS, Cluster, gpu
 from bloomtrain.planner.search import (SearchResult, candidate_from_config, parse_layout,

@@ -10,7 +10,8 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.planner.evaluate import evaluate
 from bloomtrain.planner.hardware import Cluster
 from bloomtrain.planner.search import candidate_from_config, workload_from_config

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.optim import megatron_tflops

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 
 MIB = 2 ** 20
 GIB = 2 ** 30

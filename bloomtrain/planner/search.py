@@ -7,7 +7,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.planner.evaluate import Candidate, Plan, Workload, evaluate

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.report.plot import Panel, write_plots
 from bloomtrain.report.runs import (Run, Summary, fmt, fmt_mem, fmt_spike, fmt_steps, load_runs,
                                     summarize)

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.report.runs import HARNESS_PREFIX, Run, harness_metrics, number
 from bloomtrain.utils import atomic_output
 

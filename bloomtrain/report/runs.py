@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.layout import BatchSchedule
 
 # The keys of a downstream evaluation's results: eval/<task>/<metric> (bloomtrain.eval.run).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 class TemplateError(ValueError):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from bloomtrain.runtime import DTYPE_NAMES
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 def _tp_from_overrides(overrides: list[str]) -> int | None:

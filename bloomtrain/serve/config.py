@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -31,7 +31,8 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 
 
 @dataclass

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from bloomtrain.config import Config, UserError, parse_data_paths
+from bloomtrain.config import Config, parse_data_paths
+from bloomtrain.errors import UserError
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.layout import validate
 from bloomtrain.model import BloomForCausalLM

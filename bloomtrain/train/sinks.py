@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bloomtrain.config import Config, UserError
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 
 
 def scalars(rec: dict, prefix: str = "") -> dict[str, float]:

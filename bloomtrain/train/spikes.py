@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.data.loader import batches_between
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.step import StepResult

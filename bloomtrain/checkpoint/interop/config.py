@@ -75,7 +75,7 @@ def _trainer_state(path: Path) -> dict:
 def derive_config(src: Source, output: Path, tokenizer_dir: Path | None):
     """(config dict, the conversion's report, notes) of the run `src` continues."""
     from bloomtrain.import_config import megatron_to_config
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
 
     notes: list[str] = []
     megatron = "tensor_model_parallel_size" in src.args
@@ -121,7 +121,7 @@ def _check(config: dict, world: int) -> None:
     is unknown, with a stand-in for it)."""
     from bloomtrain.config import Config
     from bloomtrain.layout import validate
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
 
     probe = json.loads(json.dumps(config))
     train = probe.setdefault("train", {})

@@ -40,7 +40,7 @@ def zero_stage_of(ds_config: dict | None) -> int:
 
 def _hf_shape(files, where):
     from bloomtrain.hf import shape_from_hf_config
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
 
     path = dsfiles.find_config_json(files)
     if path is None:

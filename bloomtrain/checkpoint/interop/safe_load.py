@@ -26,7 +26,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 class InteropError(UserError):

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from bloomtrain.checkpoint.interop.safe_load import InteropError
+
+if TYPE_CHECKING:  # the importer's parser (bloomtrain import-deepspeed --help) imports this
+    import torch
 
 WEIGHTS, MASTER_KINDS = "weights", ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -73,6 +74,8 @@ def check_decay_groups(groups: list[dict], where) -> list[str]:
 
 
 def tied_head_equal(a: torch.Tensor, b: torch.Tensor, where, what: str) -> None:
+    import torch
+
     if a.shape != b.shape or not torch.equal(a, b):
         raise InteropError(f"{where}: {what} differs from the word embedding; bloomtrain's LM head "
                            f"is always the embedding (untied heads are not supported)")

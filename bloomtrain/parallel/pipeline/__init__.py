@@ -29,14 +29,18 @@ head's copy on the last; their specs (bloomtrain.model.params) mark them `tied`,
 sums their gradients over the embedding group so that both take the same steps.
 """
 from bloomtrain.parallel.pipeline.partition import check_micro_batches, partition_layers
-from bloomtrain.parallel.pipeline.runtime import (COMM_NAME, PipelineCommError,
-                                                  pipeline_eval_step, pipeline_train_step)
 from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, Op, gpipe_schedule, grid_bubble,
                                                     interleaved_schedule, one_f_one_b_schedule,
                                                     op_p2p, schedule_grid, theoretical_bubble)
-from bloomtrain.parallel.pipeline.stage import (PipelineChunk, StageTransformer,
-                                                build_pipeline_chunks)
 from bloomtrain.parallel.pipeline.timeline import TIMELINE_DIR, Timeline, summarize
+from bloomtrain.utils import lazy_exports
+
+# runtime and stage import torch; partitions and schedules (config validation, the planner,
+# pipeline-timeline's parser) must not wait for it.
+__getattr__ = lazy_exports(__name__, {
+    **dict.fromkeys(["COMM_NAME", "PipelineCommError", "pipeline_eval_step",
+                     "pipeline_train_step"], "runtime"),
+    **dict.fromkeys(["PipelineChunk", "StageTransformer", "build_pipeline_chunks"], "stage")})
 
 __all__ = [
     "check_micro_batches",

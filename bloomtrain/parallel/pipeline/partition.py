@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 
 
 # Layer class names as DeepSpeed's PipelineModule sees BLOOM in Megatron-DeepSpeed, so that a

@@ -12,7 +12,7 @@ import torch
 
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.comm import group_rank, group_size
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 SEQUENCE_DIM = 1  # hidden states are [b, s, h]
 COMM_NAME = "tp"

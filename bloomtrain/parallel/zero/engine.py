@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 from bloomtrain.model.bloom import BloomBlock
 from bloomtrain.model.params import EMBEDDING
 from bloomtrain.optim import DynamicLossScaler

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bloomtrain.config import UserError
+from bloomtrain.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""`bloomtrain`'s command line (bloomtrain/cli.py): `section.key=value` overrides before, between
+and after a subcommand's options; a parse error shown with the subcommand's own usage; and the
+cost of parsing: `--help`, parsing and a config's errors import neither torch._dynamo nor
+torch.distributed (`import torch` brings the latter, so no torch at all)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bloomtrain import cli
+
+# Each subcommand that takes overrides, with options it accepts (required ones included).
+OPTIONS = {
+    "train": ["--config", "my.yaml", "--nproc", "3"],
+    "plan": ["--gpus", "8", "--gpu", "a100-40g"],
+    "eval": ["--checkpoint", "ckpt", "--tasks", "piqa"],
+    "serve": ["--checkpoint", "ckpt", "--port", "8001"],
+    "demo": ["--run-dir", "out"],
+}
+
+
+def _parse(argv):
+    return cli.build_parser(argv).parse_args(argv)
+
+
+def test_every_command_with_overrides_is_covered():
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if a.dest == "command"]
+    takes = {name for name, p in sub.choices.items()
+             if any(a.dest == "overrides" for a in p._actions)}
+    assert takes == set(OPTIONS)
+
+
+@pytest.mark.parametrize("command", sorted(OPTIONS))
+def test_overrides_before_between_and_after_options(command):
+    a, b = OPTIONS[command][:2], OPTIONS[command][2:]
+    for argv in ([command, "parallel.tp=2", *a, *b, "train.seed=3"],
+                 [command, *a, "parallel.tp=2", *b, "train.seed=3"],
+                 [command, *a, *b, "parallel.tp=2", "train.seed=3"],
+                 [command, "parallel.tp=2", "train.seed=3", *a, *b]):
+        args = _parse(argv)
+        assert args.overrides == ["parallel.tp=2", "train.seed=3"], argv
+        assert args.command == command
+
+
+def test_the_issues_command_line_parses():
+    args = _parse(["train", "--config", "my.yaml", "data.paths=[data/mine_text_document]",
+                   "--nproc", "3", "parallel.tp=2"])
+    assert args.nproc == 3 and args.config == "my.yaml"
+    assert args.overrides == ["data.paths=[data/mine_text_document]", "parallel.tp=2"]
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        _parse(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_an_unknown_option_is_the_subcommands_error_with_its_usage(capsys):
+    err = _error(["train", "--config", "my.yaml", "parallel.tp=2", "--bogus"], capsys)
+    assert err.startswith("usage: bloomtrain train [-h] [--config CONFIG]")
+    assert err.endswith("bloomtrain train: error: unrecognized arguments: --bogus\n")
+    err = _error(["tokenizer", "train", "--input", "a.jsonl", "--vocab-size", "300", "--output",
+                  "tok", "--bogus-key", "text"], capsys)
+    assert err.startswith("usage: bloomtrain tokenizer train [-h] --input FILE [FILE ...]")
+    assert err.endswith("bloomtrain tokenizer train: error: unrecognized arguments: "
+                        "--bogus-key text\n")
+    err = _error(["plot", "runs/a", "--bogus"], capsys)
+    assert err.startswith("usage: bloomtrain plot [-h]")
+    assert "bloomtrain plot: error: unrecognized arguments: --bogus" in err
+
+
+def test_a_bad_value_and_a_missing_option_name_the_subcommand(capsys):
+    err = _error(["train", "--nproc", "parallel.tp=2"], capsys)
+    assert err.startswith("usage: bloomtrain train")
+    assert "bloomtrain train: error: argument --nproc: invalid int value: 'parallel.tp=2'" in err
+    err = _error(["eval", "parallel.tp=2", "--tasks", "piqa"], capsys)
+    assert err.startswith("usage: bloomtrain eval")
+    assert "bloomtrain eval: error: the following arguments are required: --checkpoint" in err
+
+
+def test_an_unknown_command_lists_the_commands(capsys):
+    err = _error(["trian"], capsys)
+    assert err.startswith("usage: bloomtrain [-h] COMMAND ...")
+    assert "bloomtrain: error: argument COMMAND: invalid choice: 'trian' (choose from 'demo', " \
+           "'train'," in err
+
+
+def test_the_listing_shows_every_command_without_importing_it(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name, (_, help_line) in cli.COMMANDS.items():
+        assert f"    {name}" in out
+        assert help_line.split()[0] in out
+
+
+# ---- the cost of parsing -------------------------------------------------------------------------
+
+HEAVY = ("torch", "torch.distributed", "torch._dynamo")
+
+# One process runs every case, each through bloomtrain.cli.main, and reports the heavy modules
+# loaded after it: the first case to load one names the culprit.
+PROBE = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from bloomtrain.cli import main
+    out = []
+    for argv in json.loads(sys.argv[1]):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code
+        out.append({"argv": argv, "code": code, "stderr": err.getvalue(),
+                    "heavy": [m for m in %r if m in sys.modules]})
+    print(json.dumps(out))
+""" % (HEAVY,))
+
+
+def _probe(cases, tmp_path) -> list[dict]:
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(cases)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_help_and_parsing_import_no_torch(tmp_path):
+    cases = [["--help"]]
+    for name in cli.COMMANDS:
+        action = {"tokenizer": ["train"], "data": ["inspect"]}.get(name, [])
+        cases.append([name, *action, "--help"])
+    cases.append(["train", "--config", "my.yaml", "--bogus"])  # a parse error
+    for case in _probe(cases, tmp_path):
+        assert case["heavy"] == [], f"`bloomtrain {' '.join(case['argv'])}` imported " \
+                                    f"{case['heavy']}"
+        assert case["code"] in (0, 2)
+
+
+def test_config_errors_come_before_torch(tmp_path):
+    (tmp_path / "typo.yaml").write_text("train: {train_iters: 5, micro_batch_sise: 2}\n")
+    (tmp_path / "ok.yaml").write_text("model: {preset: tiny}\ntrain: {train_iters: 5}\n")
+    cases = [["train", "--config", "typo.yaml"],
+             ["train", "--config", "ok.yaml", "parallel.tp=3"],
+             ["train", "--config", "ok.yaml", "--nproc", "3", "parallel.tp=2"],
+             ["train", "--config", "ok.yaml", "optim.lr=-1"]]
+    got = _probe(cases, tmp_path)
+    assert [c["heavy"] for c in got] == [[]] * len(cases)
+    assert [c["code"] for c in got] == [2] * len(cases)
+    typo, heads, nproc, lr = (c["stderr"] for c in got)
+    assert typo.startswith("bloomtrain train: error: unknown key(s) ['train.micro_batch_sise']; "
+                           "valid keys in 'train' are ['activation_checkpointing', ")
+    assert heads == ("bloomtrain train: error: the number of processes (1) is not divisible by "
+                     "parallel.tp * parallel.pp (3 * 1 = 3); change --nproc or the tp/pp "
+                     "sizes\n")
+    assert nproc == ("bloomtrain train: error: the number of processes (3) is not divisible by "
+                     "parallel.tp * parallel.pp (2 * 1 = 2); change --nproc or the tp/pp "
+                     "sizes\n")
+    assert lr.startswith("bloomtrain train: error: optim.lr must be ")
