@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
 import shutil
 import tempfile
@@ -11,6 +12,20 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from bloomtrain.errors import UserError
+
+
+def lazy_exports(package: str, where: dict[str, str]):
+    """A package's module `__getattr__` (PEP 562) that imports `package.MODULE` when one of its
+    names (`where`: name -> MODULE) is first used. `from bloomtrain.model import BloomForCausalLM`
+    works as before, while importing the package for a torch-free module of it (the CLI's
+    parsers, config validation) does not import torch."""
+
+    def __getattr__(name: str):
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+
+    return __getattr__
 
 
 def tmp_name(path: str | os.PathLike) -> Path:

@@ -15,8 +15,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bloomtrain.model.params import EMBEDDING, LM_HEAD
-from bloomtrain.model.presets import BloomShape
+from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
 from bloomtrain.errors import UserError
 from bloomtrain.utils import PathOutside, path_inside
 

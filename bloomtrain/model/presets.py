@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from bloomtrain.errors import UserError
 
+# The HF names of the tied word embedding and LM head (bloomtrain.model.params' table keys them),
+# here for the checkpoint formats and HF interop, which need them without torch.
+EMBEDDING = "transformer.word_embeddings.weight"
+LM_HEAD = "lm_head.weight"
+
 # All released BLOOM models share the 250,680-token tokenizer padded to 250,880 (= 490 * 512).
 BLOOM_VOCAB = 250880
 

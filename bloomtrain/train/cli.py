@@ -5,13 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
-
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import validate
-from bloomtrain.train.launch import LaunchSpec, launch_local
-from bloomtrain.train.loop import train
+from bloomtrain.runtime import LaunchSpec, env_from_slurm, world_size_from_env
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
 LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": 600,
@@ -19,6 +16,10 @@ LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_tim
 
 
 def worker_entry(config_path, overrides):
+    import torch.distributed as dist
+
+    from bloomtrain.train.loop import train
+
     cfg = Config.load(config_path, overrides)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("RANK") == "0":
@@ -60,12 +61,19 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
 
 
 def cmd_train(args) -> int:
+    # Every check of the config before torch is imported (seconds of CPU) or a worker starts.
     cfg = Config.load(args.config, args.overrides)
     spec = launch_spec(args, cfg)
+    if spec is None:
+        env_from_slurm()  # a plain srun's tasks as torchrun's variables, as the Trainer does
+    validate(cfg, spec.world_size if spec is not None else world_size_from_env())
     if spec is not None:
-        validate(cfg, spec.world_size)  # fail before starting any worker
+        from bloomtrain.train.launch import launch_local
         launch_local(spec.nproc, worker_entry, args.config, args.overrides, spec=spec)
         return 0
+    import torch.distributed as dist
+
+    from bloomtrain.train.loop import train
     train(cfg)
     if dist.is_initialized():
         dist.destroy_process_group()
