@@ -192,6 +192,27 @@ def test_live_model_equals_bloomtrain_eval_on_the_saved_checkpoint(harness_run, 
                 assert math.isclose(got, value, rel_tol=1e-6), (task, key, got, value)
 
 
+def test_status_lists_four_tasks_and_counts_the_rest(tmp_path):
+    """Rows for the first four tasks (alphabetical, stderrs left out), a count of the others:
+    the screen stays within 80 x 24."""
+    from bloomtrain.report.status import status_lines
+
+    rec = {"step": 40, "consumed_samples": 320, "eval_harness_s": 3.0}
+    for i in range(6):
+        rec[f"eval/task{i}/acc"] = i / 10
+        rec[f"eval/task{i}/acc_stderr"] = 0.01
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 40, "consumed_samples": 320, "loss": 2.0}) + "\n" +
+        json.dumps(rec) + "\n")
+    lines = status_lines(tmp_path)
+    at = lines.index(next(line for line in lines if line.startswith("downstream")))
+    assert lines[at].endswith("lm-eval at step 40")
+    assert [line.split()[0] for line in lines[at + 1:at + 5]] == [f"task{i}" for i in range(4)]
+    assert lines[at + 1].split()[1:] == ["acc", "0"] and "stderr" not in "".join(lines)
+    assert lines[at + 5].strip() == "and 2 more task(s)"
+    assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+
+
 def test_config_errors_before_anything_starts(dataset, tiny_tokenizer_dir, tmp_path):
     cfg = make_cfg(dataset, tiny_tokenizer_dir, tmp_path, tasks=None, eval_harness_interval=5)
     with pytest.raises(UserError, match="need train.eval_harness_tasks"):
