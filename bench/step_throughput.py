@@ -17,7 +17,7 @@ LayerNorms), gradient clipping at 1.0.
 Timing: after `--warmup` steps per side, `--rounds` rounds alternate the sides (the side that goes
 first alternates too), each timing `--steps` steps one by one (with torch.cuda.synchronize on
 CUDA); the median step time per side is reported, as tokens/s and Megatron-formula TFLOP/s
-(bloom_facts.md §2; the recompute factor 4 only with full recompute).
+(docs/bloom_facts.md §2; the recompute factor 4 only with full recompute).
 
 Speed figures: the bench also measures this device's bf16 matmul peak (1024³, best of 8, before
 and after the timed rounds; the higher is kept) and reports each side's TFLOP/s as a fraction of

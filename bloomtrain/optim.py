@@ -79,7 +79,7 @@ class DynamicLossScaler:
 def megatron_tflops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
                     vocab_size: int, step_time_s: float, num_devices: int,
                     activation_checkpointing: bool) -> float:
-    """Hardware TFLOP/s per device by Megatron's formula (bloom_facts.md §2, M1 training.py):
+    """Hardware TFLOP/s per device by Megatron's formula (docs/bloom_facts.md §2, M1 training.py):
     24·f·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)), f = 4 with full recompute, 3 without."""
     f = 4 if activation_checkpointing else 3
     flops = (24 * f * batch_size * seq_length * num_layers * hidden_size ** 2

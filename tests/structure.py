@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -230,6 +231,18 @@ def parameter_flag_writes(repo: Path) -> list[str]:
                     and node.args[0].id in names):
                 hits.append(f"{name}:{node.lineno} setattr({node.args[0].id}, ...)")
     return hits
+
+
+def cited_docs(repo: Path) -> dict[str, list[str]]:
+    """The `docs/` files that the package, the tests and the benches cite, with where."""
+    found: dict[str, list[str]] = {}
+    for folder in ("bloomtrain", "tests", "bench"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            rel = str(path.relative_to(repo))
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                for m in re.finditer(r"(?<![\w/])docs/[\w-]+(?:/[\w-]+)*\.[a-z]+", line):
+                    found.setdefault(m.group(0), []).append(f"{rel}:{i}")
+    return found
 
 
 def summary(repo: Path) -> dict:

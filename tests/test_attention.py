@@ -48,7 +48,7 @@ def _logits(model, ids, impl):
 
 @pytest.mark.parametrize("num_heads", [4, 6], ids=["4heads", "6heads"])
 def test_flex_logits_match_sdpa(num_heads, ids, device):
-    # 6 heads: the slopes are not one geometric sequence (bloom_facts.md §8).
+    # 6 heads: the slopes are not one geometric sequence (docs/bloom_facts.md §8).
     model = build_model(tiny(num_heads), seed=1, device=device).eval()
     x = ids[:, :SEQ].to(device)
     assert isinstance(model.transformer.attention_bias(SEQ, SEQ, torch.float32), torch.Tensor)

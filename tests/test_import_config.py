@@ -3,7 +3,7 @@
 The main input is BLOOM-176B's own launch script and ds_config (tests/fixtures/megatron_args/,
 see its README), converted and checked key by key against the values the script sets, against
 Megatron's defaults for what it leaves out, and against the bloom-176b preset's shape
-(docs/bloom_facts' published model).
+(docs/bloom_facts.md's published model).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_bloom_176b_recipe(tmp_path, capsys):
     assert (run.layout.tp, run.layout.pp, run.layout.dp) == (4, 12, 8)
     assert run.layout.num_micro_batches(2048, 2) == 128
     assert run.batches.global_batch_size_at(0) == 192
-    # The shape is the published one: the bloom-176b preset's (bloom_facts §1).
+    # The shape is the published one: the bloom-176b preset's (docs/bloom_facts.md §1).
     preset = resolve_model_config(ModelConfig(preset="bloom-176b"))
     assert run.shape.replace(hidden_dropout=0.0, attention_dropout=0.0) == preset
     header = out_yaml.read_text().split("\nmodel:")[0]

@@ -9,7 +9,7 @@ from bloomtrain.model import (BloomForCausalLM, BloomShape, alibi_slopes, build_
                               resolve_model_config)
 from bloomtrain.utils import UserError
 
-# Published parameter counts (bloom_facts.md §1, §3).
+# Published parameter counts (docs/bloom_facts.md §1, §3).
 PUBLISHED = {
     "bloom-560m": 559_214_592,
     "bloom-1b1": 1_065_314_304,

@@ -56,7 +56,7 @@ def test_no_weight_decay_groups():
 
 
 def test_tflops_formula_reproduces_bloom_logs():
-    # bloom_facts.md §2: the 176B run logged 149.02 TFLOPs at 105.22 s/iteration on 384 GPUs.
+    # docs/bloom_facts.md §2: the 176B run logged 149.02 TFLOPs at 105.22 s/iteration on 384 GPUs.
     tf = megatron_tflops(2048, 2048, 70, 14336, 250880, 105.22, 384, True)
     assert tf == pytest.approx(149.02, abs=0.01)
     assert megatron_tflops(16, 2048, 70, 14336, 250880, 15.23, 384, True) == pytest.approx(8.04, abs=0.01)

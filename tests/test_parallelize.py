@@ -32,7 +32,7 @@ def bloom_176b_config():
 def expected_parameters(pp_rank: int) -> int:
     """Parameters on one rank, written out from the shape: BLOOM's partition puts the embedding
     and 5 blocks on the first stage, 6 blocks on each middle one, 5 blocks, ln_f and the tied
-    head's copy on the last (bloom_facts.md §1, §3)."""
+    head's copy on the last (docs/bloom_facts.md §1, §3)."""
     block = (3 * H * H + H * H + 4 * H * H + 4 * H * H) // TP  # qkv, dense, h->4h, 4h->h weights
     block += (3 * H + 4 * H) // TP                               # column-parallel biases
     block += H + H + 4 * H                                       # row biases, two LayerNorms

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.structure import (calls_outside, composition_sites, cycles,
+from tests.structure import (calls_outside, cited_docs, composition_sites, cycles,
                              direct_collective_calls, import_graph,
                              imports_of_config_for_errors, parameter_flag_writes, sizes)
 
@@ -102,3 +102,11 @@ def test_every_package_directory_is_a_package():
     missing = [str(d.relative_to(REPO)) for d in (REPO / "bloomtrain").rglob("*")
                if d.is_dir() and d.name != "__pycache__" and not (d / "__init__.py").exists()]
     assert missing == []
+
+
+def test_the_project_cites_only_files_it_contains():
+    """The facts the code relies on (BLOOM's shapes and logged figures, the formulas) are in
+    docs/, and every docs/ file cited exists."""
+    cited = cited_docs(REPO)
+    assert {c: where for c, where in cited.items() if not (REPO / c).exists()} == {}
+    assert "docs/bloom_facts.md" in cited

@@ -45,7 +45,7 @@ class BloomShape:
         return dataclasses.replace(self, **kw)
 
 
-# name: (num_layers, hidden, heads, vocab, init_std). Shapes from bloom_facts.md §1, §3.
+# name: (num_layers, hidden, heads, vocab, init_std). Shapes from docs/bloom_facts.md §1, §3.
 # BLOOM used init std 0.0048 for every size (the tr11 scripts); tiny uses 0.02 so that a few
 # hundred CPU steps move it visibly.
 PRESETS: dict[str, dict] = {
