@@ -146,6 +146,24 @@ def test_exit_duration_saves_and_stops(dataset, tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
 
 
+def test_a_finished_run_says_there_is_nothing_to_train(dataset, tmp_path):
+    # Run again at its end (train_iters, then the same end as train_samples), it trains nothing,
+    # says so, and leaves metrics.jsonl as the finished run wrote it (no second eval record).
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=2,
+                   checkpoint={"dir": str(tmp_path / "ck")})
+    train(cfg, log=lambda *a: None)
+    written = metrics(cfg.run_dir)
+    for over in ({"train__train_iters": 2},
+                 {"train__train_iters": None, "train__train_samples": 16}):
+        lines = []
+        res = train(make_cfg(dataset, tmp_path, checkpoint={"dir": str(tmp_path / "ck")}, **over),
+                    log=lambda *a: lines.append(" ".join(map(str, a))))
+        assert "[train] already at step 2 of 2; nothing to train (raise train.train_iters or " \
+               "train.train_samples to continue)" in lines
+        assert res.losses == [] and res.exit_reason == "nothing to train"
+        assert metrics(cfg.run_dir) == written
+
+
 @pytest.mark.parametrize("parallel", [{"zero_stage": 1}, {"zero_stage": 3},
                                       {"pp_schedule": "gpipe", "zero_stage": 2}],
                          ids=["z1", "z3", "gpipe-z2"])

@@ -240,6 +240,13 @@ class Trainer:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
         self._announce()
+        if state.consumed_samples >= self.data.train_samples:
+            # A resumed run at its end: say so, rather than exit 0 having done nothing.
+            total = t.train_iters if t.train_iters is not None else state.step
+            self.print(f"[train] already at step {state.step} of {total}; nothing to train "
+                       f"(raise train.train_iters or train.train_samples to continue)")
+            result.exit_reason = "nothing to train"
+            return result
         self.spikes.load(state, self.resumed)
         meter = SpikeMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
                            t.activation_checkpointing == "full")
