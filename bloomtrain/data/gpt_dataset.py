@@ -28,7 +28,7 @@ import numpy as np
 
 from bloomtrain.config import parse_split  # noqa: F401  (the one parser of data.split)
 from bloomtrain.errors import UserError
-from bloomtrain.utils import atomic_output, fsync_dir
+from bloomtrain.utils import ProgressLine, atomic_output, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -124,17 +124,22 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
 
 
 def build_index_mappings(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
-                         seq_length: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron's _build_index_mappings."""
+                         seq_length: int, seed: int, phase=lambda what: None,
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron's _build_index_mappings.
+    `phase(what)` is told each step as it starts (a progress line)."""
     documents = np.asarray(documents)
     tokens_per_epoch = int(np.sum(np.asarray(sizes)[documents], dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
     separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
     rng = np.random.RandomState(seed=seed)
+    phase(f"document order: {len(documents):,} documents x {num_epochs} epoch(s)")
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate)
+    phase(f"sample positions: {num_epochs * tokens_per_epoch:,} tokens")
     sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
     total = sample_idx.shape[0] - 1
     first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
+    phase(f"sample order: {total:,} samples")
     shuffle_idx = build_shuffle_idx(first, total, rng)
     return doc_idx, sample_idx, shuffle_idx
 
@@ -248,8 +253,25 @@ class GPTDataset:
 
     def _build_and_save(self) -> None:
         start = time.perf_counter()
-        arrays = build_index_mappings(self.documents, self.indexed_dataset.sizes, self.num_samples,
-                                      self.seq_length, self.seed)
+        bar = ProgressLine()
+
+        def phase(what: str) -> None:
+            bar.update(f"sample index {self.name} | {self.num_samples:,} samples of "
+                       f"{self.seq_length} tokens", bar.elapsed(), what, force=True)
+
+        try:
+            arrays = build_index_mappings(self.documents, self.indexed_dataset.sizes,
+                                          self.num_samples, self.seq_length, self.seed,
+                                          phase=phase)
+            phase(f"writing {self.cache_dir}")
+            self._save(arrays)
+            phase("built")
+        finally:
+            bar.close()
+        log.info("built %s sample index (%d samples) in %.2fs -> %s", self.name,
+                 len(arrays[2]), time.perf_counter() - start, self.cache_dir)
+
+    def _save(self, arrays) -> None:
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             for path, arr in zip(self.paths.values(), arrays):
@@ -260,8 +282,6 @@ class GPTDataset:
             raise UserError(f"cannot write the sample-index cache of dataset "
                             f"{self.indexed_dataset.prefix} to {self.cache_dir} ({e}); set "
                             f"data.cache_dir to a writable directory") from None
-        log.info("built %s sample index (%d samples) in %.2fs -> %s", self.name,
-                 len(arrays[2]), time.perf_counter() - start, self.cache_dir)
 
     def _load_or_build(self):
         rank = _dist_rank()

@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -21,7 +20,7 @@ import numpy as np
 
 from bloomtrain.data.indexed import IndexedDatasetBuilder, best_fitting_dtype
 from bloomtrain.data.sources import (
-    SKIP_REASONS,
+    SkipReport,
     expand_inputs,
     iter_records,
     parse_record,
@@ -29,7 +28,7 @@ from bloomtrain.data.sources import (
 )
 from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
 from bloomtrain.errors import UserError
-from bloomtrain.utils import disk_full_error, is_disk_full
+from bloomtrain.utils import ProgressLine, disk_full_error, is_disk_full
 
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20
@@ -117,41 +116,6 @@ def _encoded_batches(paths: list[Path], tok: Tokenizer, json_key: str, append_eo
         yield index, pending.result()
 
 
-# ----------------------------------------------------------------------------- progress
-
-
-class Progress:
-    """One self-overwriting stderr line with rates, redrawn at most every `interval` seconds."""
-
-    def __init__(self, enabled: bool = True, interval: float = 0.25, stream=None):
-        self.enabled = enabled
-        self.interval = interval
-        self.stream = stream or sys.stderr
-        self.start = self._last = time.monotonic()
-        self._width = 0
-
-    def update(self, docs: int, tokens: int, force: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self.interval:
-            return
-        self._last = now
-        elapsed = max(now - self.start, 1e-9)
-        line = (f"{docs:,} docs  {tokens:,} tokens  {docs / elapsed:,.0f} docs/s  "
-                f"{tokens / elapsed:,.0f} tokens/s  {elapsed:.0f}s")
-        # Pad over the previous, possibly longer, line.
-        self.stream.write("\r" + line.ljust(self._width))
-        self._width = len(line)
-        self.stream.flush()
-
-    def close(self, docs: int, tokens: int) -> None:
-        if self.enabled:
-            self.update(docs, tokens, force=True)
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 # ----------------------------------------------------------------------------- driver
 
 
@@ -161,13 +125,20 @@ class PreprocessStats:
     files: int = 0
     docs: int = 0
     tokens: int = 0
-    skipped: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
-    reports: list[str] = dataclasses.field(default_factory=list)
+    skips: SkipReport = dataclasses.field(default_factory=SkipReport)
     elapsed: float = 0.0
 
     @property
+    def skipped(self) -> dict[str, int]:
+        return self.skips.counts
+
+    @property
+    def reports(self) -> list[str]:
+        return self.skips.reports
+
+    @property
     def num_skipped(self) -> int:
-        return sum(self.skipped.values())
+        return self.skips.total
 
 
 def dataset_prefix(output_prefix: str | os.PathLike, json_key: str = "text") -> str:
@@ -210,25 +181,32 @@ def preprocess(
     prefix = dataset_prefix(output_prefix, json_key)
     _check_output_dir(prefix)
     dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
-    stats = PreprocessStats(output_prefix=prefix, files=len(paths))
-    bar = Progress(enabled=progress)
+    stats = PreprocessStats(output_prefix=prefix, files=len(paths),
+                            skips=SkipReport(json_key, _MAX_REPORTS))
+    bar = ProgressLine() if progress else None
     start = time.monotonic()
 
     def consume(path_index: int, results) -> None:
         for lineno, result in results:
             if isinstance(result, str):
-                message = skip_message(paths[path_index], lineno, result, json_key)
                 if strict:
+                    message = skip_message(paths[path_index], lineno, result, json_key)
                     raise UserError(f"{message} (run without --strict to skip such documents)")
-                stats.skipped[result] += 1
-                if len(stats.reports) < _MAX_REPORTS:
-                    stats.reports.append(message)
+                stats.skips.add(paths[path_index], lineno, result)
                 continue
             builder.add_item(result)
             builder.end_document()
             stats.docs += 1
             stats.tokens += int(result.size)
-        bar.update(stats.docs, stats.tokens)
+        show(path_index)
+
+    def show(path_index: int, force: bool = False) -> None:
+        if bar is not None:
+            seconds = max(time.monotonic() - start, 1e-9)
+            bar.update(f"preprocess | file {path_index + 1} of {len(paths)}",
+                       f"{stats.docs:,} docs", f"{stats.tokens:,} tokens",
+                       f"{stats.docs / seconds:,.0f} docs/s", f"{stats.tokens / seconds:,.0f} tok/s",
+                       bar.elapsed(), force=force)
 
     builder = IndexedDatasetBuilder(prefix, dtype)
     pool = None
@@ -238,9 +216,10 @@ def preprocess(
         for path_index, results in _encoded_batches(paths, tok, json_key, append_eod, dtype,
                                                     pool, workers):
             consume(path_index, results)
+        show(len(paths) - 1, force=True)  # the totals, whenever the last redraw was
         if stats.docs == 0:
             raise UserError(f"no usable documents in {len(paths)} input file(s); nothing written"
-                            + (f" (first problem: {stats.reports[0]})" if stats.reports else ""))
+                            + stats.skips.first_problem())
         builder.finalize()
     except BaseException as e:
         builder.abort()
@@ -254,21 +233,19 @@ def preprocess(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        bar.close(stats.docs, stats.tokens)
+        if bar is not None:
+            bar.close()
     stats.elapsed = time.monotonic() - start
     _log_summary(stats, dtype, log)
     return stats
 
 
 def _log_summary(stats: PreprocessStats, dtype: np.dtype, log: Callable[[str], None]) -> None:
-    for message in stats.reports:
-        log(f"skipped {message}")
-    if stats.num_skipped > len(stats.reports):
-        log(f"... {stats.num_skipped - len(stats.reports)} more skipped documents not listed")
-    skipped = ", ".join(f"{n} {r}" for r, n in stats.skipped.items() if n) or "none"
+    for line in stats.skips.lines():
+        log(line)
     log(f"wrote {stats.output_prefix}.bin/.idx: {stats.docs:,} documents, "
         f"{stats.tokens:,} tokens ({dtype.name}) from {stats.files} file(s) "
-        f"in {stats.elapsed:.1f}s; skipped: {skipped}")
+        f"in {stats.elapsed:.1f}s; skipped: {stats.skips.summary()}")
 
 
 def register(subparsers) -> None:
@@ -296,7 +273,8 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
     p.add_argument("--strict", action="store_true",
                    help="fail on the first unusable document instead of skipping it")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress line (drawn on stderr when it is a terminal)")
     p.set_defaults(func=_main)
 
 

@@ -152,14 +152,17 @@ def _iter_parquet(path: Path, json_key: str):
             yield row, _TEXT, value
 
 
-def iter_texts(inputs: list[str | os.PathLike], json_key: str = "text") -> Iterator[str]:
-    """The valid, non-empty documents of all inputs in order; unusable ones are skipped, as
-    preprocess (non-strict) skips them. Used for tokenizer training."""
+def iter_texts(inputs: list[str | os.PathLike], json_key: str = "text",
+               skipped: SkipReport | None = None) -> Iterator[str]:
+    """The usable documents of all inputs in order; unusable ones are skipped, as preprocess
+    (non-strict) skips them, and counted in `skipped`. Used for tokenizer training."""
     for path in expand_inputs(inputs):
-        for _, kind, payload in iter_records(path, json_key):
-            text, _ = parse_record(kind, payload, json_key)
-            if text:
+        for lineno, kind, payload in iter_records(path, json_key):
+            text, reason = parse_record(kind, payload, json_key)
+            if reason is None:
                 yield text
+            elif skipped is not None:
+                skipped.add(path, lineno, reason)
 
 
 def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | None]:
@@ -199,3 +202,37 @@ def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | N
 def skip_message(path: str | os.PathLike, lineno: int, reason: str, json_key: str = "text") -> str:
     """`file:line: what is wrong` for a document that parse_record (or an encoder) rejected."""
     return f"{path}:{lineno}: {_REASON_TEXT[reason].format(key=json_key)}"
+
+
+class SkipReport:
+    """The unusable documents of a run, as preprocess and the tokenizer trainer report them:
+    counts by reason, and the first `limit` described by file:line."""
+
+    def __init__(self, json_key: str = "text", limit: int = 20):
+        self.json_key, self.limit = json_key, limit
+        self.counts = dict.fromkeys(SKIP_REASONS, 0)
+        self.reports: list[str] = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def add(self, path: str | os.PathLike, lineno: int, reason: str) -> str:
+        """Count a skipped document; returns its `file:line: reason`."""
+        message = skip_message(path, lineno, reason, self.json_key)
+        self.counts[reason] += 1
+        if len(self.reports) < self.limit:
+            self.reports.append(message)
+        return message
+
+    def lines(self) -> list[str]:
+        """What to log: each described document, then how many more there were."""
+        more = self.total - len(self.reports)
+        return ([f"skipped {m}" for m in self.reports]
+                + ([f"... {more} more skipped documents not listed"] if more else []))
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} {r}" for r, n in self.counts.items() if n) or "none"
+
+    def first_problem(self) -> str:
+        return f" (first problem: {self.reports[0]})" if self.reports else ""

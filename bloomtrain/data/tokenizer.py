@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from bloomtrain.data import gpt2_bpe
-from bloomtrain.data.sources import expand_inputs, iter_texts
+from bloomtrain.data.sources import SkipReport, expand_inputs, iter_texts
 from bloomtrain.errors import UserError
 from bloomtrain.utils import atomic_output
 
@@ -23,9 +23,11 @@ _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
-                    min_frequency: int = 2) -> Path:
-    """Train on the documents of `files` (any input preprocess accepts, streamed) and write
-    `output_dir/tokenizer.json` plus the HF side files. Returns the tokenizer.json path."""
+                    min_frequency: int = 2, json_key: str = "text", log=print) -> Path:
+    """Train on the documents of `files` (any input preprocess accepts, streamed; the text under
+    `json_key`) and write `output_dir/tokenizer.json` plus the HF side files. Unusable documents
+    are skipped and logged by file and line, as preprocess does. Returns the tokenizer.json
+    path."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -47,27 +49,32 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    counted = {"docs": 0, "invalid": 0}
+    skipped = SkipReport(json_key)
+    docs = 0
 
     def texts():
-        for text in iter_texts(paths):
-            # JSON can spell lone surrogates ("\ud800"), which no UTF-8 byte sequence
-            # represents; the trainer would stop on them, so such documents are skipped like
-            # other unusable ones.
-            if _invalid_unicode_at(text) is not None:
-                counted["invalid"] += 1
-                continue
-            counted["docs"] += 1
+        nonlocal docs
+        # Lone surrogates ("\ud800" in JSON), on which the trainer would stop, are skipped as
+        # not_utf8 like other unusable documents.
+        for text in iter_texts(paths, json_key, skipped):
+            docs += 1
             yield text
 
     tok.train_from_iterator(texts(), trainer=trainer)
-    if counted["docs"] == 0:
-        raise UserError(f"no usable text in {len(paths)} input file(s) to train a tokenizer on"
-                        + (f" ({counted['invalid']} document(s) skipped for lone surrogates)"
-                           if counted["invalid"] else ""))
+    if docs == 0:
+        raise UserError(f"no usable documents in {len(paths)} input file(s) to train a tokenizer "
+                        f"on; nothing written{skipped.first_problem()}")
+    for line in skipped.lines():
+        log(line)
     if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != list(range(len(SPECIAL_TOKENS))):
         landed = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
         raise RuntimeError(f"special tokens landed at {landed}")
+
+    if tok.get_vocab_size() < vocab_size:
+        log(f"warning: the vocabulary has {tok.get_vocab_size():,} tokens, not the "
+            f"{vocab_size:,} asked for: BPE merges pairs of adjacent tokens within words, and "
+            f"the corpus ({docs:,} document(s)) ran out of pairs seen at least --min-frequency "
+            f"{min_frequency} times; train on more text for a larger vocabulary")
 
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -322,12 +329,15 @@ def register(subparsers) -> None:
         help="train a byte-level BPE tokenizer",
         description="Train a BLOOM-style byte-level BPE (specials <unk> <s> </s> <pad> = ids 0-3) "
         "and write DIR/tokenizer.json plus tokenizer_config.json and special_tokens_map.json. "
-        "Inputs are read like `bloomtrain preprocess` reads them (jsonl/gz/zst with key 'text', "
-        "parquet, or plain text files as one document each).",
+        "Inputs are read like `bloomtrain preprocess` reads them (jsonl/gz/zst with the text "
+        "under --json-key, parquet, or plain text files as one document each); unusable "
+        "documents are skipped and named by file and line.",
     )
     t.add_argument("--input", nargs="+", required=True, metavar="FILE",
                    help="input files, globs or directories")
     t.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    t.add_argument("--json-key", default="text",
+                   help="JSON key / Parquet column of the text, as for preprocess (default: text)")
     t.add_argument("--output", required=True, metavar="DIR")
     t.add_argument("--min-frequency", type=int, default=2,
                    help="pairs seen fewer times are not merged (default: 2)")
@@ -335,7 +345,8 @@ def register(subparsers) -> None:
 
 
 def _train_main(args) -> int:
-    path = train_tokenizer(args.input, args.vocab_size, args.output, args.min_frequency)
+    path = train_tokenizer(args.input, args.vocab_size, args.output, args.min_frequency,
+                           args.json_key)
     tok = load_tokenizer(path)
     print(f"wrote {path} (vocab size {tok.vocab_size})")
     return 0

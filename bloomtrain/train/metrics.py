@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from bloomtrain.optim import megatron_tflops
 from bloomtrain.train.sinks import open_sinks
-from bloomtrain.utils import atomic_output
+from bloomtrain.utils import atomic_output, draw_in_place, format_duration, is_terminal
 
 
 class Console:
@@ -35,10 +34,7 @@ class Console:
     def _terminal(self):
         stream = (self._stream if self._stream is not None else
                   sys.stdout if self.log is print else None)
-        try:
-            return stream if stream is not None and stream.isatty() else None
-        except (AttributeError, ValueError):  # no isatty(), or closed
-            return None
+        return stream if is_terminal(stream) else None
 
     def _end_progress(self) -> None:
         if self._open is not None:
@@ -58,11 +54,7 @@ class Console:
                 self._end_progress()
                 self.log(text)
                 return
-            # A line wider than the terminal wraps, and a carriage return then goes back to its
-            # last row only: cut it to fit.
-            width = shutil.get_terminal_size().columns
-            stream.write("\r\x1b[2K" + text[:max(width - 1, 1)])
-            stream.flush()
+            draw_in_place(stream, text)
             self._open = stream
 
     def close(self) -> None:
@@ -187,10 +179,3 @@ def progress_line(rec: dict) -> str:
             f"{rec['step_time_s']:.3f} s/step | {rec['tokens_per_s']:.0f} tok/s | "
             f"{rec['tflops_per_device']:.3f} TFLOP/s/dev"
             + (f" | ETA {format_duration(rec['eta_s'])}" if "eta_s" in rec else ""))
-
-
-def format_duration(seconds: float) -> str:
-    """h:mm:ss, the hours unbounded."""
-    m, s = divmod(round(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}"

@@ -2,8 +2,10 @@
 line-by-line port of its reference loops."""
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +265,32 @@ def test_two_ranks_rank0_builds_other_loads(small_dataset, tmp_path):
     assert [n for n, _ in out] == [1, 0]
     np.testing.assert_array_equal(out[0][1], out[1][1])
     assert len(os.listdir(tmp_path / "cache")) == 3
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["tty", "pipe"])
+def test_index_build_progress_on_a_terminal_only(small_dataset, tmp_path, monkeypatch, terminal):
+    # The line of each phase is redrawn in place ("\r" + clear line), fields joined by " | " as
+    # training's progress line; a pipe or a log file gets none of it.
+    stream = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setenv("COLUMNS", "300")  # the terminal's width: lines are cut to it
+    ds = MMapIndexedDataset(small_dataset)
+    GPTDataset("train", ds, _all_sequences(ds), 50, 8, 3, cache_dir=tmp_path / "c")
+    if not terminal:
+        assert stream.getvalue() == ""
+        return
+    draws = stream.getvalue().split("\r\x1b[2K")
+    assert draws[0] == "" and draws[-1].endswith("\n")
+    head = "sample index train | 50 samples of 8 tokens | 0:00:00 | "
+    tokens = int(ds.sizes.sum())  # one epoch holds the 50 samples
+    assert [d.rstrip("\n") for d in draws[1:]] == [
+        head + "document order: 40 documents x 1 epoch(s)",
+        head + f"sample positions: {tokens:,} tokens",
+        head + f"sample order: {(tokens - 1) // 8:,} samples",
+        head + f"writing {tmp_path / 'c'}",
+        head + "built"]

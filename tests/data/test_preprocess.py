@@ -1,7 +1,9 @@
 import gzip
+import io
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -206,3 +208,30 @@ def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_
     with pytest.raises(BrokenProcessPool):
         preprocess([tmp_path / "d.jsonl"], tok, tmp_path / "out" / "p", workers=2, **_quiet())
     assert _files(tmp_path / "out") == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["tty", "pipe"])
+def test_progress_on_a_terminal_only(tiny_tokenizer_dir, tmp_path, monkeypatch, terminal):
+    # Redrawn in place on stderr, fields joined by " | " as training's progress line, ended by a
+    # newline before the summary; a pipe or a log file gets the summary alone.
+    for i in range(2):
+        (tmp_path / f"{i}.jsonl").write_bytes(_jsonl(TEXTS))
+    stream = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setenv("COLUMNS", "300")
+    preprocess([tmp_path / "0.jsonl", tmp_path / "1.jsonl"], tiny_tokenizer_dir, tmp_path / "o",
+               log=lambda _: None)
+    if not terminal:
+        assert stream.getvalue() == ""
+        return
+    draws = stream.getvalue().split("\r\x1b[2K")[1:]
+    assert draws and draws[-1].endswith("\n")
+    fields = draws[-1].rstrip("\n").split(" | ")
+    assert fields[:3] == ["preprocess", "file 2 of 2", "10 docs"]
+    assert fields[3].endswith(" tokens") and fields[4].endswith(" docs/s")
+    assert fields[5].endswith(" tok/s") and fields[6] == "0:00:00"

@@ -83,3 +83,41 @@ def test_train_from_jsonl_and_cli(tmp_path):
     tok = load_tokenizer(tmp_path / "tok")
     assert tok.vocab_size == 300
     assert tok.decode(tok.encode(MULTILINGUAL_TEXT)) == MULTILINGUAL_TEXT
+
+
+def test_json_key_and_failures_named_by_file_line_and_key(tmp_path, capsys):
+    from bloomtrain.cli import main
+
+    data = tmp_path / "d.jsonl"
+    lines = [json.dumps({"content": line}, ensure_ascii=False)
+             for line in MULTILINGUAL_TEXT.splitlines()]
+    data.write_text("\n".join(lines) + "\n{bad json\n", encoding="utf-8")
+    argv = ["tokenizer", "train", "--input", str(data), "--vocab-size", "300", "--output",
+            str(tmp_path / "tok"), "--min-frequency", "1"]
+    assert main(argv) == 2  # the default key, text, is in no record
+    err = capsys.readouterr().err
+    assert err == (f"bloomtrain tokenizer: error: no usable documents in 1 input file(s) to "
+                   f"train a tokenizer on; nothing written (first problem: {data}:1: missing key "
+                   f"'text' or its value is not a string)\n")
+    assert not (tmp_path / "tok").exists()
+    assert main(argv + ["--json-key", "content"]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped {data}:{len(lines) + 1}: invalid JSON\n" in out
+    tok = load_tokenizer(tmp_path / "tok")
+    assert tok.decode(tok.encode(MULTILINGUAL_TEXT)) == MULTILINGUAL_TEXT
+
+
+def test_a_vocabulary_smaller_than_asked_is_a_warning_with_the_reason(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat " * 20)
+    logged = []
+    path = train_tokenizer([corpus], 32000, tmp_path / "tok", log=logged.append)
+    got = load_tokenizer(path).vocab_size
+    assert got < 32000
+    assert logged == [f"warning: the vocabulary has {got:,} tokens, not the 32,000 asked for: BPE "
+                      f"merges pairs of adjacent tokens within words, and the corpus (1 "
+                      f"document(s)) ran out of pairs seen at least --min-frequency 2 times; train on more text "
+                      f"for a larger vocabulary"]
+    logged.clear()
+    train_tokenizer([corpus], got, tmp_path / "tok2", log=logged.append)
+    assert logged == []  # exactly what it asks for: nothing to warn about
