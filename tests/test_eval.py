@@ -351,9 +351,16 @@ REQUESTS = {
 
 
 def run_requests(lm) -> dict:
-    return {kind: getattr(lm, kind)([Instance(kind, {}, args, i)
-                                     for i, args in enumerate(REQUESTS[kind])])
-            for kind in REQUESTS}
+    """REQUESTS answered, and the greedy continuations scored after their prompts (requests
+    whose is-greedy flag is true)."""
+    out = {kind: getattr(lm, kind)([Instance(kind, {}, args, i)
+                                    for i, args in enumerate(REQUESTS[kind])])
+           for kind in REQUESTS}
+    pairs = [(prompt, text) for (prompt, _), text in zip(REQUESTS["generate_until"],
+                                                          out["generate_until"]) if text]
+    out["greedy_scored"] = lm.loglikelihood([Instance("loglikelihood", {}, p, i)
+                                             for i, p in enumerate(pairs)])
+    return out
 
 
 def _live_parts_rank(rank, world, checkpoint, tokenizer_dir, parallel):
@@ -397,8 +404,10 @@ def test_training_layouts_give_the_same_answers(parallel, model_dirs, tiny_token
     got = run_ranks(2, _live_parts_rank, str(model_dirs[0]), str(tiny_tokenizer_dir),
                     parallel)[0]
     want = run_requests(local_lm(model_dirs[0], batch_size=3))
-    for (g, g_greedy), (w, w_greedy) in zip(got["loglikelihood"], want["loglikelihood"]):
-        assert abs(g - w) < 1e-5 and g_greedy == w_greedy
+    assert sum(flag for _, flag in want["greedy_scored"]) >= 2  # greedy flags both ways
+    for kind in ("loglikelihood", "greedy_scored"):
+        for (g, g_greedy), (w, w_greedy) in zip(got[kind], want[kind], strict=True):
+            assert abs(g - w) < 1e-5 and g_greedy == w_greedy
     tok = load_tokenizer(tiny_tokenizer_dir)
     for (text,), g, w in zip(REQUESTS["loglikelihood_rolling"], got["loglikelihood_rolling"],
                              want["loglikelihood_rolling"]):
