@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_shape_args, alternate_rounds, shape_from_args
 from bench.memtrack import LiveMemory
 from bloomtrain.config import ModelConfig
-from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
-from bloomtrain.model.attention import resolve_attention
-from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
 from bloomtrain.errors import UserError
+from bloomtrain.layout import resolve_attention
+from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
+from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
 
 MODES = ("none", "selective", "full")
 DEFAULT_SHAPE = {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192}

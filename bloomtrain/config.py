@@ -407,9 +407,9 @@ class Config:
 
     # ---- per-key checks ------------------------------------------------------------------
     def check(self) -> None:
-        """Check every key against its domain (DOMAINS), then the rules that tie keys of the
-        config together, before anything starts; raises UserError. The rules that need the world
-        size or the model are bloomtrain.layout.validate's."""
+        """Check every key against its domain (DOMAINS), then the rules between keys of one
+        section; raises UserError. The rules across sections are bloomtrain.layout.validate's,
+        which calls this first."""
         for key, domain in DOMAINS.items():
             domain.check(key, self.get(key))
         t, o, c = self.train, self.optim, self.checkpoint
@@ -420,9 +420,6 @@ class Config:
         if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
             raise UserError(f"optim.decay_samples ({o.decay_samples}) must exceed "
                             f"optim.warmup_samples ({o.warmup_samples})")
-        if t.on_loss_spike == "rollback" and not c.dir:
-            raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
-                            "last checkpoint)")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             raise UserError("checkpoint.save_interval needs checkpoint.dir")
 
@@ -481,6 +478,11 @@ def parse_data_paths(paths: list[str] | str) -> list[tuple[float, str]]:
     if len(out) > 1 and any(len(str(e).split()) == 1 for e in paths):
         raise UserError("with several data.paths, give each a weight: 'WEIGHT PREFIX'")
     return out
+
+
+def parse_tasks(text: str | None) -> list[str]:
+    """`train.eval_harness_tasks`: "a, b" -> ["a", "b"]."""
+    return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

@@ -121,6 +121,7 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     processes as that layout needs. Returns (config, metrics records)."""
     from bloomtrain.config import Config, apply_override
     from bloomtrain.layout import validate
+    from bloomtrain.runtime import world_size_from_env
     from bloomtrain.train import launch_local, train
     from bloomtrain.train.cli import worker_entry
     from bloomtrain.utils import atomic_output
@@ -138,8 +139,9 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     cfg = Config.from_dict(data)
     if why and cfg.train.precision == "fp32":  # not overridden
         log(f"[demo] precision fp32: {why}")
+    # Under torchrun the job joins its world; else the demo launches the layout's processes.
     nproc = nproc if "WORLD_SIZE" not in os.environ else 1
-    run = validate(cfg, nproc)
+    run = validate(cfg, world_size_from_env() if "WORLD_SIZE" in os.environ else nproc)
     config_path = root / "demo_config.yaml"
     with atomic_output(config_path, "w") as f:
         f.write(cfg.to_yaml())
@@ -148,9 +150,9 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
         f"{nproc} process(es): tp={p.tp} pp={p.pp} dp={run.layout.dp} "
         f"zero={p.zero_stage} schedule={p.pp_schedule}; config {config_path}")
     if nproc > 1:
-        launch_local(nproc, worker_entry, str(config_path), [])
+        launch_local(nproc, worker_entry, str(config_path), [], run)
     else:
-        train(cfg, log=log)
+        train(cfg, log=log, run=run)
     records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
     return cfg, records
 

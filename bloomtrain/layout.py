@@ -1,29 +1,19 @@
-"""The parallel layout of a run: its sizes and every rule that ties the config's sections
-together, each in one place.
+"""The parallel layout of a run and every rule that ties the config's sections together, each
+stated here once and applied by `validate` once per run, before any process group starts.
 
-The rank grid is Megatron-LM's (arXiv 2104.04473, §3): `arange(world).view(pp, dp, tp)`. Tensor-
-parallel ranks are innermost, so they are adjacent and land on one node (their all-reduces sit on
-the critical path of every layer); pipeline stages are outermost and talk point to point across
-nodes.
-
-A `ParallelLayout` is a frozen value. It describes any rank of any grid without a process group
-(its coordinates, its pipeline stages, its group members), which is what lets a planner or a test
-build the parts of rank 0 of a 3,072-rank job on one laptop; `Topology` (topology.py) creates the
-process groups from it. The rules that combine sections live here and only here: dp from the
-world size, the model shape against tp, sequence sharding, pipeline schedule and partition,
-micro-batches per step (and interleaving's multiple of pp), batch-size ramp-up, and the shape of
-the activations a stage receives. `validate(cfg, world_size)` applies all of them, after the
-config's own per-key checks, before any process group starts.
+The rank grid is Megatron-LM's (arXiv 2104.04473, §3), `arange(world).view(pp, dp, tp)`: tp ranks
+innermost, on one node, pipeline stages outermost. Stages hold blocks by Megatron-DeepSpeed's
+`--pp-partition-method` (BLOOM's `type:transformer|embedding`).
 """
 from __future__ import annotations
 
+import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from bloomtrain.config import Config, ParallelConfig, TrainConfig
+from bloomtrain.config import DOMAINS, Config, ParallelConfig, TrainConfig, parse_tasks
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import BloomShape, resolve_model_config
-from bloomtrain.parallel.pipeline.partition import check_micro_batches, partition_layers
 
 
 @dataclass(frozen=True)
@@ -35,6 +25,10 @@ class RankCoords:
 
 @dataclass(frozen=True)
 class ParallelLayout:
+    """The sizes of a grid and what they imply. A value without process groups: it describes any
+    rank of any grid (a planner or a test builds rank 0 of a 3,072-rank job on a laptop), and
+    `Topology` creates the groups from it."""
+
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -242,6 +236,189 @@ class BatchSchedule:
         return self.rampup[0] if self.rampup else self.global_batch_size
 
 
+# ---- pipeline partitions and micro-batches ----------------------------------------------------
+
+# Layer class names as DeepSpeed's PipelineModule sees BLOOM in Megatron-DeepSpeed, so that a
+# `type:REGEX` method selects what it selected there. The tied LM head is an EmbeddingPipe too;
+# ln_f travels with it.
+_EMBEDDING_UNIT = "EmbeddingPipe"
+_BLOCK_UNIT = "ParallelTransformerLayerPipe"
+
+
+def _split_units(weights: list[int], num_parts: int) -> list[int]:
+    """DeepSpeed's `partition_balanced` for the 0/1 weights of the type: method: the weighted
+    units are split as evenly as possible (the first total % num_parts parts get one more, so
+    the largest part is ceil(total / num_parts), the least any split can achieve), and each
+    zero-weight unit joins the part of the unit before it. Returns each unit's part."""
+    base, extra = divmod(sum(weights), num_parts)
+    quota = [base + (p < extra) for p in range(num_parts)]
+    part_of, part, taken = [], 0, 0
+    for w in weights:
+        if w:
+            while part < num_parts - 1 and taken >= quota[part]:
+                part, taken = part + 1, 0
+            taken += 1
+        part_of.append(part)
+    return part_of
+
+
+def _parse_counts(method, num_stages: int) -> list[int] | None:
+    if isinstance(method, (list, tuple)):
+        items = list(method)
+    elif isinstance(method, str) and re.fullmatch(r"\[?\s*\d+(\s*,\s*\d+)*\s*\]?", method.strip()):
+        items = method.strip().strip("[]").split(",")
+    else:
+        return None
+    try:
+        counts = [int(x) for x in items]
+    except (TypeError, ValueError):
+        return None
+    if len(counts) != num_stages:
+        raise UserError(f"parallel.pp_partition lists {len(counts)} block counts but there "
+                        f"are {num_stages} stages (pp x num_virtual_stages); give one count per "
+                        f"stage")
+    if any(c < 0 for c in counts):
+        raise UserError(f"parallel.pp_partition {counts}: block counts must be >= 0")
+    return counts
+
+
+def _type_counts(method: str, num_layers: int, num_stages: int) -> list[int]:
+    """Blocks per stage of DeepSpeed's `type:REGEX` method."""
+    try:
+        regex = re.compile(method[len("type:"):], re.IGNORECASE)
+    except re.error as e:
+        raise UserError(f"parallel.pp_partition {method!r}: bad regex: {e}") from None
+    names = [_EMBEDDING_UNIT] + [_BLOCK_UNIT] * num_layers + [_EMBEDDING_UNIT]
+    weights = [1 if regex.search(n) else 0 for n in names]
+    if not any(weights):
+        raise UserError(f"parallel.pp_partition {method!r} matches no layer; the layer "
+                        f"types are {_EMBEDDING_UNIT} and {_BLOCK_UNIT}")
+    part_of = _split_units(weights, num_stages)
+    # Unit i + 1 is block i; the embedding (first unit) and the head (last) are placed on the
+    # first and last stage whatever their weight.
+    counts = [0] * num_stages
+    for block in range(num_layers):
+        counts[part_of[block + 1]] += 1
+    return counts
+
+
+def _stage_counts(num_layers: int, num_stages: int, method) -> list[int]:
+    counts = _parse_counts(method, num_stages)
+    if counts is not None:
+        if sum(counts) != num_layers:
+            raise UserError(f"parallel.pp_partition {counts} assigns {sum(counts)} blocks "
+                            f"but the model has {num_layers} (model.num_layers)")
+        return counts
+    if method == "uniform":
+        if num_layers < num_stages:
+            raise UserError(f"model.num_layers ({num_layers}) must be >= the number of stages "
+                            f"(pp x num_virtual_stages = {num_stages}) with uniform partitioning")
+        base, extra = divmod(num_layers, num_stages)
+        return [base + (s < extra) for s in range(num_stages)]
+    if isinstance(method, str) and method.startswith("type:"):
+        return _type_counts(method, num_layers, num_stages)
+    raise UserError(f"parallel.pp_partition {method!r} is unknown; use 'uniform', "
+                    f"'type:REGEX' (BLOOM: 'type:transformer|embedding') or a list of block "
+                    f"counts like '5,6,6,5'")
+
+
+def partition_layers(num_layers: int, num_stages: int, method="uniform",
+                     interleaved: bool = False) -> list[tuple[int, int]]:
+    """Block ranges [start, end) of each of `num_stages` (virtual) stages, in virtual-stage order.
+
+    Methods:
+    - "uniform": the blocks split as evenly as possible; the first num_layers % num_stages stages
+      get one block more.
+    - "type:REGEX" (DeepSpeed): units are the embedding, each block and the tied LM head (class
+      names EmbeddingPipe, ParallelTransformerLayerPipe, EmbeddingPipe); a unit weighs 1 when
+      REGEX matches its class name (case-insensitive) and 0 otherwise, and the weights are split
+      as evenly as possible (DeepSpeed's `partition_balanced`). BLOOM's
+      "type:transformer|embedding" counts the embedding and the head as a block each: bloom-176b
+      on 12 stages gives [embed + 5], 10 x [6], [5 + head].
+    - a list of block counts, or a string like "5,6,6,5" / "[5,6,6,5]", one per stage.
+
+    The embedding is always on the first stage and the LM head on the last. Every stage must hold
+    at least one block, except that without interleaving the first and the last stage may hold
+    only the embedding / only the head (the type: method gives such stages when the embedding
+    weighs like a block and blocks are few). A middle stage without blocks would only forward
+    its input, and with interleaving every virtual stage is a model chunk that must compute.
+    """
+    if num_stages < 1:
+        raise UserError(f"the number of pipeline stages must be >= 1, got {num_stages}")
+    counts = _stage_counts(num_layers, num_stages, method)
+    for s, c in enumerate(counts):
+        edge = s in (0, num_stages - 1) and num_stages > 1 and not interleaved
+        if c == 0 and not edge:
+            what = "virtual stage" if interleaved else "stage"
+            raise UserError(f"pipeline {what} {s} of {num_stages} gets no transformer block "
+                            f"(block counts {counts}); use fewer stages (parallel.pp, "
+                            f"parallel.num_virtual_stages), more layers, or another "
+                            f"parallel.pp_partition")
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start, start + c))
+        start += c
+    return ranges
+
+
+def check_micro_batches(num_micro: int, pp_size: int, schedule: str) -> None:
+    """The micro-batch count a schedule can run: at least one, and for the interleaved schedule
+    a multiple of pp, so that every group of pp micro-batches goes round the ring whole."""
+    if num_micro < 1:
+        raise UserError(f"the number of micro-batches must be >= 1, got {num_micro}")
+    if schedule == "interleaved" and num_micro % pp_size:
+        raise UserError(f"the interleaved schedule needs the number of micro-batches "
+                        f"({num_micro} = global_batch / (micro_batch * dp)) to be divisible by "
+                        f"parallel.pp ({pp_size}); change train.global_batch_size or "
+                        f"train.micro_batch_size")
+
+
+# ---- the attention kernel ------------------------------------------------------------------------
+
+def check_attention(requested: str, attention_dropout: float) -> None:
+    """What the config alone decides of `train.attention` (auto, sdpa or flex)."""
+    if requested == "flex" and attention_dropout > 0:
+        raise UserError(f"train.attention=flex has no attention dropout; set "
+                        f"model.attention_dropout=0 (it is {attention_dropout}) or "
+                        f"train.attention=sdpa")
+
+
+def resolve_attention(requested: str, attention_dropout: float, device) -> str:
+    """The kernel for `train.attention` when training on `device`.
+
+    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
+    CPU sdpa is also the fastest correct kernel (bench/attention.py), and FlexAttention cannot
+    run backward there. Raises UserError for a combination that cannot train."""
+    import torch
+
+    from bloomtrain.model.attention import flex_attention_available
+
+    DOMAINS["train.attention"].check("train.attention", requested)
+    check_attention(requested, attention_dropout)
+    device = torch.device(device)
+    if requested == "sdpa":
+        return "sdpa"
+    if requested == "auto":
+        if device.type != "cuda" or not flex_attention_available():
+            return "sdpa"
+        if attention_dropout > 0:
+            warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "
+                          f"FlexAttention has no dropout and model.attention_dropout is "
+                          f"{attention_dropout}; set it to 0 to use FlexAttention", stacklevel=2)
+            return "sdpa"
+        return "flex"
+    if not flex_attention_available():
+        raise UserError(f"train.attention=flex needs torch.nn.attention.flex_attention, which "
+                        f"torch {torch.__version__} lacks; set train.attention=sdpa or auto")
+    if device.type in ("cpu", "mps"):
+        raise UserError(f"train.attention=flex cannot train on {device.type}: FlexAttention has "
+                        f"no backward there (torch {torch.__version__}); set "
+                        f"train.attention=sdpa or auto")
+    return "flex"
+
+
+# ---- the run -------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class RunLayout:
     """What `validate` resolves: the model shape, the parallel layout and the batch schedule."""
@@ -250,13 +427,39 @@ class RunLayout:
     layout: ParallelLayout
     batches: BatchSchedule
 
+    def with_vocab(self, cfg: Config, vocab_size: int) -> "RunLayout":
+        """The run with the tokenizer's vocabulary (known once it is loaded): the model's rows
+        follow it, padded as the config says, and must still split over tp."""
+        shape = resolve_model_config(cfg.model, vocab_size)
+        self.layout.check_tensor_parallel(shape, cfg.data.seq_length,
+                                          cfg.model.make_vocab_size_divisible_by)
+        return replace(self, shape=shape)
 
-def validate(cfg: Config, world_size: int, vocab_size: int | None = None) -> RunLayout:
-    """Check the whole config for `world_size` processes: each key, then every combination.
-    `vocab_size` is the tokenizer's, when known; without one the checks use
-    `model.vocab_size` (the padded size must split over tp either way)."""
+
+def check_run(cfg: Config, max_restarts: int = 0) -> None:
+    """The rules between the training, checkpoint, data and launch settings."""
+    t, c = cfg.train, cfg.checkpoint
+    if t.on_loss_spike == "rollback" and not c.dir:
+        raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
+                        "last checkpoint)")
+    if parse_tasks(t.eval_harness_tasks) and not cfg.data.tokenizer:
+        raise UserError("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
+    if max_restarts and (c.resume != "auto" or not c.dir):
+        raise UserError(f"--max-restarts {max_restarts} restarts the workers, which then "
+                        f"resume from checkpoint.resume={c.resume!r}"
+                        f"{'' if c.dir else ' with no checkpoint.dir'}: set "
+                        f"checkpoint.dir and checkpoint.resume=auto so that a restart continues "
+                        f"from the job's last checkpoint")
+
+
+def validate(cfg: Config, world_size: int, *, max_restarts: int = 0) -> RunLayout:
+    """Check the whole config for `world_size` processes, once per run and before anything
+    starts: each key, then every rule that combines them. The model has `model.vocab_size` rows
+    until `RunLayout.with_vocab` gives it the tokenizer's; `max_restarts` is the launcher's."""
     cfg.check()
-    shape = resolve_model_config(cfg.model, vocab_size or cfg.model.vocab_size or 1)
+    check_run(cfg, max_restarts)
+    check_attention(cfg.train.attention, cfg.model.attention_dropout)
+    shape = resolve_model_config(cfg.model, cfg.model.vocab_size or 1)
     layout = ParallelLayout.from_config(cfg.parallel, world_size)
     layout.check(shape, cfg)
     return RunLayout(shape, layout, BatchSchedule.from_config(cfg.train, layout))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from bloomtrain.config import Config
-from bloomtrain.layout import ParallelLayout
+from bloomtrain.layout import ParallelLayout, resolve_attention
 from bloomtrain.model import BloomForCausalLM
 from bloomtrain.model.params import ParamSpec, base_spec, tp_shard_shape
 from bloomtrain.model.presets import BloomShape, resolve_model_config
@@ -55,7 +55,10 @@ def build(cfg: Config, topo: Topology | None = None, *, engine: bool = True,
     """This rank's parts of cfg's model, built on meta and parallelized."""
     with torch.device("meta"):
         model = BloomForCausalLM(resolve_model_config(cfg.model))
-    return parallelize(model, topo or topology(cfg), cfg, engine=engine, device=device or "cpu")
+    device = device or "cpu"
+    attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout, device)
+    return parallelize(model, topo or topology(cfg), cfg, attention=attention, engine=engine,
+                       device=device)
 
 
 @torch.no_grad()

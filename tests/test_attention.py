@@ -1,5 +1,6 @@
 """The attention kernels (bloomtrain.model.attention): FlexAttention with an ALiBi score_mod and a
-causal BlockMask against SDPA with the float bias, and `train.attention`'s resolution.
+causal BlockMask against SDPA with the float bias (`train.attention`'s resolution is
+tests/test_layout.py's).
 
 Compiled flex_attention runs forward on CPU, so logits, the KV cache and HF parity are checked
 everywhere. It has no backward on CPU (torch 2.13), so gradient parity runs with `--device cuda`
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 import bloomtrain
-from bloomtrain.model import BloomShape, attention, build_model
-from bloomtrain.model.attention import FlexAlibi, attention_core, resolve_attention
+from bloomtrain.model import BloomShape, build_model
+from bloomtrain.model.attention import FlexAlibi, attention_core
 from bloomtrain.utils import UserError
 from tests import helpers
 
@@ -106,28 +107,10 @@ def test_flex_gradients_match_sdpa(num_heads, ids, device):
             torch.testing.assert_close(grads[n], g, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
-def test_resolve_attention(monkeypatch):
-    assert resolve_attention("auto", 0.0, "cpu") == "sdpa"  # the fastest on CPU, with backward
-    assert resolve_attention("auto", 0.0, "cuda") == "flex"
-    assert resolve_attention("sdpa", 0.0, "cuda") == "sdpa"
-    assert resolve_attention("flex", 0.0, "cuda") == "flex"
-    assert resolve_attention("sdpa", 0.1, "cpu") == "sdpa"
-    with pytest.warns(UserWarning, match="FlexAttention has no dropout"):
-        assert resolve_attention("auto", 0.1, "cuda") == "sdpa"
-    with pytest.raises(UserError, match=r"set model.attention_dropout=0 \(it is 0.1\) or "
-                                        r"train.attention=sdpa"):
-        resolve_attention("flex", 0.1, "cuda")
-    with pytest.raises(UserError, match="cannot train on cpu: FlexAttention has no backward"):
-        resolve_attention("flex", 0.0, "cpu")
-    with pytest.raises(UserError, match="one of auto, sdpa, flex"):
-        resolve_attention("flash", 0.0, "cuda")
+def test_flex_attention_refuses_dropout():
     with pytest.raises(UserError, match="FlexAttention has no attention dropout"):
         bias = FlexAlibi(torch.ones(4), None)
         attention_core(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), bias, dropout_p=0.1)
-    monkeypatch.setattr(attention, "flex_attention_available", lambda: False)
-    assert resolve_attention("auto", 0.0, "cuda") == "sdpa"
-    with pytest.raises(UserError, match="lacks; set train.attention=sdpa or auto"):
-        resolve_attention("flex", 0.0, "cuda")
 
 
 def test_parallelize_sets_kernel_and_recompute_mode():

@@ -375,7 +375,8 @@ def _live_parts_rank(rank, world, checkpoint, tokenizer_dir, parallel):
 
     full = load_model(checkpoint)
     cfg = config(full.shape, parallel=parallel, precision="fp32", attention="sdpa")
-    parts = parallelize(full, topology(cfg), cfg, device="cpu", engine=False)
+    parts = parallelize(full, topology(cfg), cfg, attention="sdpa", device="cpu",
+                        engine=False)
     model = EvalModel.from_parts(parts, torch.float32, "cpu")
     if rank != 0:
         protocol.worker_loop(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bloomtrain import cli
-from bloomtrain.layout import ParallelLayout, validate
+from bloomtrain.layout import ParallelLayout, partition_layers
 from bloomtrain.model import BloomShape, build_model
 from bloomtrain.model.params import logical_name
 from bloomtrain.parallel import comm
@@ -22,7 +22,6 @@ from bloomtrain.parallel.pipeline import (
     build_pipeline_chunks,
     grid_bubble,
     op_p2p,
-    partition_layers,
     pipeline_eval_step,
     pipeline_train_step,
     schedule_grid,
@@ -403,82 +402,6 @@ def test_timeline_file_and_cli(spawn, timeline_dir, capsys):
 
 
 # ---- single process ----------------------------------------------------------------------------
-
-def test_bloom_176b_partition():
-    ranges = partition_layers(70, 12, "type:transformer|embedding")
-    assert [e - s for s, e in ranges] == [5] + [6] * 10 + [5]
-    assert ranges[0] == (0, 5) and ranges[-1] == (65, 70)
-    # The embedding weighs like a block: stage 0 is [embed + 5 blocks], stage 11 [5 blocks + head].
-    assert [e - s for s, e in partition_layers(70, 12, "type:transformer")] == [6] * 10 + [5, 5]
-
-
-def test_uniform_and_explicit_partitions():
-    assert partition_layers(70, 12) == [(i * 6, i * 6 + 6) for i in range(10)] + [(60, 65),
-                                                                                  (65, 70)]
-    assert partition_layers(8, 4, "uniform") == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    counts = [5] + [6] * 10 + [5]
-    explicit = partition_layers(70, 12, ",".join(map(str, counts)))
-    assert explicit == partition_layers(70, 12, counts) == partition_layers(70, 12, str(counts))
-    assert explicit == partition_layers(70, 12, "type:transformer|embedding")
-    # Embedding-only first / head-only last stage: allowed without interleaving.
-    assert partition_layers(4, 4, "type:transformer|embedding") == [(0, 1), (1, 3), (3, 4),
-                                                                     (4, 4)]
-    assert partition_layers(4, 3, "0,4,0") == [(0, 0), (0, 4), (4, 4)]
-
-
-@pytest.mark.parametrize("args, message", [
-    ((3, 4, "uniform"), "model.num_layers (3) must be >= the number of stages (pp x "
-                        "num_virtual_stages = 4) with uniform partitioning"),
-    ((8, 4, "1,2,3"), "parallel.pp_partition lists 3 block counts but there are 4 stages "
-                      "(pp x num_virtual_stages); give one count per stage"),
-    ((8, 4, "1,2,3,1"), "parallel.pp_partition [1, 2, 3, 1] assigns 7 blocks but the model "
-                        "has 8 (model.num_layers)"),
-    ((8, 4, "type:foo"), "parallel.pp_partition 'type:foo' matches no layer; the layer "
-                         "types are EmbeddingPipe and ParallelTransformerLayerPipe"),
-    ((8, 4, "bogus"), "parallel.pp_partition 'bogus' is unknown; use 'uniform', "
-                      "'type:REGEX' (BLOOM: 'type:transformer|embedding') or a list of block "
-                      "counts like '5,6,6,5'"),
-    ((8, 4, "4,0,0,4"), "pipeline stage 1 of 4 gets no transformer block (block counts "
-                        "[4, 0, 0, 4]); use fewer stages (parallel.pp, "
-                        "parallel.num_virtual_stages), more layers, or another "
-                        "parallel.pp_partition"),
-    ((4, 4, "type:transformer|embedding", True),
-     "pipeline virtual stage 3 of 4 gets no transformer block (block counts [1, 2, 1, 0]); use "
-     "fewer stages (parallel.pp, parallel.num_virtual_stages), more layers, or another "
-     "parallel.pp_partition"),
-])
-def test_partition_errors(args, message):
-    with pytest.raises(UserError) as e:
-        partition_layers(*args)
-    assert str(e.value) == message
-
-
-def test_validation():
-    def layout(pp, schedule, v=1, dp=1):
-        return ParallelLayout(pp=pp, dp=dp, schedule=schedule, num_virtual_stages=v,
-                              partition="uniform")
-    assert layout(1, "1f1b", dp=4).num_micro_batches(64, 2) == 8
-    with pytest.raises(UserError, match=r"train.global_batch_size \(60\) must be divisible by "
-                                        r"train.micro_batch_size \* dp \(2 \* 4 = 8\)"):
-        layout(1, "1f1b", dp=4).num_micro_batches(60, 2)
-    layout(4, "interleaved", 2).check_pipeline(8)
-    assert layout(4, "interleaved", 2).num_micro_batches(8, 1) == 8
-    with pytest.raises(UserError, match=r"number of micro-batches \(6 = global_batch / "
-                                        r"\(micro_batch \* dp\)\) to be divisible by "
-                                        r"parallel.pp \(4\)"):
-        layout(4, "interleaved", 2).num_micro_batches(6, 1)
-    with pytest.raises(UserError, match="needs parallel.num_virtual_stages >= 2"):
-        layout(4, "interleaved", 1).check_pipeline(8)
-    with pytest.raises(UserError, match=r"num_virtual_stages \(2\) > 1 needs "
-                                        r"parallel.pp_schedule=interleaved"):
-        layout(4, "1f1b", 2).check_pipeline(8)
-    with pytest.raises(UserError, match="parallel.pp_schedule must be gpipe, 1f1b or interleaved"):
-        helpers.config(parallel={"pp_schedule": "zero-bubble"}).check()
-    # Fewer micro-batches than stages works, but is mostly bubble: the config check warns.
-    cfg = helpers.config(parallel={"pp": 4, "pp_partition": "uniform"}, global_batch_size=2)
-    with pytest.warns(UserWarning, match="2 micro-batches for 4 pipeline stages"):
-        validate(cfg, 4)
-
 
 def test_tp1_pp1_chunk_is_the_model():
     model = build_model(SHAPE, SEED)

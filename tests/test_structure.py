@@ -36,6 +36,14 @@ def test_no_import_cycle_and_config_is_a_leaf():
                                                 "bloomtrain.data.indexed"}
 
 
+def test_the_layout_imports_nothing_from_parallel():
+    """Data flows config -> layout -> parallelize: the layout's rules (partitions, micro-batches,
+    schedules) are what parallel/ reads, never the other way round."""
+    graph = import_graph(REPO)
+    assert sorted(m for m in graph["bloomtrain.layout"] if m.startswith("bloomtrain.parallel")) \
+        == []
+
+
 def test_errors_come_from_the_errors_module():
     """UserError lives in bloomtrain.errors, a leaf; the config is imported for its sections and
     domains only (the top-level CLI may take both from it)."""

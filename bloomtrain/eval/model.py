@@ -50,12 +50,15 @@ class EvalModel:
             chunk.train(mode)
 
 
+# One kernel for every shape a harness sends.
+EVAL_ATTENTION = "sdpa"
+
+
 def eval_config(tp: int, pp: int, precision: str = "fp32"):
-    """The Config `parallelize` builds an evaluated model with: the layout's sizes, no ZeRO
-    engine, SDPA attention (one kernel for every shape a harness sends)."""
+    """The Config `parallelize` builds an evaluated model with: the layout's sizes and the
+    precision (no ZeRO engine)."""
     from bloomtrain.config import Config
-    return Config.from_dict({"parallel": {"tp": tp, "pp": pp},
-                             "train": {"precision": precision, "attention": "sdpa"}})
+    return Config.from_dict({"parallel": {"tp": tp, "pp": pp}, "train": {"precision": precision}})
 
 
 def load_eval_model(checkpoint, topo: Topology, device, dtype=None) -> EvalModel:
@@ -107,7 +110,7 @@ def _load_shards(reader, topo: Topology, dtype) -> EvalModel:
     with torch.device("meta"):
         full = BloomForCausalLM(shape)
     cfg = eval_config(topo.tp_size, topo.pp_size, dtype_name(dtype))
-    parts = parallelize(full, topo, cfg, device="meta", engine=False)
+    parts = parallelize(full, topo, cfg, attention=EVAL_ATTENTION, device="meta", engine=False)
     new = {}
     try:
         for name, p in parts.named_parameters():
@@ -136,7 +139,7 @@ def _load_whole(checkpoint, topo: Topology, dtype) -> EvalModel:
     _check_layout(topo, full.shape)
     dtype = full.transformer.word_embeddings_layernorm.weight.dtype
     cfg = eval_config(topo.tp_size, topo.pp_size, dtype_name(dtype))
-    parts = parallelize(full, topo, cfg, device="cpu", engine=False)
+    parts = parallelize(full, topo, cfg, attention=EVAL_ATTENTION, device="cpu", engine=False)
     for _, p in parts.named_parameters():
         p.requires_grad_(False)
     return EvalModel(topo, full.shape, parts.chunks, dtype, torch.device("cpu"))

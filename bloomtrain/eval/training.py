@@ -24,19 +24,15 @@ import time
 
 import torch
 
-from bloomtrain.config import Config
+from bloomtrain.config import Config, parse_tasks
+from bloomtrain.errors import UserError
 from bloomtrain.eval.model import EvalModel
 from bloomtrain.eval.protocol import Executor, worker_loop
-from bloomtrain.errors import UserError
-
-
-def parse_tasks(text: str | None) -> list[str]:
-    return [t.strip() for t in (text or "").split(",") if t.strip()]
 
 
 class HarnessHook:
-    """Built by every rank before the process groups start (so a missing package or
-    tokenizer stops the run at once); `run` is collective."""
+    """Built by every rank before the process groups start (so a missing package stops the run
+    at once); `run` is collective."""
 
     def __init__(self, cfg: Config, tokenizer, log):
         t = cfg.train
@@ -61,9 +57,6 @@ class HarnessHook:
         if importlib.util.find_spec("lm_eval") is None:
             raise UserError("train.eval_harness_tasks needs EleutherAI's lm-evaluation-harness: "
                             "pip install 'bloomtrain[eval]'")
-        if tokenizer is None:
-            raise UserError("train.eval_harness_tasks needs data.tokenizer: the harness "
-                            "sends text")
         return cls(cfg, tokenizer, log)
 
     def due(self, step: int) -> bool:

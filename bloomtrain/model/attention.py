@@ -18,8 +18,8 @@
   lands on, and so on the batch, which would break the engine's batch invariance
   (bloomtrain.serve.runner says how the rest of a step keeps it).
 
-`resolve_attention` turns `train.attention` (auto|sdpa|flex) into sdpa or flex. The model holds
-the choice as `transformer.attention_impl`; `BloomModel.attention_bias` builds the bias in the
+bloomtrain.layout.resolve_attention turns `train.attention` (auto|sdpa|flex) into sdpa or flex.
+The model holds the choice as `transformer.attention_impl`; `BloomModel.attention_bias` builds the bias in the
 form that kernel takes (a tensor for sdpa, a `FlexAlibi` for flex) and `attention_core` runs it.
 
 The core is also the unit of selective activation recomputation (Korthikanti et al., arXiv
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -156,37 +155,3 @@ class PagedAttention:
                                   values.reshape(m, -1, head_dim), bias)  # [nh * D, 1, hd]
             ctx.index_copy_(1, rows, out.view(num_heads, -1, head_dim))
         return ctx[None]
-
-
-def resolve_attention(requested: str, attention_dropout: float, device) -> str:
-    """The kernel for `train.attention` (auto|sdpa|flex) when training on `device`.
-
-    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
-    CPU sdpa is also the fastest correct kernel (bench/attention.py), and FlexAttention cannot
-    run backward there. Raises UserError for a combination that cannot train."""
-    device = torch.device(device)
-    if requested == "sdpa":
-        return "sdpa"
-    if requested == "auto":
-        if device.type != "cuda" or not flex_attention_available():
-            return "sdpa"
-        if attention_dropout > 0:
-            warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "
-                          f"FlexAttention has no dropout and model.attention_dropout is "
-                          f"{attention_dropout}; set it to 0 to use FlexAttention", stacklevel=2)
-            return "sdpa"
-        return "flex"
-    if requested != "flex":
-        raise UserError(f"train.attention must be one of auto, sdpa, flex; got {requested!r}")
-    if not flex_attention_available():
-        raise UserError(f"train.attention=flex needs torch.nn.attention.flex_attention, which "
-                        f"torch {torch.__version__} lacks; set train.attention=sdpa or auto")
-    if attention_dropout > 0:
-        raise UserError(f"train.attention=flex has no attention dropout; set "
-                        f"model.attention_dropout=0 (it is {attention_dropout}) or "
-                        f"train.attention=sdpa")
-    if device.type in ("cpu", "mps"):
-        raise UserError(f"train.attention=flex cannot train on {device.type}: FlexAttention has "
-                        f"no backward there (torch {torch.__version__}); set "
-                        f"train.attention=sdpa or auto")
-    return "flex"

@@ -26,8 +26,6 @@ import torch
 from torch import nn
 
 from bloomtrain.config import Config
-from bloomtrain.layout import ParallelLayout
-from bloomtrain.model.attention import resolve_attention
 from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
 from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
 from bloomtrain.model.presets import BloomShape
@@ -97,17 +95,14 @@ def _materialize_each(parts: ModelParts, seed: int, dtype: torch.dtype, device) 
     replace_parameters(parts.chunks, new)
 
 
-def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=None,
-                engine: bool = True) -> ModelParts:
-    """This rank's parts of `model` under `topo`'s layout, set up as `cfg` says (precision,
-    seed, activation checkpointing, optimizer and ZeRO settings). `device` defaults to the
-    model's (or cpu for a meta model); with device "meta" nothing is materialized, which
-    describes any rank of any size cheaply."""
+def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attention: str,
+                device=None, engine: bool = True) -> ModelParts:
+    """This rank's parts of `model` under `topo`'s (validated) layout, running the `attention`
+    kernel (bloomtrain.layout.resolve_attention's), set up as `cfg` says (precision, seed,
+    activation checkpointing, optimizer and ZeRO settings). `device` defaults to the model's (or
+    cpu for a meta model); with device "meta" nothing is materialized, which describes any rank
+    of any size cheaply."""
     layout, t = topo.layout, cfg.train
-    wanted = ParallelLayout.from_config(cfg.parallel, topo.world_size)
-    if layout != wanted:
-        raise ValueError(f"the topology's layout {layout} is not cfg.parallel's {wanted}; build "
-                         f"the Topology from ParallelLayout.from_config(cfg.parallel, world)")
     if device is None:
         device = "cpu" if model.lm_head.weight.is_meta else model.lm_head.weight.device
     device = torch.device(device)
@@ -116,8 +111,7 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, device=
     specs = {}
     for chunk in chunks:
         chunk.set_activation_checkpointing(t.activation_checkpointing)
-        chunk.transformer.attention_impl = resolve_attention(
-            t.attention, model.shape.attention_dropout, device)
+        chunk.transformer.attention_impl = attention
         for name, _ in chunk.named_parameters():
             specs[name] = param_spec(name, tp=layout.tp, pp=layout.pp,
                                      sequence_parallel=layout.sequence_parallel)

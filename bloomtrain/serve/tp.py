@@ -23,8 +23,7 @@ _STOP = -1
 
 def _config(tp: int, precision: str = "fp32"):
     from bloomtrain.config import Config
-    return Config.from_dict({"parallel": {"tp": tp},
-                             "train": {"precision": precision, "attention": "sdpa"}})
+    return Config.from_dict({"parallel": {"tp": tp}, "train": {"precision": precision}})
 
 
 def serving_layout(tp: int):
@@ -57,8 +56,8 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
             topo.layout.check_tensor_parallel(model.shape, 1, topo.tp_size)
             precision = dtype_name(model.transformer.word_embeddings_layernorm.weight.dtype)
             # The modules of `model` are the chunk's: splitting them in place splits `model`.
-            parallelize(model, topo, _config(topo.tp_size, precision), device="cpu",
-                        engine=False)
+            parallelize(model, topo, _config(topo.tp_size, precision), attention="sdpa",
+                        device="cpu", engine=False)
     if quantize:
         quantize_model(model, quantize)
     model.to(device)
@@ -87,8 +86,8 @@ def _load_tp_shards(reader, topo, dtype):
     with torch.device("meta"):
         model = BloomForCausalLM(shape)
     topo.layout.check_tensor_parallel(shape, 1, topo.tp_size)
-    parts = parallelize(model, topo, _config(topo.tp_size, precision), device="meta",
-                        engine=False)
+    parts = parallelize(model, topo, _config(topo.tp_size, precision), attention="sdpa",
+                        device="meta", engine=False)
     new = {}
     for name, p in parts.named_parameters():
         spec = parts.specs[name]

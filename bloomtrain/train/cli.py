@@ -15,7 +15,8 @@ LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_tim
                    "max_restarts": 0}
 
 
-def worker_entry(config_path, overrides):
+def worker_entry(config_path, overrides, run):
+    """A launched worker: `run` is what the launcher's `validate` returned for the job."""
     import torch.distributed as dist
 
     from bloomtrain.train.loop import train
@@ -27,13 +28,13 @@ def worker_entry(config_path, overrides):
               f"every worker started again after one failed; resuming "
               f"(checkpoint.resume={cfg.checkpoint.resume})", file=sys.stderr, flush=True)
     try:
-        train(cfg)
+        train(cfg, run=run)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def launch_spec(args, cfg: Config) -> LaunchSpec | None:
+def launch_spec(args) -> LaunchSpec | None:
     """The launch the command line asks for; None when this process is a worker itself (under
     torchrun or srun) or runs the job alone."""
     spec = LaunchSpec(nproc=1 if args.nproc is None else args.nproc, nnodes=args.nnodes,
@@ -49,12 +50,6 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
                             f"--max-restarts), or run `bloomtrain train` without torchrun")
         return None
     spec.check()
-    if spec.max_restarts and (cfg.checkpoint.resume != "auto" or not cfg.checkpoint.dir):
-        raise UserError(f"--max-restarts {spec.max_restarts} restarts the workers, which then "
-                        f"resume from checkpoint.resume={cfg.checkpoint.resume!r}"
-                        f"{'' if cfg.checkpoint.dir else ' with no checkpoint.dir'}: set "
-                        f"checkpoint.dir and checkpoint.resume=auto so that a restart continues "
-                        f"from the job's last checkpoint")
     if spec.world_size == 1 and not spec.max_restarts:
         return None
     return spec
@@ -63,18 +58,19 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
 def cmd_train(args) -> int:
     # Every check of the config before torch is imported (seconds of CPU) or a worker starts.
     cfg = Config.load(args.config, args.overrides)
-    spec = launch_spec(args, cfg)
+    spec = launch_spec(args)
     if spec is None:
         env_from_slurm()  # a plain srun's tasks as torchrun's variables, as the Trainer does
-    validate(cfg, spec.world_size if spec is not None else world_size_from_env())
+    run = validate(cfg, spec.world_size if spec is not None else world_size_from_env(),
+                   max_restarts=spec.max_restarts if spec is not None else 0)
     if spec is not None:
         from bloomtrain.train.launch import launch_local
-        launch_local(spec.nproc, worker_entry, args.config, args.overrides, spec=spec)
+        launch_local(spec.nproc, worker_entry, args.config, args.overrides, run, spec=spec)
         return 0
     import torch.distributed as dist
 
     from bloomtrain.train.loop import train
-    train(cfg)
+    train(cfg, run=run)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -20,9 +20,8 @@ import torch
 from bloomtrain.config import Config, parse_data_paths
 from bloomtrain.errors import UserError
 from bloomtrain.eval.training import HarnessHook
-from bloomtrain.layout import validate
+from bloomtrain.layout import RunLayout, resolve_attention, validate
 from bloomtrain.model import BloomForCausalLM
-from bloomtrain.model.attention import resolve_attention
 from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
@@ -100,19 +99,22 @@ class TrainData:
 class Trainer:
     spike: Spike | None = None  # the loss spike the last train_step found
 
-    def __init__(self, cfg: Config, log=print):
+    def __init__(self, cfg: Config, log=print, run: RunLayout | None = None):
+        """`run`: what `validate(cfg, world)` returned, when the caller (the CLI, the launcher)
+        checked the config already."""
         env_from_slurm()
         world = world_size_from_env()
-        run = validate(cfg, world)  # before anything starts
+        if run is None:
+            run = validate(cfg, world)  # before anything starts
         self.cfg = cfg
         self.device = resolve_device(cfg)
-        # The kernel depends on the device: checked here, before any process group starts.
+        # The kernel depends on the device: resolved here, before any process group starts.
         self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
                                            self.device)
         from bloomtrain.data.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if self.tokenizer is not None:  # the model's vocabulary follows the tokenizer's
-            run = validate(cfg, world, self.tokenizer.vocab_size)
+            run = run.with_vocab(cfg, self.tokenizer.vocab_size)
         # The planner's memory prediction for this layout, before any process group: on CUDA a
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
@@ -127,7 +129,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         with torch.device("meta"):
             model = BloomForCausalLM(self.shape)
-        self.parts = parallelize(model, self.topo, cfg, device=self.device)
+        self.parts = parallelize(model, self.topo, cfg, attention=self.attention,
+                                 device=self.device)
         self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
         o = cfg.optim
         self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.warmup_samples,
@@ -369,8 +372,8 @@ class Trainer:
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
 
 
-def train(cfg: Config, log=print) -> TrainResult:
-    trainer = Trainer(cfg, log=log)
+def train(cfg: Config, log=print, run: RunLayout | None = None) -> TrainResult:
+    trainer = Trainer(cfg, log=log, run=run)
     try:
         return trainer.run()
     finally:

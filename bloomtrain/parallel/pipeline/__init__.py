@@ -4,17 +4,15 @@ Clusters Using Megatron-LM", arXiv 2104.04473, §2.2), with BLOOM's stage partit
 `parallel.pp_partition`).
 
 One module per concern, in reading order:
-1. `partition`: which blocks each (virtual) stage holds; pure functions of the layer count, and
-   the check of a pipeline configuration;
-2. `stage`: `build_pipeline_chunks` keeps this rank's share of a full (possibly tensor-parallel)
+1. `stage`: `build_pipeline_chunks` keeps this rank's share of a full (possibly tensor-parallel)
    model, with the tied embedding copied onto the last stage;
-3. `schedules`: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B as plain functions that list a
+2. `schedules`: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B as plain functions that list a
    rank's forward/backward ops in named warmup / steady / cooldown phases; `schedule_grid` replays
    those lists under unit costs, which is where the bubble of a schedule is counted;
-4. `runtime`: `pipeline_train_step` / `pipeline_eval_step` run a rank's op list with batched
+3. `runtime`: `pipeline_train_step` / `pipeline_eval_step` run a rank's op list with batched
    isend/irecv to the neighbouring stages, freeing each sent activation (Megatron's
    `deallocate_output_tensor`), with a timeout and a precise error on every wait;
-5. `timeline`: the timeline of a step (forward, backward, send, recv wait and idle per
+4. `timeline`: the timeline of a step (forward, backward, send, recv wait and idle per
    micro-batch).
 Everything public is re-exported here, so `from bloomtrain.parallel.pipeline import X` works for
 every X of those modules.
@@ -28,7 +26,6 @@ With pp > 1 the tied word embedding exists twice, the embedding on the first sta
 head's copy on the last; their specs (bloomtrain.model.params) mark them `tied`, and the optimizer
 sums their gradients over the embedding group so that both take the same steps.
 """
-from bloomtrain.parallel.pipeline.partition import check_micro_batches, partition_layers
 from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, Op, gpipe_schedule, grid_bubble,
                                                     interleaved_schedule, one_f_one_b_schedule,
                                                     op_p2p, schedule_grid, theoretical_bubble)
@@ -43,7 +40,6 @@ __getattr__ = lazy_exports(__name__, {
     **dict.fromkeys(["PipelineChunk", "StageTransformer", "build_pipeline_chunks"], "stage")})
 
 __all__ = [
-    "check_micro_batches",
     "COMM_NAME",
     "SCHEDULES",
     "TIMELINE_DIR",
@@ -58,7 +54,6 @@ __all__ = [
     "interleaved_schedule",
     "one_f_one_b_schedule",
     "op_p2p",
-    "partition_layers",
     "pipeline_eval_step",
     "pipeline_train_step",
     "schedule_grid",

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.variable import Variable
 
+from bloomtrain.layout import check_micro_batches
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.pipeline.partition import check_micro_batches
 from bloomtrain.parallel.pipeline.schedules import SCHEDULES, Op, op_p2p
 from bloomtrain.parallel.pipeline.timeline import Timeline
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from bloomtrain.parallel.pipeline.partition import check_micro_batches
+from bloomtrain.layout import check_micro_batches
 
 
 class Op(NamedTuple):
