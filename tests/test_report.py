@@ -22,8 +22,9 @@ from tests.synthetic import write_synthetic_dataset
 from tests.test_train import make_cfg
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-REAL_PANELS = {"loss.png", "lr.png", "grad_norm.png", "throughput.png", "loss_scale.png"}
-ALL_PANELS = REAL_PANELS | {"memory.png"}
+# An fp32 run scales no loss and skipped no step: no loss_scale.png.
+REAL_PANELS = {"loss.png", "lr.png", "grad_norm.png", "throughput.png"}
+ALL_PANELS = REAL_PANELS | {"memory.png", "loss_scale.png"}
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,9 @@ SHOWN = {
 }
 
 
+ZERO_IS_EMPTY = {"skipped steps (total)"}
+
+
 def expected_panels(runs: dict[str, Path]) -> dict[str, dict]:
     """file -> ylabel -> legend label -> (steps, values), from each run's metrics.jsonl read
     line by line here: what the plots must show. A non-finite value is a gap (NaN); a sub-plot
@@ -250,6 +254,8 @@ def expected_panels(runs: dict[str, Path]) -> dict[str, dict]:
                           for r in recs if isinstance(r.get("loss_spike"), dict)]
                 if spikes:
                     shown["loss spike"] = ([x for x, _ in spikes], [y for _, y in spikes])
+            if ylabel in ZERO_IS_EMPTY and not any(y for _, ys in shown.values() for y in ys):
+                shown = {}  # a count that stayed 0 in every run
             if shown:
                 panel[ylabel] = shown
         if panel:
@@ -342,3 +348,48 @@ def test_plot_help_names_the_default_output(capsys):
         main(["plot", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "default: the first RUN_DIR's plots/ directory" in out
+
+
+def test_loss_scale_panel_only_with_loss_scaling_or_skipped_steps(tiny_run, tmp_path):
+    # fp32 (the real run): neither, so no panel (it was a flat line at 0). bf16 with a skipped
+    # step: that count alone, titled for it. fp16: both.
+    assert "loss_scale.png" not in {p.file for p in write_plots([load_run(tiny_run)],
+                                                                tmp_path / "fp32")}
+    bf16 = write_run(tmp_path / "bf16", [step_record(s, skipped_steps=int(s > 3))
+                                         for s in range(1, 6)])
+    (panel,) = [p for p in write_plots([load_run(bf16)], tmp_path / "o") if
+                p.file == "loss_scale.png"]
+    assert (panel.title, panel.axes) == ("Skipped steps", ["skipped steps (total)"])
+    fp16 = write_run(tmp_path / "fp16", full_records())
+    (panel,) = [p for p in write_plots([load_run(fp16)], tmp_path / "o2") if
+                p.file == "loss_scale.png"]
+    assert (panel.title, panel.axes) == ("Loss scale and skipped steps",
+                                         ["loss scale", "skipped steps (total)"])
+
+
+def test_memory_from_zero_captions_add_facts_and_several_runs_get_a_config_diff(tmp_path):
+    a = write_run(tmp_path / "a" / "run", full_records(), CONFIG)
+    b = write_run(tmp_path / "b" / "run", full_records(24, mem_gib=5.0),
+                  {**CONFIG, "train": {**CONFIG["train"], "train_iters": 24}, "run_dir": "runs/y"})
+    out = tmp_path / "out"
+    page = write_report([a, b], out).read_text()
+    panels = {p.file: p for p in write_plots([load_run(a, "a/run"), load_run(b, "b/run")], out)}
+    assert panels["memory.png"].ylims["GiB"][0] == 0  # peaks of 3-5 GiB, the axis from 0
+    assert panels["loss.png"].ylims["loss"][0] > 0  # other axes fit their data
+    captions = [c.split("</figcaption>")[0] for c in page.split("<figcaption>")[1:]]
+    assert len(captions) == len(panels)
+    assert not set(captions) & {p.title for p in panels.values()}  # no title repeated
+    assert ("learning rate: a/run 0.001 at step 1 -&gt; 0.001 at step 30; b/run 0.001 at step 1 "
+            "-&gt; 0.001 at step 24.") in captions
+    assert ("loss: a/run 4.98 at step 1 -&gt; 4.4 at step 30 (max 9 at step 20); a/run eval 4.8 "
+            "at step 10 -&gt; 4.6 at step 30; b/run 4.98 at step 1 -&gt; 4.52 at step 24 (max 9 "
+            "at step 20); b/run eval 4.8 at step 10 -&gt; 4.7 at step 20; 2 loss spike(s), at "
+            "step(s) 20, 20.") in captions
+    (memory,) = [c for c in captions if c.startswith("GiB:")]
+    assert memory.endswith(". peak a/run 3.0 GiB (rank 1, CUDA allocated), reserved 4.0 GiB; "
+                           "b/run 5.0 GiB (rank 1, CUDA allocated), reserved 6.0 GiB.")
+    # The configs: the keys that differ, one column per run, not each whole config.
+    assert "2 of 5 keys differ between the runs' config.yaml" in page
+    assert "<tr><th>run_dir</th><td>&quot;runs/x&quot;</td><td>&quot;runs/y&quot;</td></tr>" in page
+    assert "<tr><th>train.train_iters</th><td>30</td><td>24</td></tr>" in page
+    assert "micro_batch_size" not in page and "<pre>" not in page

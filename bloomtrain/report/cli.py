@@ -23,9 +23,10 @@ def register(sub) -> None:
         "plot", help="plot runs (PNGs and report.html)",
         description="Plot one or more runs from their metrics.jsonl: loss and eval loss, "
                     "learning rate, gradient norm, throughput (tokens/s, TFLOP/s, MFU), memory, "
-                    "loss scale and skipped steps, several runs overlaid on the same axes. "
-                    "Also writes report.html showing every plot, a summary of each run and its "
-                    "config. Needs matplotlib (pip install 'bloomtrain[plot]').")
+                    "loss scale and skipped steps (when a run has them), several runs overlaid "
+                    "on the same axes. Also writes report.html showing every plot with the "
+                    "figures it shows, a summary of each run and its config (for several runs, "
+                    "the keys that differ). Needs matplotlib (pip install 'bloomtrain[plot]').")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="run directories (each holds metrics.jsonl and config.yaml)")
     p.add_argument("--output", type=Path, default=None, metavar="DIR",

@@ -1,6 +1,7 @@
 """The run report: `report.html` beside the plot PNGs, with a summary table of every run, its
 loss spikes and alerts, every plot (by relative path, so the directory can be copied or served
-as a whole) and each run's resolved config.
+as a whole) with a caption of the figures it shows, and the resolved config: a run's whole, or
+for several runs the keys whose values differ.
 
 The page is static apart from a short inline script that records each image's natural width in
 the DOM once it has loaded and marks an image that failed visibly, so a broken report is obvious
@@ -9,6 +10,8 @@ to a reader and checkable by a headless browser.
 from __future__ import annotations
 
 import html
+import json
+import math
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -114,6 +117,82 @@ def _summary_rows(runs: list[Run], sums: list[Summary]) -> list[tuple[str, list[
     ]
 
 
+def _g(v: float) -> str:
+    return f"{v:,.4g}"
+
+
+def _line_text(label: str, xs: list[float], ys: list[float]) -> str | None:
+    """A plotted line's first and last values, and its extremes where they lie elsewhere."""
+    pts = [(int(x), y) for x, y in zip(xs, ys) if math.isfinite(y)]
+    if not pts:
+        return None
+    (x0, y0), (x1, y1) = pts[0], pts[-1]
+    if len(pts) == 1:
+        return f"{label} {_g(y0)} at step {x0:,}"
+    text = f"{label} {_g(y0)} at step {x0:,} -> {_g(y1)} at step {x1:,}"
+    inner = [f"{name} {_g(y)} at step {x:,}" for name, (x, y) in
+             (("min", min(pts, key=lambda p: p[1])), ("max", max(pts, key=lambda p: p[1])))
+             if y not in (y0, y1)]
+    return text + (f" ({', '.join(inner)})" if inner else "")
+
+
+def caption(panel: Panel, runs: list[Run], sums: list[Summary]) -> str:
+    """What the image cannot say exactly: each line's values at its ends and extremes, the loss
+    spikes, and for memory where the peak was and what was measured."""
+    parts = []
+    for ylabel, lines in panel.shown.items():
+        texts = []
+        for label, (xs, ys) in lines.items():
+            if label == "loss spike":
+                texts.append(f"{len(xs)} loss spike(s), at step(s) "
+                             f"{', '.join(f'{int(x):,}' for x in xs)}")
+            elif (text := _line_text(label, xs, ys)) is not None:
+                texts.append(text)
+        parts.append(f"{ylabel}: {'; '.join(texts)}")
+    if panel.file == "memory.png":
+        parts.append("peak " + "; ".join(f"{r.label} {fmt_mem(s)}" for r, s in zip(runs, sums)
+                                        if s.mem_peak is not None))
+    return ". ".join(parts) + "."
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _config_html(runs: list[Run]) -> list[str]:
+    """One run: its resolved config. Several: the keys whose values differ, one column per
+    run (whole configs side by side hide the one key that matters among a hundred)."""
+    if len(runs) == 1:
+        run = runs[0]
+        return [f"<pre>{_e(run.config_text)}</pre>" if run.config_text is not None else
+                f"<p>{_e(run.path)} has no config.yaml.</p>"]
+    missing = [r for r in runs if r.config is None]
+    flat = [_flat(r.config) for r in runs if r.config is not None]
+    keys = sorted({k for f in flat for k in f})
+    differ = [k for k in keys if len({json.dumps(f.get(k, "<absent>"), sort_keys=True)
+                                      for f in flat}) > 1]
+    with_config = [r for r in runs if r.config is not None]
+    out = [f"<p>{len(differ)} of {len(keys)} keys differ between the runs' config.yaml "
+           f"({', '.join(_e(r.path / 'config.yaml') for r in with_config)}); the others are "
+           f"equal.</p>" if with_config else ""]
+    if differ:
+        out.append("<table><tr><th>key</th>" +
+                   "".join(f"<th>{_e(r.label)}</th>" for r in with_config) + "</tr>")
+        for k in differ:
+            cells = "".join(f"<td>{_e(json.dumps(f[k]) if k in f else '(absent)')}</td>"
+                            for f in flat)
+            out.append(f"<tr><th>{_e(k)}</th>{cells}</tr>")
+        out.append("</table>")
+    out.extend(f"<p>{_e(r.path)} has no config.yaml.</p>" for r in missing)
+    return [line for line in out if line]
+
+
 def render_html(runs: list[Run], panels: list[Panel], generated: float | None = None) -> str:
     sums = [summarize(r) for r in runs]
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(generated or time.time()))
@@ -144,12 +223,9 @@ def render_html(runs: list[Run], panels: list[Panel], generated: float | None = 
         out.append("<p>No run has a logged step yet: nothing to plot.</p>")
     for p in panels:
         out.append(f'<figure><img src="{_e(quote(p.file))}" alt="{_e(p.title)}">'
-                   f"<figcaption>{_e(p.title)}</figcaption></figure>")
+                   f"<figcaption>{_e(caption(p, runs, sums))}</figcaption></figure>")
     out.append("<h2>Config</h2>")
-    for run in runs:
-        body = (f"<pre>{_e(run.config_text)}</pre>" if run.config_text is not None else
-                f"<p>{_e(run.path)} has no config.yaml.</p>")
-        out.append(f"<h3>{_e(run.label)}</h3>{body}")
+    out.extend(_config_html(runs))
     out.append(f"<script>{SCRIPT}</script></body></html>")
     return "\n".join(out) + "\n"
 

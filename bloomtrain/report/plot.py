@@ -33,12 +33,17 @@ class Axis:
     yscale: str = "linear"  # "log" when every value is positive and they span over 2 decades;
     # "log2" for the loss scale, which moves in powers of two
     spikes: bool = False  # mark records with a loss_spike on the first line
+    from_zero: bool = False  # the y axis starts at 0, so that a small change looks small
+    # A count that stayed 0 in every run (skipped steps) is drawn only where it is not: a flat
+    # line at 0 says less than the summary table's "0".
+    zero_is_empty: bool = False
+    title: str = ""  # this sub-plot's part of a title composed from the sub-plots drawn
 
 
 @dataclass(frozen=True)
 class PanelSpec:
     file: str
-    title: str
+    title: str  # "": the drawn sub-plots' titles, joined
     axes: tuple[Axis, ...]
 
 
@@ -57,11 +62,14 @@ PANELS = (
     PanelSpec("memory.png", "Memory (peak per interval, max over ranks)", (
         Axis("GiB", (Line("steps", "mem_peak_bytes", " peak", 1 / GIB),
                      Line("steps", "mem_reserved_bytes", " reserved", 1 / GIB,
-                          {"linestyle": "--"}))),)),
-    PanelSpec("loss_scale.png", "Loss scale and skipped steps", (
-        Axis("loss scale", (Line("steps", "loss_scale"),), yscale="log2"),
+                          {"linestyle": "--"})), from_zero=True),)),
+    # Only fp16 runs scale the loss (the trainer records loss_scale then); any run may skip a
+    # step whose gradient norm is not finite.
+    PanelSpec("loss_scale.png", "", (
+        Axis("loss scale", (Line("steps", "loss_scale"),), yscale="log2", title="loss scale"),
         Axis("skipped steps (total)", (Line("steps", "skipped_steps",
-                                            style={"drawstyle": "steps-post"}),)))),
+                                            style={"drawstyle": "steps-post"}),),
+             zero_is_empty=True, title="skipped steps"))),
 )
 
 
@@ -98,6 +106,7 @@ class Panel:
     title: str
     axes: list[str]
     shown: dict[str, dict[str, tuple[list[float], list[float]]]] = field(default_factory=dict)
+    ylims: dict[str, tuple[float, float]] = field(default_factory=dict)  # ylabel -> (low, high)
 
 
 def series(records: list[dict], line: Line) -> tuple[list[int], list[float]]:
@@ -138,13 +147,16 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
             data = [(i, line, *series(getattr(run, line.source), line))
                     for i, run in enumerate(runs) for line in axis.lines]
             data = [d for d in data if _finite(d[3])]
+            if axis.zero_is_empty and not any(y for d in data for y in _finite(d[3])):
+                data = []
             if data:
                 drawn.append((axis, data))
         if not drawn:
             continue
+        title = spec.title or " and ".join(a.title for a, _ in drawn).capitalize()
         fig = Figure(figsize=(9, 0.8 + 2.7 * len(drawn)), dpi=100, layout="constrained")
         FigureCanvasAgg(fig)
-        fig.suptitle(spec.title)
+        fig.suptitle(title)
         axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
         legend = None
         for ax, (axis, data) in zip(axes, drawn):
@@ -152,8 +164,9 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
         axes[-1].set_xlabel("step")
         with atomic_output(out_dir / spec.file, "wb") as f:
             fig.savefig(f, format="png")
-        written.append(Panel(spec.file, spec.title, [a.ylabel for a, _ in drawn],
-                             {ax.get_ylabel(): _shown(ax) for ax in axes}))
+        written.append(Panel(spec.file, title, [a.ylabel for a, _ in drawn],
+                             {ax.get_ylabel(): _shown(ax) for ax in axes},
+                             {ax.get_ylabel(): tuple(map(float, ax.get_ylim())) for ax in axes}))
     return written
 
 
@@ -187,6 +200,8 @@ def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> lis
         ax.set_yscale("log", base=2)
     elif axis.yscale == "log" and min(values) > 0 and max(values) > 100 * min(values):
         ax.set_yscale("log")
+    if axis.from_zero:
+        ax.set_ylim(bottom=0)
     ax.set_ylabel(axis.ylabel)
     ax.grid(True, alpha=0.3)
     labels = ax.get_legend_handles_labels()[1]
