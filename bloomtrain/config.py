@@ -10,11 +10,25 @@ import math
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import yaml
 
 from bloomtrain.errors import UserError
+
+# The keys with a set of choices, declared here once: DOMAINS (the checker) reads them, and so do
+# their owners (the pipeline's schedule table, the ZeRO stage table, the attention kernels, the
+# compute dtypes of bloomtrain.runtime and the CLI's --dtype).
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+ZeroStage = Literal[0, 1, 2, 3]
+Backend = Literal["auto", "gloo", "nccl"]
+DecayStyle = Literal["cosine", "linear", "constant"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Recompute = Literal["none", "selective", "full"]
+Attention = Literal["auto", "sdpa", "flex"]
+Device = Literal["auto", "cpu", "cuda"]
+OnLossSpike = Literal["log", "skip", "rollback"]
+OnSaveError = Literal["continue", "stop"]
 
 
 @dataclass
@@ -43,7 +57,7 @@ class ParallelConfig:
     # Pipeline-parallel size (arXiv 2104.04473): stages of consecutive blocks, across nodes.
     pp: int = 1
     # gpipe, 1f1b (PipeDream-flush) or interleaved (needs num_virtual_stages > 1).
-    pp_schedule: str = "1f1b"
+    pp_schedule: PipelineSchedule = "1f1b"
     num_virtual_stages: int = 1
     # uniform, type:transformer|embedding (BLOOM's: the embedding and the tied head count as one
     # unit each on the first/last stage), or explicit block counts per stage like "5,6,6,5".
@@ -54,14 +68,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # ZeRO (arXiv 1910.02054): 0 replicates everything; 1 shards fp32 master weights and Adam
     # states over dp (BLOOM's BF16Optimizer); 2 also the fp32 gradients; 3 also the parameters.
-    zero_stage: int = 0
+    zero_stage: ZeroStage = 0
     # Size of the flat buckets that gradient reductions and parameter gathers move at once.
     bucket_size_mb: float = 25.0
     # Count bytes and calls per collective per group (also BLOOMTRAIN_COMM_STATS=1).
     comm_stats: bool = False
     # auto: on CUDA the per-device "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU
     # ones), else gloo. nccl: the same, insisting on CUDA; gloo: CPU only.
-    backend: str = "auto"
+    backend: Backend = "auto"
     # A collective that waits longer than this fails with an error instead of hanging.
     timeout_minutes: float = 10.0
     # ZeRO-Offload (arXiv 2101.06840): keep this rank's fp32 masters and Adam moments in host
@@ -95,7 +109,7 @@ class OptimConfig:
     warmup_samples: int = 0
     # None: decay over the whole run (train_samples).
     decay_samples: int | None = None
-    decay_style: str = "cosine"
+    decay_style: DecayStyle = "cosine"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -117,22 +131,22 @@ class TrainConfig:
     train_samples: int | None = None
     # [start, increment, ramp_samples], Megatron's --rampup-batch-size.
     rampup_batch_size: list[int] | None = None
-    precision: str = "bf16"
+    precision: Precision = "bf16"
     seed: int = 1234
     # none; selective: recompute only the attention core (softmax, dropout, the matmuls with K
     # and V), Korthikanti et al. (arXiv 2205.05198); full: recompute every block, as BLOOM did.
-    activation_checkpointing: str = "none"
+    activation_checkpointing: Recompute = "none"
     # Regional torch.compile of each transformer block (inductor fuses LayerNorm, bias-GeLU and
     # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).
     compile: bool = False
     # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available, else
     # SDPA with the ALiBi bias as a float mask), sdpa or flex.
-    attention: str = "auto"
+    attention: Attention = "auto"
     log_interval: int = 10
     eval_interval: int | None = None
     eval_iters: int = 10
     # auto: cuda when available, else cpu.
-    device: str = "auto"
+    device: Device = "auto"
     # On CUDA, start even when the planner (bloomtrain plan) predicts more memory than the
     # device has.
     ignore_plan: bool = False
@@ -140,7 +154,7 @@ class TrainConfig:
     # last `loss_spike_window` losses; above `loss_spike_zscore` it is a spike, and then:
     # log it; skip the optimizer step; or roll back to the last checkpoint and skip the samples
     # that led to it (what BLOOM's and OPT's operators did by hand).
-    on_loss_spike: str = "log"
+    on_loss_spike: OnLossSpike = "log"
     loss_spike_window: int = 100
     loss_spike_zscore: float = 6.0
     # Every this many steps, the grad norm and update/weight ratio of every block (0: off).
@@ -176,7 +190,7 @@ class CheckpointConfig:
     # A save that fails (a full disk, most often): `continue` logs it and tries again at the
     # next save interval; `stop` ends the run with an error. A run's last save (at its end or
     # on a stop signal) that fails is an error either way.
-    on_save_error: str = "continue"
+    on_save_error: OnSaveError = "continue"
 
 
 @dataclass
@@ -241,8 +255,9 @@ SEED = Domain("interval", low=0, high=2 ** 32 - 1)  # numpy's RandomState (Megat
 BOOL = Domain("free", note="true or false")
 
 
-def choice(*values) -> Domain:
-    return Domain("choice", choices=values)
+def choice(literal) -> Domain:
+    """The domain of a key typed with one of the Literal choice types above."""
+    return Domain("choice", choices=typing.get_args(literal))
 
 
 def free(note: str) -> Domain:
@@ -269,15 +284,15 @@ DOMAINS: dict[str, Domain] = {
     "model.make_vocab_size_divisible_by": POSITIVE,
     "parallel.tp": POSITIVE,
     "parallel.pp": POSITIVE,
-    "parallel.pp_schedule": choice("gpipe", "1f1b", "interleaved"),
+    "parallel.pp_schedule": choice(PipelineSchedule),
     "parallel.num_virtual_stages": POSITIVE,
     "parallel.pp_partition": free("checked against the stages by bloomtrain.layout"),
     "parallel.pp_timeline": BOOL,
     "parallel.sequence_parallel": BOOL,
-    "parallel.zero_stage": choice(0, 1, 2, 3),
+    "parallel.zero_stage": choice(ZeroStage),
     "parallel.bucket_size_mb": POSITIVE,
     "parallel.comm_stats": BOOL,
-    "parallel.backend": choice("auto", "gloo", "nccl"),
+    "parallel.backend": choice(Backend),
     "parallel.timeout_minutes": POSITIVE,
     "parallel.offload_optimizer": BOOL,
     "data.paths": Domain("parsed", parse=lambda v: parse_data_paths(v),
@@ -293,7 +308,7 @@ DOMAINS: dict[str, Domain] = {
     "optim.min_lr": NON_NEGATIVE,
     "optim.warmup_samples": NON_NEGATIVE,
     "optim.decay_samples": POSITIVE,
-    "optim.decay_style": choice("cosine", "linear", "constant"),
+    "optim.decay_style": choice(DecayStyle),
     "optim.weight_decay": NON_NEGATIVE,
     "optim.beta1": FRACTION,
     "optim.beta2": FRACTION,
@@ -308,17 +323,17 @@ DOMAINS: dict[str, Domain] = {
     "train.train_iters": POSITIVE,
     "train.train_samples": POSITIVE,
     "train.rampup_batch_size": free("checked against the batch sizes by bloomtrain.layout"),
-    "train.precision": choice("bf16", "fp16", "fp32"),
+    "train.precision": choice(Precision),
     "train.seed": SEED,
-    "train.activation_checkpointing": choice("none", "selective", "full"),
+    "train.activation_checkpointing": choice(Recompute),
     "train.compile": BOOL,
-    "train.attention": choice("auto", "sdpa", "flex"),
+    "train.attention": choice(Attention),
     "train.log_interval": POSITIVE,
     "train.eval_interval": POSITIVE,
     "train.eval_iters": POSITIVE,
-    "train.device": choice("auto", "cpu", "cuda"),
+    "train.device": choice(Device),
     "train.ignore_plan": BOOL,
-    "train.on_loss_spike": choice("log", "skip", "rollback"),
+    "train.on_loss_spike": choice(OnLossSpike),
     "train.loss_spike_window": POSITIVE,
     "train.loss_spike_zscore": POSITIVE,
     "train.grad_stats_interval": Domain("interval", low=0, note="0 turns it off"),
@@ -336,7 +351,7 @@ DOMAINS: dict[str, Domain] = {
     "checkpoint.keep_last": POSITIVE,
     "checkpoint.resume": free("auto, none or a checkpoint path, checked when resuming"),
     "checkpoint.async_save": BOOL,
-    "checkpoint.on_save_error": choice("continue", "stop"),
+    "checkpoint.on_save_error": choice(OnSaveError),
     "run.tensorboard": BOOL,
     "run.wandb": free("a W&B project name"),
     "run_dir": free("a directory"),
@@ -559,6 +574,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return [_coerce(v, item, key) for v in value]
     if tp is Any:
         return value
+    if origin is Literal:  # the type of its choices; the domain check says which are allowed
+        return _coerce(value, type(args[0]), key)
     if tp is bool:
         if isinstance(value, bool):
             return value

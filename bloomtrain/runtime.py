@@ -10,21 +10,26 @@ watchdog's reports; `bloomtrain serve --nproc N` uses it as it is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
 import socket
+import sys
+import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from bloomtrain.config import Precision
 from bloomtrain.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-# The compute dtypes, by the names config keys and flags use (train.precision, --dtype).
-DTYPE_NAMES = ("fp32", "bf16", "fp16")
-# torch's own names, and "half", are accepted wherever a dtype is given by name.
-_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# The compute dtypes, by the names config keys and flags use (train.precision, --dtype), and
+# torch's name of each. torch's own names, and "half", are accepted wherever a dtype is named.
+DTYPE_NAMES = typing.get_args(Precision)
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_ALIASES = {**{torch_name: short for short, torch_name in _TORCH_NAMES.items()}, "half": "fp16"}
 
 
 def torch_dtype(name: "str | torch.dtype") -> "torch.dtype":
@@ -201,6 +206,33 @@ def _arrived(nnodes: int) -> list[int] | None:
         return None
 
 
+class _AgentNoise(logging.Filter):
+    """torch's elastic agent and its process starter log a warning per worker they signal
+    ("W... Closing process 4242 via signal SIGTERM"), after a worker failed or when the
+    launcher itself got a signal: lines that read like a second problem. They are left out; the
+    launcher's last line says what happened."""
+
+    MESSAGES = ("Received %s death signal, shutting down workers",
+                "Closing process %s via signal %s", "Sending process %s closing signal %s",
+                "Terminating process %s via signal %s")
+    LOGGERS = ("torch.distributed.elastic.agent.server.api",
+               "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.MESSAGES
+
+    @contextlib.contextmanager
+    def installed(self):
+        loggers = [logging.getLogger(name) for name in self.LOGGERS]
+        for logger in loggers:
+            logger.addFilter(self)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(self)
+
+
 def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
                  worker_env: dict[str, str] | None = None,
                  explain: Callable[[int, object], str] | None = None) -> None:
@@ -212,6 +244,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     its own), up to that many times. `worker_env`: variables the workers inherit, for this
     launch only. A failed job raises UserError with `explain(rank, failure)` of the worker
     that failed first (default: `failure_text`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
                                                       RendezvousTimeoutError)
@@ -249,8 +282,17 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     with contextlib.ExitStack() as stack:
         for key, value in env.items():
             stack.enter_context(environ(key, value))
+        stack.enter_context(_AgentNoise().installed())
         try:
             elastic_launch(lc, entry)(*args)
+        except SignalException as e:
+            # torch's agent passed the signal on to the workers and waited for them (a training
+            # worker saves a checkpoint first): an end the caller asked for, not a traceback.
+            name = signal.Signals(e.sigval).name
+            print(f"bloomtrain: {name}: passed it to this node's {spec.nproc} worker(s) and "
+                  f"waited for them to stop; exit code {128 + e.sigval}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(128 + e.sigval) from None
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             raise UserError((explain or failure_text)(rank, failure)) from None

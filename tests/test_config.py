@@ -100,11 +100,14 @@ KEY_TYPES = _key_types()
 
 
 def _base_type(key: str):
-    """int, float, str, bool or list for a key, without its Optional."""
+    """int, float, str, bool or list for a key, without its Optional (a Literal of choices: the
+    type of its choices)."""
     tp = KEY_TYPES[key]
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     tp = args[0] if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"),
                                                                    "UnionType", None)) else tp
+    if typing.get_origin(tp) is typing.Literal:
+        return type(typing.get_args(tp)[0])
     return list if typing.get_origin(tp) is list else tp
 
 

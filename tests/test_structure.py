@@ -118,3 +118,20 @@ def test_the_project_cites_only_files_it_contains():
     cited = cited_docs(REPO)
     assert {c: where for c, where in cited.items() if not (REPO / c).exists()} == {}
     assert "docs/bloom_facts.md" in cited
+
+
+def test_each_choice_is_declared_once_and_its_owners_cover_it():
+    """The choices of a config key are its Literal type in bloomtrain.config; the tables that
+    implement them are keyed by exactly those names."""
+    import typing
+
+    from bloomtrain import config
+    from bloomtrain.model.attention import ATTENTION_IMPLS
+    from bloomtrain.parallel.pipeline.schedules import SCHEDULES
+    from bloomtrain.parallel.zero.stages import STAGES
+    from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
+    assert set(SCHEDULES) == set(typing.get_args(config.PipelineSchedule))
+    assert set(STAGES) == set(typing.get_args(config.ZeroStage))
+    assert set(ATTENTION_IMPLS) | {"auto"} == set(typing.get_args(config.Attention))
+    assert DTYPE_NAMES == typing.get_args(config.Precision)
+    assert [torch_dtype(n) for n in DTYPE_NAMES] == [torch.bfloat16, torch.float16, torch.float32]

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from bloomtrain.config import Attention
 from bloomtrain.errors import UserError
 
 try:  # torch >= 2.5
@@ -44,7 +46,8 @@ try:  # torch >= 2.5
 except ImportError:
     create_block_mask = flex_attention = None
 
-ATTENTION_IMPLS = ("sdpa", "flex")
+# The kernels: train.attention's choices (config.Attention) but "auto", which resolves to one.
+ATTENTION_IMPLS = tuple(a for a in typing.get_args(Attention) if a != "auto")
 
 
 def flex_attention_available() -> bool:

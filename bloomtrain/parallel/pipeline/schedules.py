@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from bloomtrain.config import PipelineSchedule
 from bloomtrain.layout import check_micro_batches
 
 
@@ -69,7 +70,9 @@ def interleaved_schedule(pp_size: int, pp_rank: int, num_micro: int,
     return warmup + steady + cooldown
 
 
-SCHEDULES: dict[str, Callable[..., list[Op]]] = {
+# Keyed by the names of config.PipelineSchedule, each of which this table implements
+# (tests/test_structure.py checks that it covers them).
+SCHEDULES: dict[PipelineSchedule, Callable[..., list[Op]]] = {
     "gpipe": gpipe_schedule,
     "1f1b": one_f_one_b_schedule,
     "interleaved": interleaved_schedule,

@@ -58,7 +58,9 @@ def formula(stage: int, psi: int, dp: int, compute_bytes: int = 2,
     host = {k: state * (1.0 - on_device) for k in ("fp32_master", "adam_m", "adam_v",
                                                     "fp32_grads")}
     host["total"] = sum(host.values())
-    paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n,
-             3: 16 * psi / n}[stage] - 3 * state * (1.0 - on_device)
+    # fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, each
+    # over N where the stage shards it.
+    paper = (2 * psi / (n if rules.shard_params else 1) + 2 * psi / (n if rules.shard_grads else 1)
+             + 12 * psi / (n if rules.shard_optimizer else 1)) - 3 * state * (1.0 - on_device)
     return {**ours, "ours": sum(ours.values()), "working": float(working), "paper": paper,
             "host": host}

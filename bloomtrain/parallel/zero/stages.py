@@ -14,9 +14,10 @@ number itself.
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
-from bloomtrain.errors import UserError
+from bloomtrain.config import DOMAINS, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -27,15 +28,11 @@ class StageRules:
     shard_params: bool
 
 
-STAGES = {
-    0: StageRules(0, shard_optimizer=False, shard_grads=False, shard_params=False),
-    1: StageRules(1, shard_optimizer=True, shard_grads=False, shard_params=False),
-    2: StageRules(2, shard_optimizer=True, shard_grads=True, shard_params=False),
-    3: StageRules(3, shard_optimizer=True, shard_grads=True, shard_params=True),
-}
+# Each stage shards what the one before it did, and one thing more.
+STAGES = {s: StageRules(s, shard_optimizer=s >= 1, shard_grads=s >= 2, shard_params=s >= 3)
+          for s in typing.get_args(ZeroStage)}
 
 
 def stage_rules(stage: int) -> StageRules:
-    if stage not in STAGES:
-        raise UserError(f"parallel.zero_stage must be 0, 1, 2 or 3, got {stage}")
+    DOMAINS["parallel.zero_stage"].check("parallel.zero_stage", stage)
     return STAGES[stage]
