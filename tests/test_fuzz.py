@@ -31,7 +31,9 @@ from bloomtrain.checkpoint import CheckpointError  # noqa: E402
 from bloomtrain.config import Config, UserError  # noqa: E402
 from bloomtrain.data.indexed import (DTYPE_CODES, IndexedDatasetError,  # noqa: E402
                                      MMapIndexedDataset, write_dataset)
-from tests.test_config import assert_in_domains  # noqa: E402
+from bloomtrain.config import DOMAINS, Domain  # noqa: E402
+from tests.test_config import (_base_type, _config_with, assert_in_domains,  # noqa: E402
+                               inside)
 
 # The number of cases and their randomness come from the profile tests/conftest.py loads: `full`
 # (500, derandomized) in the full suite, `fast` (50) in the fast tier.
@@ -634,6 +636,120 @@ def test_config_file_of_random_bytes(config_dir, content):
         _accepted(Config.load(str(path), ["train.train_iters=1"]))
     except UserError:
         pass
+
+
+# ---- each config key's domain (config.DOMAINS; the oracle is tests/test_config.py's) -------------
+
+def _numbers(key: str, d: Domain, want_inside: bool):
+    """Numbers of the key's type inside or outside an interval domain."""
+    if _base_type(key) is int:
+        lo = math.floor(d.low) + (1 if d.low_open and float(d.low).is_integer() else 0) \
+            if d.low != -math.inf else None
+        hi = math.ceil(d.high) - (1 if d.high_open and float(d.high).is_integer() else 0) \
+            if d.high != math.inf else None
+        if want_inside:
+            return st.integers(lo, hi)
+        sides = [st.integers(max_value=lo - 1)] if lo is not None else []
+        sides += [st.integers(min_value=hi + 1)] if hi is not None else []
+        return st.one_of(sides)
+    finite = dict(allow_nan=False, allow_infinity=False)
+    lo = None if d.low == -math.inf else d.low
+    hi = None if d.high == math.inf else d.high
+    if want_inside:
+        return st.floats(lo, hi, exclude_min=d.low_open and lo is not None,
+                         exclude_max=d.high_open and hi is not None, **finite)
+    sides = [st.floats(max_value=lo, exclude_max=not d.low_open, **finite)] if lo is not None \
+        else []
+    sides += [st.floats(min_value=hi, exclude_min=not d.high_open, **finite)] if hi is not None \
+        else []
+    return st.one_of(sides)
+
+
+NUMBER_TEXT = st.one_of(st.integers(0, 10 ** 6).map(str),
+                        st.floats(0, 1e6, allow_nan=False).map(repr))
+
+
+def _split(want_inside: bool):
+    sep = st.sampled_from([",", "/"])
+    if want_inside:
+        parts = st.lists(NUMBER_TEXT, min_size=1, max_size=3).filter(
+            lambda ps: sum(float(p) for p in ps) > 0)
+        return st.tuples(parts, sep).map(lambda t: t[1].join(t[0]))
+    bad = st.one_of(
+        st.lists(NUMBER_TEXT, min_size=4, max_size=6),                        # too many parts
+        st.lists(st.just("0"), min_size=1, max_size=3),                      # sums to zero
+        st.tuples(st.lists(NUMBER_TEXT, max_size=2),
+                  st.sampled_from(["-1", "nan", "inf", "a", "", "1e999"])).map(
+            lambda t: t[0] + [t[1]]))                                         # a bad part
+    return st.tuples(bad, sep).map(lambda t: t[1].join(t[0]))
+
+
+PREFIX = st.text("abc_/.0123", min_size=1, max_size=8).filter(lambda p: p.strip() == p
+                                                              and " " not in p)
+
+
+def _data_paths(want_inside: bool):
+    weight = st.floats(1e-6, 1e6, allow_nan=False).map(repr)
+    weighted = st.tuples(weight, PREFIX).map(" ".join)
+    if want_inside:
+        return st.one_of(PREFIX.map(lambda p: [p]), st.lists(weighted, min_size=1, max_size=3))
+    bad_weight = st.tuples(st.sampled_from(["0", "-1", "nan", "inf", "x"]), PREFIX).map(" ".join)
+    return st.one_of(
+        st.tuples(st.lists(weighted, min_size=1, max_size=2), PREFIX).map(
+            lambda t: t[0] + [t[1]]),                                        # one without weight
+        st.lists(weighted, max_size=2).map(lambda ws: ws + ["1 a b"]),      # three words
+        st.tuples(st.lists(weighted, max_size=2), bad_weight).map(lambda t: t[0] + [t[1]]))
+
+
+def _of_type(key: str):
+    tp = _base_type(key)
+    return {bool: st.booleans(), str: st.text(max_size=10), int: st.integers(),
+            float: st.floats(allow_nan=False, allow_infinity=False),
+            list: st.lists(st.integers(1, 100), max_size=3)}[tp]
+
+
+def _wrong_type(key: str):
+    tp = _base_type(key)
+    words = st.text(min_size=1, max_size=4).filter(lambda s: not s.strip().isdigit())
+    return {bool: st.integers(2, 9) | st.sampled_from(["maybe", "2"]),
+            int: words | st.booleans(), float: words | st.booleans(),
+            str: st.booleans() | st.lists(st.integers(), min_size=1, max_size=2),
+            list: st.text(min_size=1, max_size=4).filter(lambda s: not s.strip().isdigit())
+            | st.booleans()}[tp]
+
+
+@st.composite
+def key_and_value(draw):
+    key = draw(st.sampled_from(sorted(DOMAINS)))
+    d = DOMAINS[key]
+    want_inside = draw(st.booleans())
+    if d.kind == "interval":
+        value = draw(_numbers(key, d, want_inside))
+    elif d.kind == "choice":
+        others = (st.integers() if isinstance(d.choices[0], int) else st.text(max_size=8))
+        value = draw(st.sampled_from(d.choices) if want_inside
+                     else others.filter(lambda v: v not in d.choices))
+    elif key == "data.split":
+        value = draw(_split(want_inside))
+    elif key == "data.paths":
+        value = draw(_data_paths(want_inside))
+    else:  # free: anything of the type is inside, another type is outside
+        value = draw(_of_type(key) if want_inside else _wrong_type(key))
+    return key, value, want_inside
+
+
+@FUZZ
+@given(case=key_and_value())
+def test_each_key_accepts_its_domain_and_refuses_the_rest(case):
+    key, value, want_inside = case
+    if want_inside:
+        cfg = _config_with(key, value)
+        assert cfg.get(key) == value or (isinstance(value, list) and key == "data.paths")
+        assert inside(key, cfg.get(key))
+    else:
+        with pytest.raises(UserError) as e:
+            _config_with(key, value)
+        assert key.split(".")[-1] in str(e.value), (key, value, str(e.value))
 
 
 # ---- tokenizer text -----------------------------------------------------------------------------
