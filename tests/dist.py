@@ -202,11 +202,13 @@ class _Clean:
         self.threads = set(threading.enumerate())
         self.sys_path = list(sys.path)
 
-    def restore(self) -> None:
+    def restore(self, env: dict | None = None) -> None:
+        """The starting state, with `env` added to the environment."""
         import numpy as np
         import torch
         os.environ.clear()
         os.environ.update(self.env)
+        os.environ.update(env or {})
         os.chdir(self.cwd)
         os.umask(self.umask)
         for s, h in self.handlers.items():
@@ -287,14 +289,16 @@ def _pool_worker(conn, store_port: int) -> None:
         key, rank, world_size, payload = pickle.loads(message)
         if key is None:
             return
-        clean.restore()
-        os.environ.update(_rank_env(rank, world_size, store_port))
         try:
             fn, args, env = pickle.loads(payload)
-            os.environ.update(env)
         except BaseException:
+            clean.restore()
             ok, result = False, traceback.format_exc()
         else:
+            # The call's environment is in place before module state is reset from it (comm's
+            # STATS reads BLOOMTRAIN_COMM_STATS), as it would be at a fresh process's imports.
+            clean.restore({**env, **_rank_env(rank, world_size, store_port)})
+
             def init():
                 dist.init_process_group("gloo", store=dist.PrefixStore(key, store), rank=rank,
                                         world_size=world_size, timeout=GROUP_TIMEOUT)

@@ -127,6 +127,8 @@ def _observe(rank, world):
 def test_state_a_function_changes_does_not_reach_the_next(tmp_path):
     fresh = run_ranks(2, _observe)
     pids = run_ranks(2, _dirty, str(tmp_path))
+    given = run_ranks(2, _observe, env={"BLOOMTRAIN_TEST_LEAK": "given"})
+    assert [g["env"] for g in given] == ["given", "given"]  # a call's env is its own
     after = run_ranks(2, _observe)
     assert [a["pid"] for a in after] == pids  # the same workers
     assert after == fresh
