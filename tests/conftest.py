@@ -36,14 +36,13 @@ CI_ALLOWED_SKIPS = {
     "cuda_only": "needs a CUDA device (FlexAttention's backward, the compiled flex path); "
                  "bench/gpu.sh runs them with -m device --device cuda",
 }
-
-
 MODULES_KEY = pytest.StashKey[set]()
 
 # The slow tier: node ids (fnmatch patterns) left out of the fast tier, -m "not slow". Each module
 # keeps real tests in the fast tier, multi-rank ones at world 2; what goes here is the rest of a
 # parametrized matrix, worlds above 2, and whole jobs launched as processes. A pattern that stops
-# matching is an error, so a renamed test cannot drift into the fast tier unseen.
+# matching a collected test is an error in CI (a warning elsewhere), so that a renamed test cannot
+# drift into the fast tier unseen.
 SLOW: list[str] = [
     # whole jobs launched as processes: the launcher, kills, restarts, nodes, CLIs
     "tests/test_chaos.py::*",
@@ -59,7 +58,7 @@ SLOW: list[str] = [
     "tests/test_plan.py::test_cli_json_and_table",
     "tests/test_serve.py::test_cli_tp2_equals_tp1_and_sigterm_drains",
     "tests/test_serve.py::test_cli_front_end_failures_end_the_server",
-    # more than 2 ranks (the fast tier runs each of these at world 2)
+    # more than 2 ranks (the fast tier keeps these modules' world-2 cases)
     "tests/test_zero.py::*[[]dp4*",
     "tests/test_zero.py::test_tensor_and_pipeline_composition_and_norm_counting",
     "tests/test_tensor_parallel.py::*[[]tp4*",
