@@ -106,7 +106,7 @@ def child(args) -> dict:
     ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
     t0 = time.perf_counter()
     model(ids[:, :-1], labels=ids[:, 1:]).backward()
-    result = engine.step(1e-4)
+    result = helpers.step(parts.optimizer, 1e-4)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     out = {"preset": args.preset, "params": shape.num_parameters(), "build_s": built,

@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import alternate_rounds  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.synthetic import write_synthetic_dataset  # noqa: E402
 
@@ -90,12 +91,12 @@ def analysed_step_extra(args, dataset: str, tmp: Path) -> tuple[float, float]:
     for i in range(2 * args.step_samples + 4):
         analyse = i % 2 == 0
         pipeline_train_step(trainer.cfg.parallel.pp_schedule, trainer.parts.chunks, batch,
-                            trainer.topo, scale_loss=trainer.engine.scale_loss,
+                            trainer.topo, scale_loss=trainer.optimizer.scale_loss,
                             **trainer._schedule_kwargs(batch))
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        trainer.engine.step(1e-5, grad_stats=analyse)
+        helpers.step(trainer.optimizer, 1e-5, grad_stats=analyse)
         if trainer.device.type == "cuda":
             torch.cuda.synchronize()
         if i >= 4:  # two of each warm up

@@ -54,7 +54,7 @@ from bench.common import (
 from bloomtrain.config import ModelConfig
 from bloomtrain.model import resolve_model_config
 from bloomtrain.model.params import base_spec
-from bloomtrain.optim import megatron_tflops
+from bloomtrain.model.presets import megatron_tflops
 from tests import helpers
 
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -83,13 +83,13 @@ def make_bloomtrain(shape, ids, device, args):
                          compile=args.compile, attention=args.attention)
     with unseeded_init():  # values do not change the speed; seeded ones take a minute at 1b7
         parts = helpers.build(cfg, device=device)
-    model, opt = parts.chunks[0], parts.engine
+    model = parts.chunks[0]
     model.train()
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
     def step():
         model(inputs, labels=labels).backward()
-        opt.step(LR)
+        helpers.step(parts.optimizer, LR)
     # What train.attention resolved to (auto picks by device), where the model says.
     impl = getattr(model.transformer, "attention_impl", None)
     return step, {"model": "bloomtrain BloomForCausalLM, bf16 parameters",

@@ -69,14 +69,14 @@ def bloomtrain_side(shape, ids, args):
     cfg = helpers.config(shape, parallel={"zero_stage": 3}, optim={"lr": LR, "clip_grad": 1.0},
                          precision="bf16", seed=1)
     parts = helpers.build(cfg)
-    model, opt = parts.chunks[0], parts.engine
+    model, eng = parts.chunks[0], parts.engine
 
     def step():
         model(ids[:, :-1], labels=ids[:, 1:]).backward()
-        opt.step(LR)
+        helpers.step(parts.optimizer, LR)
 
     def memory():
-        m = opt.memory_report()["measured"]
+        m = eng.memory_report()["measured"]
         return {"model_state_bytes": m["total"],
                 "by_category": {k: m[k] for k in ("compute_params", "fp32_master",
                                                   "fp32_grads", "adam_m", "adam_v")},

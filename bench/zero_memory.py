@@ -49,14 +49,14 @@ def one_stage(stage, shape, ids, topo, bucket_mb, offload=False):
                                           "offload_optimizer": offload},
                          precision="bf16", seed=1)
     parts = helpers.build(cfg, helpers.topology(cfg, topo))
-    model, opt = parts.chunks[0], parts.engine
+    model, eng = parts.chunks[0], parts.engine
     mem = LiveMemory()
     # The tracker's window hooks must run around the engine's own gradient hooks.
-    opt.remove_hooks()
+    eng.remove_hooks()
     mem.watch_parameters(model)
-    opt.install_hooks()
+    eng.install_hooks()
     mem.close_grad_window(model)
-    bufs = opt.bufs
+    bufs = eng.bufs
     for t in (bufs.compute, bufs.compute_shard):
         if t is not None:
             mem.register(t, "parameters")
@@ -70,14 +70,14 @@ def one_stage(stage, shape, ids, topo, bucket_mb, offload=False):
         with mem.phase("backward"):
             loss.backward()
         with mem.phase("step"):
-            opt.step(1e-4)
+            helpers.step(parts.optimizer, 1e-4)
     step()  # the first step records stage 3's unit order; the second is the measured one
     with mem:
         step()
-    rep = opt.memory_report()
-    rep["working_bound"] = opt.working_set_bound()
+    rep = eng.memory_report()
+    rep["working_bound"] = eng.working_set_bound()
     rep["live"] = mem.report()
-    opt.remove_hooks()
+    eng.remove_hooks()
     return rep
 
 

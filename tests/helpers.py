@@ -61,6 +61,17 @@ def build(cfg: Config, topo: Topology | None = None, *, engine: bool = True,
                        device=device)
 
 
+def step(optimizer, lr: float, grad_stats: bool = False):
+    """The end of a train step, after every micro-batch's backward, as the Trainer runs it: the
+    engine's reductions, the clip, the optimizer's step; then the gradients zeroed for the next
+    step's backward (the Trainer zeroes them as its step begins)."""
+    optimizer.engine.reduce_gradients()
+    optimizer.clip_grad_norm()
+    result = optimizer.step(lr, grad_stats=grad_stats)
+    optimizer.zero_grad()
+    return result
+
+
 @torch.no_grad()
 def gather_full_tensors(tensors: dict[str, torch.Tensor], topo) -> dict[str, torch.Tensor]:
     """Full (tp = 1) tensors from this rank's tp shards, named like parameters (weights, grads,

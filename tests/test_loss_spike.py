@@ -140,7 +140,7 @@ def test_log_writes_the_line_the_record_and_the_alert(dataset, tmp_path):
     assert all("loss_spike" not in r for s, r in recs.items() if s != 12)
     assert "skipped" not in recs[12]
     # Logged, and applied: every step updated the weights; the spike is in the window.
-    assert trainer.engine.step_count == 14 and trainer.state.skipped_steps == 0
+    assert trainer.optimizer.step_count == 14 and trainer.state.skipped_steps == 0
     assert trainer.state.loss_window == res.losses
 
 
@@ -178,7 +178,7 @@ def test_skip_discards_exactly_that_update(dataset, tmp_path, action):
         assert torch.equal(trainer.engine.master_state()[k], v), k
     assert res.losses[:11] + res.losses[12:] == ref_losses
     assert taken == [GBS * i for i in range(14)]  # the step and its samples still count
-    assert trainer.state.skipped_steps == 1 and trainer.engine.step_count == 13
+    assert trainer.state.skipped_steps == 1 and trainer.optimizer.step_count == 13
     rec = steps_of(tmp_path / "run")[12]
     assert rec["skipped"] is True and rec["skipped_steps"] == 1
     assert rec["loss_spike"]["action"] == "skip"
@@ -221,7 +221,7 @@ def test_rollback_skips_the_samples_and_a_resume_does_too(dataset, tmp_path):
     state = trainer.state
     # Steps 11-13 rolled back, 14 skipped: 12 updates in 16 steps; all 128 samples counted.
     assert (state.step, state.consumed_samples, state.skipped_steps) == (16, 128, 4)
-    assert trainer.engine.step_count == 12
+    assert trainer.optimizer.step_count == 12
     recorded = json.loads((tmp_path / "run" / "skipped_samples.json").read_text())
     (entry,) = recorded["skipped_samples"]
     assert {k: entry[k] for k in SKIPPED} == SKIPPED and entry["loss"] == res.losses[12]
@@ -282,7 +282,7 @@ def _ranks_worker(rank, world, dataset, tmp):
     s = trainer.state
     return {"pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank, "decisions": decisions,
             "state": (s.step, s.consumed_samples, s.skipped_steps, s.skipped_samples,
-                      s.loss_window), "step_count": trainer.engine.step_count}
+                      s.loss_window), "step_count": trainer.optimizer.step_count}
 
 
 def test_every_rank_takes_the_same_decision(dataset, tmp_path):

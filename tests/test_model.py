@@ -7,6 +7,7 @@ import torch
 from bloomtrain.config import ModelConfig
 from bloomtrain.model import (BloomForCausalLM, BloomShape, alibi_slopes, build_model,
                               resolve_model_config)
+from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.utils import UserError
 
 # Published parameter counts (docs/bloom_facts.md §1, §3).
@@ -147,3 +148,10 @@ def test_kv_cache_matches_full_forward(device):
         logits, step = logits.cpu(), step.cpu()
     assert torch.allclose(full[:, :8], logits, atol=1e-5)
     assert torch.allclose(full[:, 8:], step, atol=1e-5)
+
+
+def test_tflops_formula_reproduces_bloom_logs():
+    # docs/bloom_facts.md §2: the 176B run logged 149.02 TFLOPs at 105.22 s/iteration on 384 GPUs.
+    tf = megatron_tflops(2048, 2048, 70, 14336, 250880, 105.22, 384, True)
+    assert tf == pytest.approx(149.02, abs=0.01)
+    assert megatron_tflops(16, 2048, 70, 14336, 250880, 15.23, 384, True) == pytest.approx(8.04, abs=0.01)

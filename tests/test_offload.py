@@ -2,7 +2,7 @@
 runs without it, on CPU/gloo.
 
 Offload moves the fp32 masters and Adam moments to host memory and runs the step there, with the
-same torch AdamW kernel on the same views of the flat buffers (bloomtrain/parallel/zero/step.py),
+same torch AdamW kernel on the same views of the flat buffers (bloomtrain/optim/adamw.py),
 so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
 steps, the gathered fp32 masters and moments, the compute copies, and checkpoints, which must not
 depend on whether the run that wrote or reads them offloads. The memory accounting must show the
@@ -169,7 +169,7 @@ def test_step_is_torch_fused_adamw_bitwise(offload):
     for ids in global_batches(4, 4, seed=3):
         ours(ids[:, :-1], labels=ids[:, 1:]).backward()
         ref(ids[:, :-1], labels=ids[:, 1:]).backward()
-        eng.step(1e-3)
+        helpers.step(parts.optimizer, 1e-3)
         opt.step()
         opt.zero_grad(set_to_none=True)
     moments = eng.optim_state()
@@ -200,7 +200,7 @@ def test_offload_on_device_matches_no_offload(device):
             loss = model(ids[:, :-1], labels=ids[:, 1:])
             loss.backward()
             losses.append(float(loss.detach()))
-            eng.step(1e-3)
+            helpers.step(parts.optimizer, 1e-3)
         runs.append((losses, {k: v.cpu() for k, v in eng.master_state().items()},
                      {k: v.cpu() for k, v in eng.optim_state().items()},
                      {n: p.detach().cpu() for n, p in model.named_parameters()}))

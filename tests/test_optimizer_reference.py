@@ -18,6 +18,7 @@ from bloomtrain.config import OptimConfig
 from bloomtrain.model import build_model
 from bloomtrain.model.params import ParamSpec
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.optim import ZeroAdamW
 from bloomtrain.parallel.zero.engine import ZeroEngine
 from bloomtrain.topology import Topology
 from tests import helpers
@@ -65,7 +66,7 @@ def test_adamw_clipping_and_norm_match_torch(device):
                                            weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8),
                          precision="fp32", seed=1)
     parts = helpers.build(cfg, device=device)
-    ours, opt = parts.chunks[0], parts.engine
+    ours, eng, opt = parts.chunks[0], parts.engine, parts.optimizer
     ref = build_model(SHAPE, seed=1, device=device)
     topt = torch_reference(ref, foreach=False)
     ref_params = dict(ref.named_parameters())
@@ -78,7 +79,7 @@ def test_adamw_clipping_and_norm_match_torch(device):
         for mb in batch.split(4):  # two micro-batches: the accumulation path too
             (ours(mb[:, :-1], labels=mb[:, 1:]) * scale / 2).backward()
             (ref(mb[:, :-1], labels=mb[:, 1:]) * scale / 2).backward()
-        res = opt.step(lr)
+        res = helpers.step(opt, lr)
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
         for group in topt.param_groups:
             group["lr"] = lr
@@ -88,8 +89,8 @@ def test_adamw_clipping_and_norm_match_torch(device):
 
         assert not res.skipped
         assert res.grad_norm == pytest.approx(ref_norm, rel=1e-6), step
-        master = opt.master_state()
-        moments = opt.optim_state()
+        master = eng.master_state()
+        moments = eng.optim_state()
         assert master.keys() == {n for n in ref_params if n != "lm_head.weight"}
         for name, w in master.items():
             p = ref_params[name]
@@ -118,11 +119,13 @@ class Scalar(nn.Module):
 
 
 def _optimizer(module, stage, **kw):
-    """The engine alone on a module that is not BLOOM: its one parameter gets a spec by hand."""
+    """The engine and its optimizer alone on a module that is not BLOOM: its one parameter gets
+    a spec by hand."""
     cfg = OptimConfig(lr=1.0, clip_grad=0.0, weight_decay=0.0, **kw)
     spec = ParamSpec(name="w", tp_dim=None, weight_decay=False, init="zeros")
-    return ZeroEngine([module], {"w": spec}, Topology.single(), cfg, "bf16", zero_stage=stage,
-                      unit_types=(Scalar,))
+    eng = ZeroEngine([module], {"w": spec}, Topology.single(), "bf16", zero_stage=stage,
+                     unit_types=(Scalar,))
+    return eng, ZeroAdamW(eng, cfg, "bf16")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -132,13 +135,13 @@ def test_gradient_accumulator_is_fp32(stage, device):
     stays 1. The first Adam moment after one step is (1 - beta1)·g, so it shows which sum the
     optimizer took."""
     m = Scalar(0.5).to(device)
-    opt = _optimizer(m, stage, beta1=0.9)
+    eng, opt = _optimizer(m, stage, beta1=0.9)
     coeffs = [1.0] + [2.0 ** -10] * 200
     assert torch.tensor(1.0, dtype=torch.bfloat16) + 2.0 ** -10 == 1.0  # the premise
     for c in coeffs:
         m(c).backward()
-    opt.step(1e-3)
-    exp_avg = opt.optim_state()["exp_avg.w"].cpu()
+    helpers.step(opt, 1e-3)
+    exp_avg = eng.optim_state()["exp_avg.w"].cpu()
     torch.testing.assert_close(exp_avg, torch.full((4,), 0.1 * 1.1953125), rtol=1e-6, atol=0)
 
 
@@ -150,19 +153,19 @@ def test_masters_accumulate_updates_below_a_bf16_ulp(stage, device):
     and the compute copy must be that master rounded to bf16 after every step: 1.0 until the
     master has fallen past the midpoint 1 - 2^-9, then 1 - 2^-8."""
     m = Scalar(1.0).to(device)
-    opt = _optimizer(m, stage)
+    eng, opt = _optimizer(m, stage)
     ref_w = nn.Parameter(torch.full((4,), 1.0))  # torch's update on the CPU: the reference
     ref = torch.optim.AdamW([ref_w], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                             foreach=False)
     seen = set()
     for _ in range(40):
         m(1.0).backward()
-        opt.step(1e-4)
+        helpers.step(opt, 1e-4)
         ref_w.grad = torch.ones(4)
         ref.step()
-        master = opt.master_state()["w"].cpu()
+        master = eng.master_state()["w"].cpu()
         torch.testing.assert_close(master, ref_w.detach(), rtol=0, atol=1e-7)
-        compute = _compute_copy(m, opt)["w"].cpu()
+        compute = _compute_copy(m, eng)["w"].cpu()
         assert compute.dtype == torch.bfloat16
         assert torch.equal(compute, master.to(torch.bfloat16))
         seen.add(float(compute[0]))
@@ -170,10 +173,10 @@ def test_masters_accumulate_updates_below_a_bf16_ulp(stage, device):
     assert seen == {1.0, 1.0 - 2.0 ** -8}  # it moved once, and only through the master
 
 
-def _compute_copy(module: nn.Module, opt) -> dict[str, torch.Tensor]:
+def _compute_copy(module: nn.Module, eng) -> dict[str, torch.Tensor]:
     """The compute-dtype parameters as the next forward sees them (stage 3 gathers them in a
     forward pre-hook, so they are read from inside the forward)."""
-    if opt.stage < 3:
+    if eng.stage < 3:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
     # Stage 3 keeps no compute copy: it is cast from the masters as a unit is gathered.
     seen = {}
@@ -198,14 +201,14 @@ def test_compute_copy_is_the_rounded_master_after_every_step(stage, device):
     parts = helpers.build(helpers.config(SHAPE, parallel={"zero_stage": stage},
                                          optim={"lr": 1e-3, "clip_grad": 1.0}, seed=1),
                           device=device)
-    model, opt = parts.chunks[0], parts.engine
+    model, eng, opt = parts.chunks[0], parts.engine, parts.optimizer
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g).to(device)
         model(ids[:, :-1], labels=ids[:, 1:]).backward()
-        opt.step(1e-3)
-        master = opt.master_state()
-        compute = _compute_copy(model, opt)
+        helpers.step(opt, 1e-3)
+        master = eng.master_state()
+        compute = _compute_copy(model, eng)
         compute.pop("lm_head.weight", None)  # the tied embedding, seen under its own name too
         assert compute.keys() == master.keys()
         for name, w in master.items():

@@ -89,7 +89,7 @@ def test_nonfinite_gradient_skips_step(dataset, tmp_path):
     recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in recs] == [0, 1, 1, 1]
     assert recs[1].get("skipped") is True
-    assert trainer.state.skipped_steps == 1 and trainer.engine.step_count == 3
+    assert trainer.state.skipped_steps == 1 and trainer.optimizer.step_count == 3
 
 
 def test_gradient_accumulation_parity(dataset, tmp_path):

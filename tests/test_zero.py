@@ -73,19 +73,19 @@ def micro_batches(batch: torch.Tensor, dp_rank: int, dp_size: int, mbs: int):
 
 def train(parts, batches, mbs, inject_nonfinite_at=None):
     """Steps over `batches` with every micro-batch through the schedule runtime."""
-    topo, eng = parts.topo, parts.engine
+    topo, eng, opt = parts.topo, parts.engine, parts.optimizer
     losses, norms, skipped = [], [], []
     for step, batch in enumerate(batches):
         mbs_ = [{"tokens": ids[:, :-1], "labels": ids[:, 1:]}
                 for ids in micro_batches(batch, topo.dp_rank, topo.dp_size, mbs)]
-        scale = eng.scale_loss
+        scale = opt.scale_loss
         if inject_nonfinite_at == step and topo.dp_rank == topo.dp_size - 1:
-            scale = (lambda loss: eng.scale_loss(loss) * float("inf"))  # one dp rank only
+            scale = (lambda loss: opt.scale_loss(loss) * float("inf"))  # one dp rank only
         loss = pipeline_train_step(topo.layout.schedule, parts.chunks, mbs_, topo,
                                    scale_loss=scale,
                                    recv_shape=topo.layout.recv_shape(mbs, SEQ, SHAPE.hidden_size),
                                    dtype=eng.compute_dtype, timeout=120)
-        res = eng.step(LR)
+        res = helpers.step(opt, LR)
         mean = torch.tensor(loss)
         comm.all_reduce(mean, topo.dp_group, "dp")
         mean /= topo.dp_size
@@ -175,7 +175,7 @@ def _nonfinite(base, stage, gbs):
     unchanged = (max_diff(master, eng.master_state()) == 0.0
                  and max_diff(optim, eng.optim_state()) == 0.0
                  and (compute is None or torch.equal(compute, eng.bufs.compute))
-                 and eng.step_count == 2)
+                 and parts.optimizer.step_count == 2)
     _, after_norms, after_skipped = train(parts, batches[3:], MBS)
     return {"skipped": skipped[0], "norm_finite": math.isfinite(norms[0]),
             "unchanged": unchanged, "next_ok": not after_skipped[0]
@@ -200,7 +200,7 @@ def _stage3_memory(base):
             "gathered_bytes": eng.counters.gathered_bytes,
         }
         loss.backward()
-    eng.step(LR)
+    helpers.step(parts.optimizer, LR)
     group = next(g for g in eng.bufs.layout.groups
                  if any(s.param is next(block.parameters()) for s in g.slots))
     return {**after_forward, "gathered_inside": seen["gathered"],
@@ -382,7 +382,7 @@ def test_load_state_reads_each_tensor_once(stage):
     eng = parts.engine
     assert len(eng.bufs.layout.segments) > 100
     master, optim = _Counting(eng.master_state()), _Counting(eng.optim_state())
-    eng.load_state(master, optim, None)
+    eng.load_state(master, optim)
     assert set(master.reads.values()) == {1} and len(master.reads) == len(master)
     assert set(optim.reads.values()) == {1} and len(optim.reads) == len(optim)
 
@@ -395,5 +395,4 @@ def test_frozen_parameters_are_refused():
     m.bias.requires_grad_(False)
     spec = ParamSpec(name="x", tp_dim=None, weight_decay=False, init="zeros")
     with pytest.raises(UserError, match=r"\['bias'\] do not require grad"):
-        ZeroEngine([m], {"weight": spec, "bias": spec}, Topology.single(), helpers.config().optim,
-                   "fp32")
+        ZeroEngine([m], {"weight": spec, "bias": spec}, Topology.single(), "fp32")

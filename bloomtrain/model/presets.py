@@ -1,5 +1,5 @@
-"""Model shapes: the published BLOOM family plus a tiny one for tests, and the resolution of a
-`model:` config section into one concrete, padded shape."""
+"""Model shapes: the published BLOOM family plus a tiny one for tests, the resolution of a
+`model:` config section into one concrete, padded shape, and Megatron's FLOPs of a step."""
 from __future__ import annotations
 
 import dataclasses
@@ -115,3 +115,15 @@ def resolve_model_config(model_cfg, vocab_size: int | None = None) -> BloomShape
         attention_dropout=model_cfg.attention_dropout,
         init_method_std=base.get("init_method_std", 0.02),
     )
+
+
+def megatron_tflops(batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                    vocab_size: int, step_time_s: float, num_devices: int,
+                    activation_checkpointing: bool) -> float:
+    """Hardware TFLOP/s per device by Megatron's formula (docs/bloom_facts.md §2, M1 training.py):
+    24·f·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)), f = 4 with full recompute, 3 without."""
+    f = 4 if activation_checkpointing else 3
+    flops = (24 * f * batch_size * seq_length * num_layers * hidden_size ** 2
+             * (1.0 + seq_length / (6.0 * hidden_size)
+                + vocab_size / (16.0 * num_layers * hidden_size)))
+    return flops / (step_time_s * num_devices * 1e12)

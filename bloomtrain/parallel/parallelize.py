@@ -29,6 +29,7 @@ from bloomtrain.config import Config
 from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
 from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.optim.optimizer import ZeroAdamW
 from bloomtrain.parallel.compile import compile_blocks
 from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
@@ -41,13 +42,15 @@ from bloomtrain.utils import replace_parameters
 @dataclass
 class ModelParts:
     """What one rank trains: its model chunks (in virtual-stage order), the specs of their
-    parameters by name, and the ZeRO engine that owns their storage and updates them."""
+    parameters by name, the ZeRO engine that owns their storage, and the optimizer that steps
+    the engine's fp32 masters."""
 
     topo: Topology
     shape: BloomShape
     chunks: list[PipelineChunk]
     specs: dict[str, ParamSpec]
     engine: ZeroEngine | None
+    optimizer: ZeroAdamW | None = None
 
     @property
     def layout(self):
@@ -117,11 +120,12 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
                                      sequence_parallel=layout.sequence_parallel)
     parts = ModelParts(topo, model.shape, chunks, specs, None)
     if engine:
-        parts.engine = ZeroEngine(chunks, specs, topo, cfg.optim, t.precision,
-                                  zero_stage=layout.zero_stage,
+        parts.engine = ZeroEngine(chunks, specs, topo, t.precision, zero_stage=layout.zero_stage,
                                   bucket_size_mb=cfg.parallel.bucket_size_mb, device=device,
                                   values=_values(model.shape, topo, t.seed),
                                   offload=cfg.parallel.offload_optimizer)
+        parts.optimizer = ZeroAdamW(parts.engine, cfg.optim, t.precision,
+                                    num_blocks=model.shape.num_layers)
     elif device.type != "meta":
         _materialize_each(parts, t.seed, torch_dtype(t.precision), device)
     if device.type != "meta":

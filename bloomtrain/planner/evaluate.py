@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
-from bloomtrain.model.presets import BloomShape
-from bloomtrain.optim import megatron_tflops
+from bloomtrain.model.presets import BloomShape, megatron_tflops
 from bloomtrain.parallel.pipeline.schedules import theoretical_bubble
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.hardware import (HOST_ADAM_GBS, PCIE_GBS, Cluster, ring_time)

@@ -199,8 +199,10 @@ class TrainCheckpoints:
         if self.writer is None:
             return None
         self._settle()  # the previous async save: committed, or its failure handled
-        engine = self.parts.engine
-        meta = {**state.manifest(), "optimizer": engine.scalar_state(),
+        engine, scalars = self.parts.engine, self.parts.optimizer.state_dict()
+        meta = {**state.manifest(), "optimizer": {"step_count": scalars["step_count"],
+                                                  "zero_stage": engine.stage,
+                                                  "scaler": scalars["scaler"]},
                 "config": self.cfg.to_dict(), "topology": self.topology_meta()}
         try:
             path = self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
@@ -290,7 +292,8 @@ class TrainCheckpoints:
         manifest = reader.manifest
         check_train_manifest(path, manifest)
         master, optim = self._local_state(reader)
-        self.parts.engine.load_state(master, optim, manifest.get("optimizer"))
+        self.parts.engine.load_state(master, optim)
+        self.parts.optimizer.load_state_dict(manifest.get("optimizer"))
         reader.close()
         state = TrainState()
         if manifest.get("train_state"):  # an imported HF checkpoint starts from step 0

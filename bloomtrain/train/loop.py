@@ -35,7 +35,7 @@ from bloomtrain.train.launch import (env_from_slurm, init_distributed, resolve_d
 from bloomtrain.train.metrics import MetricsLog, progress_line
 from bloomtrain.train.monitors import Monitors
 from bloomtrain.train.sinks import open_sinks
-from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter, discard_step
+from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter
 from bloomtrain.train.watchdog import Watchdog
 from bloomtrain.utils import atomic_output
 
@@ -156,6 +156,10 @@ class Trainer:
     def engine(self):
         return self.parts.engine
 
+    @property
+    def optimizer(self):
+        return self.parts.optimizer
+
     def print(self, *args) -> None:
         if self.is_logger:
             self._log(*args)
@@ -174,24 +178,28 @@ class Trainer:
         return float(t / self.topo.dp_size)
 
     def train_step(self, micro_batches: list[dict]):
-        """Forward and backward of every micro-batch through the schedule, then the optimizer
-        step, unless the loss-spike monitor flags the loss and train.on_loss_spike is skip or
-        rollback: then the gradients are discarded (run() does the rollback). Returns (loss
-        averaged over the global batch, the step result, lr); the spike is left in self.spike."""
+        """One step, in torchtitan's order: the gradients zeroed, forward and backward of every
+        micro-batch through the schedule, the engine's reductions, the clip, then the optimizer
+        step at the learning rate of the samples consumed so far. The loss-spike monitor may
+        veto the step (train.on_loss_spike skip or rollback): then the gradients are discarded
+        (run() does the rollback). Returns (loss averaged over the global batch, the step
+        result, lr); the spike is left in self.spike."""
         self.parts.train(True)
+        self.optimizer.zero_grad()
         timeline = self._timeline()
         loss = pipeline_train_step(self.cfg.parallel.pp_schedule, self.parts.chunks, micro_batches,
-                                   self.topo, scale_loss=self.engine.scale_loss, timeline=timeline,
-                                   **self._schedule_kwargs(micro_batches))
+                                   self.topo, scale_loss=self.optimizer.scale_loss,
+                                   timeline=timeline, **self._schedule_kwargs(micro_batches))
         if timeline is not None:
             timeline.save(self.run_dir, self.state.step + 1)
         loss = self._global_loss(loss)
         self.spike = self.spikes.check(self.state, loss)  # before the step it may veto
         lr = self.lr_schedule(self.state.consumed_samples)
+        self.engine.reduce_gradients()
         if self.spike is not None and self.spike.action != "log":
-            return loss, discard_step(self.engine), lr
-        result = self._optimizer_step(lr)
-        return loss, result, lr
+            return loss, self.optimizer.discard(), lr
+        self.optimizer.clip_grad_norm()
+        return loss, self._optimizer_step(lr), lr
 
     def _global_loss(self, loss: float) -> float:
         """This dp rank's loss (the same on its tp ranks, and on its pp ranks by broadcast)
@@ -214,10 +222,10 @@ class Trainer:
         return Monitors(self.cfg.train, self.topo, self.device, self.engine)
 
     def _optimizer_step(self, lr: float):
-        """The engine's step, with the gradient analyser on the steps it is due (every rank
+        """The optimizer's step, with the gradient analyser on the steps it is due (every rank
         alike: it takes a collective), then the monitors' per-step sample."""
         step = self.state.step + 1
-        result = self.engine.step(lr, grad_stats=self.monitors.grad_stats_due(step))
+        result = self.optimizer.step(lr, grad_stats=self.monitors.grad_stats_due(step))
         for line in self.monitors.after_step(step, result):
             self.print(line)
         return result
@@ -331,7 +339,7 @@ class Trainer:
             self.print(f"[train] {where}")
 
     def _warn_skipped(self, res) -> None:
-        scale = (f"; loss scale {res.loss_scale:g} -> {self.engine.loss_scale:g}"
+        scale = (f"; loss scale {res.loss_scale:g} -> {self.optimizer.loss_scale:g}"
                  if res.loss_scale is not None else "")
         self.print(f"[train] WARNING step {self.state.step}: non-finite gradient norm "
                    f"({res.grad_norm}), step skipped{scale} ({self.state.skipped_steps} skipped "
@@ -350,7 +358,7 @@ class Trainer:
         for line in lines:
             self.print(line)
         if res.loss_scale is not None:
-            rec["loss_scale"] = self.engine.loss_scale
+            rec["loss_scale"] = self.optimizer.loss_scale
         if stats.enabled:
             # This rank's collective traffic since the last record, per kind and group.
             rec["comm"] = {f"{k}/{g}": v for (k, g), v in stats.snapshot().items()}

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from bloomtrain.optim import megatron_tflops
+from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.train.sinks import open_sinks
 from bloomtrain.utils import atomic_output, draw_in_place, format_duration, is_terminal
 

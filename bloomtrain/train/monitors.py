@@ -24,7 +24,7 @@ record always carries "step_time_max_s" and "step_time_median_s" (wall time) and
 "busy_time_median_s"; when the busiest rank exceeds train.straggler_factor times the median busy
 time, it is named in the log and as "straggler_rank" with "straggler_ratio".
 
-Gradient analyser (bloomtrain/parallel/zero/stats.py): on every `grad_stats_interval`-th step
+Gradient analyser (bloomtrain/optim/grad_stats.py): on every `grad_stats_interval`-th step
 the step's per-entry gradient norms and update/weight ratios. An entry is flagged vanishing
 below 1e-8, exploding when its norm is non-finite or above 100 times the median entry norm;
 flags are logged at their step. The statistics go into the next record written (the same step's
@@ -42,7 +42,7 @@ import sys
 import torch
 
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.zero.stats import GradStats
+from bloomtrain.optim.grad_stats import GradStats
 
 VANISHING = 1e-8
 EXPLODING = 100.0  # times the median entry norm

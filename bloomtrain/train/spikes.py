@@ -23,7 +23,6 @@ from pathlib import Path
 from bloomtrain.errors import UserError
 from bloomtrain.data.loader import batches_between
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.zero.step import StepResult
 from bloomtrain.train.metrics import IntervalMeter
 from bloomtrain.utils import atomic_output
 
@@ -135,18 +134,6 @@ class SpikeMeter(IntervalMeter):
             rec.setdefault("alerts", []).append(self.spike.line().removeprefix("[train] "))
             self.spike = None
         return rec
-
-
-def discard_step(engine) -> StepResult:
-    """The optimizer step not taken, as the engine skips a step whose gradients overflowed: the
-    reductions run (those in flight must land before the zeroing, and the norm is reported)
-    and the gradients are zeroed. Unlike an overflow it leaves the loss scale as it is: these
-    gradients are finite."""
-    engine.reducer.reduce_for_step()
-    norm = float(engine.grad_norm()) / engine.loss_scale
-    engine.zero_grad()
-    return StepResult(grad_norm=norm, skipped=True,
-                      loss_scale=engine.scaler.scale if engine.scaler else None)
 
 
 class LossSpikes:

@@ -1,24 +1,13 @@
-"""The ZeRO engine: BLOOM's BF16Optimizer semantics (compute in bf16/fp16/fp32, fp32 master
-weights, fp32 gradient accumulation across micro-batches, fp32 reductions, AdamW on the masters)
-with ZeRO data parallelism over dp (Rajbhandari et al., arXiv 1910.02054), stages 0-3.
-
-The engine composes one piece per concern, each in its own module of this package: the stage
-table (stages.py), the layout of parameters in flat buffers (segments.py), the buffers and the
-parameters as views into them (buffers.py), gradient reduction (reduce.py), stage 3's gathers
-(gather.py), the step (step.py; offload.py runs it in host memory under ZeRO-Offload), state in
-logical coordinates (state.py), memory accounting (memory.py), the gradient analyser (stats.py)
-and the clock of waits on dp peers (waits.py). Tensor and pipeline parallelism
-reach it only through the parameters' specs (bloomtrain.model.params): partial-over-tp
-gradients, the tied embedding's copies, which parameters the global norm counts.
-
-Usage: `step(lr)` once per global batch, after every micro-batch's backward of
-`scale_loss(loss)` (the fp16 loss scale; identity otherwise). `step(lr, grad_stats=True)` also
-returns the per-block gradient statistics on the StepResult (every rank on the same step: they
-take one collective). `waits.take()` is the time stalled on dp peers since the last take.
+"""The ZeRO engine (Rajbhandari et al., arXiv 1910.02054), stages 0-3, with BLOOM's BF16Optimizer
+layout: compute weights in bf16/fp16/fp32, fp32 master weights and Adam moments, gradients
+accumulated and reduced in fp32. It holds the buffers and does the data-parallel work: the
+stage table (stages.py), the flat-buffer layout (segments.py), the buffers (buffers.py), gradient
+reduction (reduce.py), stage 3's gathers (gather.py), host copies under ZeRO-Offload
+(offload.py), state in logical coordinates (state.py), memory accounting (memory.py) and the
+clock of waits on dp peers (waits.py). The optimizer that steps its masters is
+bloomtrain.optim's.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -26,20 +15,17 @@ from torch import nn
 from bloomtrain.errors import UserError
 from bloomtrain.model.bloom import BloomBlock
 from bloomtrain.model.params import EMBEDDING
-from bloomtrain.optim import DynamicLossScaler
-from bloomtrain.parallel.zero import state, stats
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero import state
 from bloomtrain.parallel.zero.buffers import FlatBuffers, Values
 from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit
 from bloomtrain.parallel.zero.memory import Counters, formula
-from bloomtrain.parallel.zero.offload import HostOptimizer
-from bloomtrain.parallel.zero.reduce import GradReducer
+from bloomtrain.parallel.zero.offload import HostCopies
+from bloomtrain.parallel.zero.reduce import GradReducer, global_grad_norm
 from bloomtrain.parallel.zero.segments import build_layout
 from bloomtrain.parallel.zero.stages import stage_rules
-from bloomtrain.parallel.zero.step import (StepResult, adamw, clip_coefficient, grad_norm,
-                                           refresh_compute)
 from bloomtrain.parallel.zero.waits import WaitClock
 from bloomtrain.runtime import torch_dtype
-
 
 
 def find_units(modules: list[nn.Module], unit_types: tuple) -> list[nn.Module]:
@@ -82,24 +68,25 @@ def _group_units(modules, specs, unit_types):
 
 
 class ZeroEngine:
-    def __init__(self, modules: list[nn.Module], specs: dict, topo, optim_cfg, precision: str,
+    """Per step: every micro-batch's backward (the gradients land in the fp32 accumulator),
+    then `reduce_gradients()`, then the optimizer's update of the masters, then
+    `refresh_compute()` (under offload: `host`'s copies, segment by segment). `waits.take()` is
+    the time stalled on dp peers since the last take."""
+
+    def __init__(self, modules: list[nn.Module], specs: dict, topo, precision: str,
                  zero_stage: int = 0, bucket_size_mb: float = 25, device=None,
                  values: Values | None = None, prefetch: bool = True,
                  unit_types: tuple = (BloomBlock,), offload: bool = False):
-        self.cfg, self.topo, self.precision = optim_cfg, topo, precision
+        self.topo, self.precision = topo, precision
         self.rules = stage_rules(zero_stage)
         self.compute_dtype = torch_dtype(precision)
-        self.step_count = 0
-        self.scaler = (DynamicLossScaler(optim_cfg.initial_loss_scale, optim_cfg.loss_scale_window,
-                                         optim_cfg.hysteresis, optim_cfg.min_loss_scale)
-                       if precision == "fp16" else None)
         frozen = [n for m in modules for n, p in m.named_parameters() if not p.requires_grad]
         if frozen:
             raise UserError(f"parameters {frozen[:3]}{' ...' if len(frozen) > 3 else ''} do not "
                             f"require grad; the engine trains every parameter of the model")
         groups, units = _group_units(modules, specs, unit_types)
         if not groups:
-            raise UserError("the optimizer got no trainable parameters")
+            raise UserError("the engine got no trainable parameters")
         bucket = max(1, int(bucket_size_mb * 2 ** 20 / 4))
         layout = build_layout(groups, topo.dp_size, topo.tp_rank, bucket,
                               per_group=self.rules.shard_params)
@@ -107,7 +94,7 @@ class ZeroEngine:
             device = groups[0][0][1].device
         self.bufs = FlatBuffers(layout, self.rules, topo.dp_size, topo.dp_rank,
                                 self.compute_dtype, device, offload=offload)
-        self.host = HostOptimizer(self.bufs, topo) if offload else None
+        self.host = HostCopies(self.bufs, topo) if offload else None
         if self.bufs.device.type != "meta":
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)
@@ -118,8 +105,6 @@ class ZeroEngine:
                                         on_backward=self.reducer.queue_end_of_backward,
                                         waits=self.waits)
                          if self.rules.shard_params else None)
-        self._num_blocks = stats.num_blocks_of(modules)
-        self._analyser: stats.Analyser | None = None  # built on the first analysed step
         if self.gatherer is not None:
             self.reducer.on_group_done = self.gatherer.free
         self._hooks: list = []
@@ -129,82 +114,42 @@ class ZeroEngine:
     def stage(self) -> int:
         return self.rules.stage
 
-    # ---- loss scaling ----------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale if self.scaler else loss
-
     def zero_grad(self) -> None:
         self.bufs.grad.zero_()
 
     # ---- the step --------------------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """The sums the step needs after the last backward: over dp (stages 0-1; stages 2-3
+        reduced during backward), over tp where gradients are partial, over the tied embedding's
+        copies; then the average over dp."""
+        self.reducer.reduce_for_step()
+
     def grad_norm(self) -> torch.Tensor:
-        return grad_norm(self.bufs, self.topo)
+        """The global norm of the reduced gradients (reduce.global_grad_norm); a collective."""
+        return global_grad_norm(self.bufs, self.topo)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_stats: bool = False) -> StepResult:
-        self.reducer.reduce_for_step()
-        if self.host:
-            self.host.grads_to_host()  # in flight while the norm is computed
-        norm = float(self.grad_norm())
-        scale = self.scaler.scale if self.scaler else None
-        if self.scaler:
-            norm /= scale
-        found_inf = not math.isfinite(norm)
-        if self.scaler:
-            self.scaler.update(found_inf)
-        analysed = self._analyse(scale) if grad_stats else None
-        if analysed is not None:
-            # Before a skip zeroes them: an overflowing step's statistics say where it overflowed.
-            analysed.grads()
-        if found_inf:
-            if self.host:
-                self.host.wait()  # the copies still read the gradients about to be zeroed
-            self.zero_grad()
-            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale,
-                              grad_stats=analysed.finish() if analysed is not None else None)
-        self.step_count += 1
-        coeff = clip_coefficient(norm, self.cfg.clip_grad, scale)
-        segments = self.bufs.layout.segments
-        if self.host:
-            self.host.step(self.cfg, lr, self.step_count, coeff, observe=analysed)
-        elif analysed is not None:
-            for seg in segments:  # the same bits as one call (stats.py)
-                with analysed.update(seg):
-                    adamw(self.bufs, [seg], None, self.cfg, lr, self.step_count, coeff)
-            refresh_compute(self.bufs, self.topo)
-        else:
-            adamw(self.bufs, segments, None, self.cfg, lr, self.step_count, coeff)
-            refresh_compute(self.bufs, self.topo)
-        self.zero_grad()
-        return StepResult(grad_norm=norm, skipped=False, loss_scale=scale,
-                          grad_stats=analysed.finish() if analysed is not None else None)
-
-    def _analyse(self, loss_scale: float | None) -> stats.StepStats:
-        if self._analyser is None:
-            if self._num_blocks is None:
-                raise ValueError("the gradient analyser needs BLOOM modules (a model shape with "
-                                 "num_layers)")
-            self._analyser = stats.Analyser(self.bufs, self.topo, self._num_blocks)
-        return self._analyser.begin(loss_scale)
+    def refresh_compute(self) -> None:
+        """Cast the updated masters into the compute copy; where the masters are sharded,
+        all-gather the cast shards, one collective per segment in the compute dtype. (Stage 3
+        casts from the masters whenever it gathers; under offload `host.send` does this.)"""
+        bufs = self.bufs
+        if bufs.compute is None:
+            return
+        if not bufs.rules.shard_optimizer:
+            bufs.compute.copy_(bufs.master)
+            return
+        for seg in bufs.layout.segments:
+            shard = bufs.state_view(bufs.master, seg).to(bufs.compute_dtype)
+            full = bufs.compute[seg.full_off:seg.full_off + seg.padded]
+            comm.all_gather_into_tensor(full, shard, self.topo.dp_group, "dp")
 
     # ---- state -----------------------------------------------------------------------------------
     def fragments(self) -> list:
         return state.fragments(self.bufs, self.topo)
 
-    def load_state(self, master, optim, scalars: dict | None) -> None:
+    def load_state(self, master, optim) -> None:
         state.load_state(self.bufs, master, optim)
-        if scalars:
-            self.step_count = int(scalars.get("step_count", 0))
-            if self.scaler and scalars.get("scaler"):
-                self.scaler.load_state_dict(scalars["scaler"])
-
-    def scalar_state(self) -> dict:
-        return {"step_count": self.step_count, "zero_stage": self.stage,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """Full fp32 masters by local name (tp-local); a collective over dp."""

@@ -1,20 +1,15 @@
-"""ZeRO-Offload (Ren et al., arXiv 2101.06840) of the optimizer: the fp32 masters and Adam moments
-of this rank's own range live in host memory and the step runs there, by the same torch AdamW as
-without offload (step.adamw), on the same views; only where the tensors live differs, so on one
-machine the two give the same bits.
+"""ZeRO-Offload (Ren et al., arXiv 2101.06840): the fp32 masters and Adam moments of this rank's
+own range live in host memory, where the optimizer steps them (bloomtrain.optim, by the same
+torch AdamW on the same views, so on one machine the bits are those of a device step). This
+module moves the bytes, segment by segment: the reduced fp32 gradients of the own range to the
+host (buffers.host_grad), and the updated masters, cast to the compute dtype in the host copy's
+bytes, back to the device (stages 1-2 all-gather them into the compute copy, stage 0 copies them
+into place, stage 3 keeps them as the shard its gathers read).
 
-A step, segment by segment (the unit of every bucketed collective):
-  device  reduced fp32 gradient of the own range --D2H--> host copy (buffers.host_grad)
-  host    unscale/clip, AdamW on the masters and moments, cast to the compute dtype (into the
-          host copy's bytes: the gradient is spent by then)
-  device  <--H2D-- the cast shard; stages 1-2 all-gather it into the compute copy, stage 0 copies
-          it into place, stage 3 keeps it as the shard its gathers read (buffers.compute_shard).
-
-Overlap on CUDA. The D2H copies of every segment are issued on a side stream as soon as the
-gradients are reduced, so they run while the device computes the global norm and the ranks
-all-reduce it; the host then steps segment k once its own copy has landed (an event per
-segment) while the later ones are still in flight. The H2D copy and all-gather of segment k are
-queued on the compute stream and run while the host steps segment k+1. On the CPU every copy is
+On CUDA the device-to-host copies of every segment run on a side stream while the device
+computes the global norm, and the host steps segment k once its copy has landed (an event per
+segment) while the later ones are in flight; the copy back and all-gather of segment k are
+queued on the compute stream while the host steps segment k+1. On the CPU every copy is
 synchronous and the same code runs in order, which is what the parity tests exercise.
 """
 from __future__ import annotations
@@ -25,12 +20,11 @@ import torch
 
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
-from bloomtrain.parallel.zero.step import adamw
 
 DP = "dp"
 
 
-class HostOptimizer:
+class HostCopies:
     def __init__(self, bufs: FlatBuffers, topo):
         self.bufs, self.topo = bufs, topo
         cuda = bufs.device.type == "cuda"
@@ -57,27 +51,24 @@ class HostOptimizer:
 
     def wait(self) -> None:
         """Every D2H copy done: the device gradients may be written again (a skipped step
-        zeroes them)."""
+        leaves them to the next step's zeroing)."""
         for event in self._landed:
             if event is not None:
                 event.synchronize()
         self._landed = []
 
-    @torch.no_grad()
-    def step(self, cfg, lr: float, step_count: int, coeff: float, observe=None) -> None:
-        """AdamW on the host, then the compute copy refreshed on the device, segment by
-        segment. `observe` (the gradient analyser's StepStats) sees each segment's update."""
-        bufs = self.bufs
+    def landed(self):
+        """Every segment, each once its gradients are in host memory."""
         # strict: a step without grads_to_host() first would have no gradients to read.
-        for seg, event in zip(bufs.layout.segments, self._landed, strict=True):
+        for seg, event in zip(self.bufs.layout.segments, self._landed, strict=True):
             if event is not None:
                 event.synchronize()
-            with observe.update(seg) if observe is not None else contextlib.nullcontext():
-                adamw(bufs, [seg], bufs.host_grad, cfg, lr, step_count, coeff)
-            self._send(seg)
+            yield seg
         self._landed = []
 
-    def _send(self, seg) -> None:
+    @torch.no_grad()
+    def send(self, seg) -> None:
+        """Segment `seg`'s updated masters back to the device, in the compute dtype."""
         bufs = self.bufs
         master = bufs.state_view(bufs.master, seg)
         # The cast reuses the host gradient's bytes (c <= 4 bytes per element): no second

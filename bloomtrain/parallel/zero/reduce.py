@@ -26,7 +26,7 @@ from torch.autograd import Variable
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
-from bloomtrain.parallel.zero.segments import Segment, Slot
+from bloomtrain.parallel.zero.segments import Segment, Slot, clip_ranges
 from bloomtrain.parallel.zero.waits import WaitClock
 
 DP = "dp"
@@ -159,7 +159,7 @@ class GradReducer:
         for seg in bufs.layout.segments:
             lo, hi = bufs.own(seg)
             g = bufs.grad_view(seg)
-            partial += [g[a - lo:b - lo] for a, b in _clip(seg.tp_partial, lo, hi)]
+            partial += [g[a - lo:b - lo] for a, b in clip_ranges(seg.tp_partial, lo, hi)]
         comm.all_reduce_coalesced(partial, self.topo.tp_group, "tp")
         comm.all_reduce_coalesced([bufs.grad_view(s) for s in bufs.layout.segments if s.tied],
                                   self.topo.embedding_group, "emb")
@@ -168,6 +168,23 @@ class GradReducer:
                 bufs.grad_view(seg).div_(bufs.dp_size)
 
 
-def _clip(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The parts of `ranges` inside [lo, hi)."""
-    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]
+@torch.no_grad()
+def global_grad_norm(bufs: FlatBuffers, topo) -> torch.Tensor:
+    """The norm of the reduced (still scaled) gradients of the whole model, every logical
+    parameter counted once (`Segment.counted`: the last stage's tied-embedding copy never,
+    tp-replicated parameters on tp rank 0 only): this rank's own ranges, then over dp (where
+    ranks own different ranges) and over the model group (tp x pp).
+
+    Squares in fp64: an fp32 sum over millions of elements drifts by ~1e-5 relative, which would
+    make the norm depend on the bucket layout. Chunks bound the fp64 temporaries."""
+    sq = torch.zeros((), dtype=torch.float64, device=bufs.device)
+    for seg in bufs.layout.segments:
+        lo, hi = bufs.own(seg)
+        g = bufs.grad_view(seg)
+        for a, b in clip_ranges(seg.counted, lo, hi):
+            for chunk in g[a - lo:b - lo].split(1 << 20):
+                sq += torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
+    if bufs.rules.shard_optimizer:
+        comm.all_reduce(sq, topo.dp_group, DP)
+    comm.all_reduce(sq, topo.model_group, "model")
+    return sq.sqrt()

@@ -171,3 +171,8 @@ def _segment(index: int, run: list[Slot], seg_start: int, numel: int, padded: in
     seg.counted = _merge([r for r, p in zip(span, pieces) if p.counted])
     seg.tp_partial = _merge([r for r, p in zip(span, pieces) if p.slot.spec.tp_partial_grad])
     return seg
+
+
+def clip_ranges(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of `ranges` inside [lo, hi)."""
+    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]

@@ -1,27 +1,14 @@
 """The gradient analyser: per block of the model, the gradient norm and the update/weight ratio
-||w_after - w_before|| / ||w_before|| of the fp32 master weights, for one step.
+||w_after - w_before|| / ||w_before|| of the fp32 master weights, for one optimizer step.
 
 Entries: "embedding" (the word embeddings, which are also the tied LM head, and their
-LayerNorm), "block 0" ... "block L-1" (each transformer block), "final_ln". The gradient norm is
-the one the step clips by, before clipping (and unscaled under fp16): the entries' squares add
-up to the global grad norm's square.
-
-How it is counted, from the flat buffers: each rank takes its own range of every segment
-(FlatBuffers.own), split by entry at the parameters' boundaries, and of it only the `counted`
-ranges of the global norm (the last stage's tied-embedding copy never, tp-replicated parameters
-on tp rank 0 only). Squares are summed in fp64, as the global norm's are, in three columns per
-entry: gradient, update, weight. (fp32 norms of the same chunks cost an eighth on a CPU, but
-drift by up to ~1e-6 relative with the layout; in fp64 the entries of any layout agree to
-~1e-8, and their squares add up to the global norm's to ~1e-15.) One all-reduce of that
-[entries x 3] tensor over the world then sums the ranks: the world is the model group (tp x pp)
-times dp. Where the optimizer is sharded every dp rank adds its own ranges, as the global norm's
-dp all-reduce does; where it is not (stage 0) every dp rank holds the same numbers and only dp
-rank 0 adds them. One collective either way.
-
-The update needs the weights before it. A copy of the whole master shard would add 4 bytes per
-parameter at the step; instead, on an analysed step the optimizer runs segment by segment (the
-offloaded step does so anyway; torch's AdamW treats each tensor on its own, so the bits are
-those of one call) and only the segment being updated is copied first: at most one bucket.
+LayerNorm), "block 0" ... "block L-1", "final_ln". Each rank takes its own range of every
+segment of the engine's flat buffers, split by entry at the parameters' boundaries, and of it
+only the ranges the global norm counts, so the entries' squares add up to the global norm's
+square. Squares are summed in fp64, as the global norm's are (in fp32 they would drift by
+~1e-6 relative with the layout), in three columns per entry (gradient, update, weight), then one
+all-reduce over the world sums the ranks; at stage 0, where every dp rank holds the same
+numbers, only dp rank 0 adds them.
 """
 from __future__ import annotations
 
@@ -33,7 +20,7 @@ import torch
 
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.buffers import FlatBuffers
-from bloomtrain.parallel.zero.reduce import _clip
+from bloomtrain.parallel.zero.segments import clip_ranges
 
 GRAD, UPDATE, WEIGHT = 0, 1, 2
 _BLOCK = re.compile(r"^transformer\.h\.(\d+)\.")
@@ -63,17 +50,6 @@ def entry_of(name: str, num_blocks: int) -> int:
     raise ValueError(f"the gradient analyser has no entry for parameter {name}")
 
 
-def num_blocks_of(modules) -> int | None:
-    """The model's number of transformer blocks, from its shape (a pipeline chunk holds only
-    some blocks, but every chunk knows the shape); None for modules that are not BLOOM's."""
-    for m in modules:
-        for sub in m.modules():
-            layers = getattr(getattr(sub, "shape", None), "num_layers", None)
-            if isinstance(layers, int):
-                return layers
-    return None
-
-
 class Analyser:
     """This rank's ranges per entry, worked out once from the layout; `begin()` starts a step."""
 
@@ -92,7 +68,8 @@ class Analyser:
                 if not piece.counted:
                     continue
                 entry = entry_of(piece.slot.spec.name, num_blocks)
-                for a, b in _clip([(piece.seg_start, piece.seg_start + piece.numel)], lo, hi):
+                for a, b in clip_ranges([(piece.seg_start, piece.seg_start + piece.numel)],
+                                           lo, hi):
                     if out and out[-1][0] == entry and out[-1][2] == a - lo:
                         out[-1] = (entry, out[-1][1], b - lo)
                     else:
@@ -131,7 +108,8 @@ class StepStats:
     @contextlib.contextmanager
     def update(self, seg):
         """Around the optimizer's update of segment `seg`: its master weights before and
-        after."""
+        after. (Only the segment being updated is copied, at most one bucket: the optimizer
+        steps segment by segment on an analysed step, which gives the bits of one call.)"""
         ranges = self.a.ranges[seg.index]
         if not ranges:
             yield
