@@ -209,17 +209,26 @@ def _arrived(nnodes: int) -> list[int] | None:
 class _AgentNoise(logging.Filter):
     """torch's elastic agent and its process starter log a warning per worker they signal
     ("W... Closing process 4242 via signal SIGTERM"), after a worker failed or when the
-    launcher itself got a signal: lines that read like a second problem. They are left out; the
-    launcher's last line says what happened."""
+    launcher itself got a signal: lines that read like a second problem. They are left out and
+    counted; the launcher's last line says what happened."""
 
     MESSAGES = ("Received %s death signal, shutting down workers",
                 "Closing process %s via signal %s", "Sending process %s closing signal %s",
-                "Terminating process %s via signal %s")
+                "Terminating process %s via signal SIGTERM")
+    # After a signal to the launcher torch waits 30 s for the workers, then kills them: a
+    # worker that has finished its last step and saved waits for the agent there.
+    FORCED = ("Unable to shutdown process %s via %s, forcefully exiting via %s",
+              "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL")
     LOGGERS = ("torch.distributed.elastic.agent.server.api",
                "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
+    def __init__(self):
+        super().__init__()
+        self.forced = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in self.MESSAGES
+        self.forced += record.msg in self.FORCED
+        return record.msg not in self.MESSAGES + self.FORCED
 
     @contextlib.contextmanager
     def installed(self):
@@ -227,7 +236,7 @@ class _AgentNoise(logging.Filter):
         for logger in loggers:
             logger.addFilter(self)
         try:
-            yield
+            yield self
         finally:
             for logger in loggers:
                 logger.removeFilter(self)
@@ -282,16 +291,18 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     with contextlib.ExitStack() as stack:
         for key, value in env.items():
             stack.enter_context(environ(key, value))
-        stack.enter_context(_AgentNoise().installed())
+        noise = stack.enter_context(_AgentNoise().installed())
         try:
             elastic_launch(lc, entry)(*args)
         except SignalException as e:
-            # torch's agent passed the signal on to the workers and waited for them (a training
-            # worker saves a checkpoint first): an end the caller asked for, not a traceback.
-            name = signal.Signals(e.sigval).name
-            print(f"bloomtrain: {name}: passed it to this node's {spec.nproc} worker(s) and "
-                  f"waited for them to stop; exit code {128 + e.sigval}", file=sys.stderr,
-                  flush=True)
+            # torch's agent passed the signal on to the workers and ended them: an end the
+            # caller asked for, said in one line rather than a traceback.
+            forced = (f" ({noise.forced} still running 30 s later, with SIGKILL)"
+                      if noise.forced else "")
+            print(f"bloomtrain: {signal.Signals(e.sigval).name}: torch's elastic agent passed it "
+                  f"to this node's {spec.nproc} worker(s) and ended them{forced}; a training "
+                  f"worker saves a checkpoint at the end of its step first (the [checkpoint] "
+                  f"lines above); exit code {128 + e.sigval}", file=sys.stderr, flush=True)
             raise SystemExit(128 + e.sigval) from None
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
