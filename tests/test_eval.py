@@ -419,6 +419,27 @@ def test_training_layouts_give_the_same_answers(parallel, model_dirs, tiny_token
     assert got["generate_until"] == want["generate_until"]
 
 
+def test_requests_on_the_device(device, model_dirs):
+    """The model on `--device` (CUDA in bench/gpu.sh's `-m device` run): every tensor a step
+    makes follows it (the KV cache's kept rows, the queries' indices), and the answers equal the
+    CPU's (1e-4: another device's fp32 kernels)."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.eval.lm import BloomtrainLM
+    from bloomtrain.eval.model import load_eval_model
+    from bloomtrain.topology import Topology
+
+    model = load_eval_model(model_dirs[0], Topology.single(), device)
+    lm = BloomtrainLM(protocol.Executor(model), load_tokenizer(_tokenizer_dir(model_dirs[0])),
+                      max_length=MAX_LENGTH, batch_size=3, progress=False)
+    got, want = run_requests(lm), run_requests(local_lm(model_dirs[0], batch_size=3))
+    for kind in ("loglikelihood", "greedy_scored"):
+        for (g, g_greedy), (w, w_greedy) in zip(got[kind], want[kind], strict=True):
+            assert abs(g - w) < 1e-4 and g_greedy == w_greedy
+    for g, w in zip(got["loglikelihood_rolling"], want["loglikelihood_rolling"]):
+        assert abs(g - w) < 1e-3  # documents of ~-600: 1e-4 per window, for fp32 on CUDA
+    assert got["generate_until"] == want["generate_until"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,world", [(1, 1, 2), (2, 2, 4)], ids=["dp2", "tp2pp2"])
 def test_data_parallel_and_3d_layouts(tp, pp, world, model_dirs, one_process, task_windows,

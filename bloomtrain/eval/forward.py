@@ -65,8 +65,8 @@ class KVCache:
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the batch, in that order (finished sequences leave)."""
         for index, presents in self.chunks.items():
-            self.chunks[index] = [(k.index_select(0, rows), v.index_select(0, rows))
-                                  for k, v in presents]
+            self.chunks[index] = [(k.index_select(0, rows.to(k.device)),
+                                   v.index_select(0, rows.to(v.device))) for k, v in presents]
 
 
 # ---- the pipeline --------------------------------------------------------------------------------
