@@ -65,18 +65,20 @@ class CommandParser(argparse.ArgumentParser):
             self._intermixing = False
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
+        namespace.command_prog = self.prog  # "bloomtrain tokenizer train": its errors' prefix
         return namespace, extras
 
 
 class _Registrar:
     """What a command module's register() receives: add_parser, with the command's help line
-    from COMMANDS (the one a placeholder shows)."""
+    from COMMANDS (the one a placeholder shows), also its description unless it has one."""
 
     def __init__(self, subparsers):
         self._sub = subparsers
 
     def add_parser(self, name, **kwargs):
         kwargs["help"] = COMMANDS[name][1]
+        kwargs.setdefault("description", kwargs["help"])
         return self._sub.add_parser(name, **kwargs)
 
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args.func(args)
     except UserError as e:
-        print(f"bloomtrain {args.command}: error: {e}", file=sys.stderr)
+        print(f"{args.command_prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -231,7 +231,7 @@ def cmd_demo(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="run the whole path on built-in data (no download)",
+    p = sub.add_parser("demo",
                        description="Build a corpus from the Python standard library, train a "
                                    "tokenizer, preprocess, train a small BLOOM, evaluate, export "
                                    "to HF and generate text.")

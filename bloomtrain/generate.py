@@ -144,7 +144,7 @@ def _main(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate", help="continue a prompt with a bloomtrain checkpoint or an HF Bloom model",
+        "generate",
         description="Print the prompt and its continuation. Decoding is greedy unless "
         "--temperature, --top-k or --top-p is given, which switches to sampling (HF order: "
         "temperature, then top-k, then top-p). Generation stops at the tokenizer's end-of-"

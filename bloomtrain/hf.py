@@ -586,7 +586,7 @@ def _write_json(path: Path, obj) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "import-hf", help="convert an HF Bloom model directory into a bloomtrain checkpoint",
+        "import-hf",
         description="Read an HF BloomForCausalLM/BloomModel directory (config.json plus "
         "model.safetensors, pytorch_model.bin, or their sharded *.index.json) and write a "
         "bloomtrain checkpoint (step 0) with the same tensors, bit for bit, and its tokenizer.")
@@ -595,7 +595,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=lambda args: _run(import_hf, args.input, args.output))
 
     p = subparsers.add_parser(
-        "export-hf", help="write a bloomtrain checkpoint as an HF BloomForCausalLM directory",
+        "export-hf",
         description="Write config.json, model.safetensors (tied head stored once), "
         "generation_config.json and the tokenizer files of a bloomtrain checkpoint, loadable "
         "with transformers' BloomForCausalLM.from_pretrained.")

@@ -104,7 +104,7 @@ def format_timeline(run_dir, step: int | None = None, width: int | None = None) 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "pipeline-timeline", help="print a pipeline step's per-stage timeline and bubble",
+        "pipeline-timeline",
         description="Print the forward/backward/recv timeline of one pipeline-parallel step, one "
                     "row per stage on a time grid, and the measured bubble against (p-1)/m "
                     "(GPipe, 1F1B) or (p-1)/(v*m) (interleaved).")

@@ -90,7 +90,7 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="inspect or merge .bin/.idx datasets")
+    p = subparsers.add_parser("data")
     sub = p.add_subparsers(dest="data_command", metavar="ACTION")
     sub.required = True
     i = sub.add_parser("inspect", help="print counts, a length histogram and decoded samples",

@@ -251,7 +251,6 @@ def _log_summary(stats: PreprocessStats, dtype: np.dtype, log: Callable[[str], N
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "preprocess",
-        help="tokenize text into a Megatron .bin/.idx dataset",
         description="Tokenize documents into PREFIX_<json-key>_document.bin/.idx (Megatron MMIDIDX). "
         "Inputs are files, globs or directories (recursed, sorted). By extension: .jsonl/.json "
         "(optionally .gz or .zst) hold one JSON object per line with the text under --json-key; "

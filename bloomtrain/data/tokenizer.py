@@ -321,7 +321,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("tokenizer", help="train a byte-level BPE tokenizer")
+    p = subparsers.add_parser("tokenizer")
     sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
     sub.required = True
     t = sub.add_parser(

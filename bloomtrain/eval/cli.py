@@ -176,7 +176,7 @@ def _lead(opts: dict, model) -> None:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "eval", help="evaluate with EleutherAI's lm-evaluation-harness, in any parallel layout",
+        "eval",
         description="Run lm-evaluation-harness tasks on a bloomtrain checkpoint or an HF Bloom "
         "directory: loglikelihood, rolling loglikelihood (perplexity) and generate_until "
         "requests, batched by length. --nproc N parallel.tp=T parallel.pp=P splits the model "

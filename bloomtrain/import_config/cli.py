@@ -25,7 +25,6 @@ _SECTIONS = ("model", "parallel", "data", "optim", "train", "checkpoint", "run")
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "import-config",
-        help="convert a Megatron-DeepSpeed launch and its ds_config into a bloomtrain config",
         description="Read a Megatron-DeepSpeed launch (a bash/SLURM launch script running "
         "pretrain_gpt.py under torchrun, python -m torch.distributed.run/launch or deepspeed, or "
         "an args file) and its DeepSpeed ds_config, write the bloomtrain config YAML, and list "

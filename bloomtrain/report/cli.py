@@ -20,7 +20,7 @@ def cmd_status(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "plot", help="plot runs (PNGs and report.html)",
+        "plot",
         description="Plot one or more runs from their metrics.jsonl: loss and eval loss, "
                     "learning rate, gradient norm, throughput (tokens/s, TFLOP/s, MFU), memory, "
                     "loss scale and skipped steps (when a run has them), several runs overlaid "
@@ -35,7 +35,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_plot)
 
     s = sub.add_parser(
-        "status", help="one screen on where a run stands",
+        "status",
         description="Show a run's step and total, ETA, last loss and eval loss, throughput, "
                     "MFU, peak memory, the latest valid checkpoint and its age, skipped steps, "
                     "loss spikes and alerts, from its run directory, while it trains or after.")

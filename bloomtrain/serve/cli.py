@@ -198,7 +198,7 @@ def register(subparsers) -> None:
 
     d = EngineConfig()
     p = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
         description="Serve a bloomtrain checkpoint or an HF Bloom directory: POST "
         "/v1/completions and /v1/chat/completions (OpenAI's APIs with vLLM's extra sampling "
         "parameters, streaming by server-sent events), POST /tokenize and /detokenize, GET "

@@ -77,7 +77,7 @@ def cmd_train(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a BLOOM model",
+    p = sub.add_parser("train",
                        description="Train a BLOOM model from a YAML config plus overrides. With "
                                    "--nproc (and --nnodes), bloomtrain starts the workers itself "
                                    "through torch's elastic launcher; under torchrun or srun "

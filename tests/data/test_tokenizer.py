@@ -96,7 +96,7 @@ def test_json_key_and_failures_named_by_file_line_and_key(tmp_path, capsys):
             str(tmp_path / "tok"), "--min-frequency", "1"]
     assert main(argv) == 2  # the default key, text, is in no record
     err = capsys.readouterr().err
-    assert err == (f"bloomtrain tokenizer: error: no usable documents in 1 input file(s) to "
+    assert err == (f"bloomtrain tokenizer train: error: no usable documents in 1 input file(s) to "
                    f"train a tokenizer on; nothing written (first problem: {data}:1: missing key "
                    f"'text' or its value is not a string)\n")
     assert not (tmp_path / "tok").exists()

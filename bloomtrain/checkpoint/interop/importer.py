@@ -167,7 +167,6 @@ def _report(src: Source, path: Path, yaml_path: Path, lines: list[str], log) -> 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "import-deepspeed",
-        help="convert a DeepSpeed / Megatron-DeepSpeed checkpoint into a bloomtrain checkpoint",
         description="Read a DeepSpeed checkpoint (an HF BloomForCausalLM under ZeRO 1/2/3 or the "
         "BF16_Optimizer, a Megatron-DeepSpeed BLOOM pipeline checkpoint at any tp x pp x dp, or a "
         "DeepSpeed universal checkpoint) and write a bloomtrain checkpoint with its weights, fp32 "
