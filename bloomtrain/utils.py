@@ -189,9 +189,9 @@ class ProgressLine:
     Only on a terminal: in a log file or a pipe, the summary the caller prints at the end says
     what was done, without a line per redraw."""
 
-    def __init__(self, stream=None, interval: float = 0.25):
+    def __init__(self, stream=None, interval: float = 0.25, enabled: bool = True):
         self.stream = sys.stderr if stream is None else stream
-        self.enabled, self.interval = is_terminal(self.stream), interval
+        self.enabled, self.interval = enabled and is_terminal(self.stream), interval
         self.start = self._last = time.monotonic()
         self._drawn = False
 

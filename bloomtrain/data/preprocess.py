@@ -28,7 +28,7 @@ from bloomtrain.data.sources import (
 )
 from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
 from bloomtrain.errors import UserError
-from bloomtrain.utils import ProgressLine, disk_full_error, is_disk_full
+from bloomtrain.utils import ProgressLine, disk_full_error, format_duration, is_disk_full
 
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20
@@ -140,6 +140,13 @@ class PreprocessStats:
     def num_skipped(self) -> int:
         return self.skips.total
 
+    def progress(self, file_index: int, seconds: float) -> list[str]:
+        """The fields of the progress line, in training's style."""
+        rate = 1 / max(seconds, 1e-9)
+        return [f"preprocess | file {file_index + 1} of {self.files}", f"{self.docs:,} docs",
+                f"{self.tokens:,} tokens", f"{self.docs * rate:,.0f} docs/s",
+                f"{self.tokens * rate:,.0f} tok/s", format_duration(seconds)]
+
 
 def dataset_prefix(output_prefix: str | os.PathLike, json_key: str = "text") -> str:
     return f"{os.fspath(output_prefix)}_{json_key}_document"
@@ -183,7 +190,7 @@ def preprocess(
     dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
     stats = PreprocessStats(output_prefix=prefix, files=len(paths),
                             skips=SkipReport(json_key, _MAX_REPORTS))
-    bar = ProgressLine() if progress else None
+    bar = ProgressLine(enabled=progress)
     start = time.monotonic()
 
     def consume(path_index: int, results) -> None:
@@ -198,15 +205,7 @@ def preprocess(
             builder.end_document()
             stats.docs += 1
             stats.tokens += int(result.size)
-        show(path_index)
-
-    def show(path_index: int, force: bool = False) -> None:
-        if bar is not None:
-            seconds = max(time.monotonic() - start, 1e-9)
-            bar.update(f"preprocess | file {path_index + 1} of {len(paths)}",
-                       f"{stats.docs:,} docs", f"{stats.tokens:,} tokens",
-                       f"{stats.docs / seconds:,.0f} docs/s", f"{stats.tokens / seconds:,.0f} tok/s",
-                       bar.elapsed(), force=force)
+        bar.update(*stats.progress(path_index, time.monotonic() - start))
 
     builder = IndexedDatasetBuilder(prefix, dtype)
     pool = None
@@ -216,7 +215,8 @@ def preprocess(
         for path_index, results in _encoded_batches(paths, tok, json_key, append_eod, dtype,
                                                     pool, workers):
             consume(path_index, results)
-        show(len(paths) - 1, force=True)  # the totals, whenever the last redraw was
+        # The totals, whenever the last redraw was.
+        bar.update(*stats.progress(len(paths) - 1, time.monotonic() - start), force=True)
         if stats.docs == 0:
             raise UserError(f"no usable documents in {len(paths)} input file(s); nothing written"
                             + stats.skips.first_problem())
@@ -233,8 +233,7 @@ def preprocess(
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        if bar is not None:
-            bar.close()
+        bar.close()
     stats.elapsed = time.monotonic() - start
     _log_summary(stats, dtype, log)
     return stats
