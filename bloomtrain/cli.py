@@ -56,16 +56,20 @@ class CommandParser(argparse.ArgumentParser):
     _intermixing = False  # parse_known_intermixed_args calls parse_known_args itself
 
     def parse_known_args(self, args=None, namespace=None):
-        if self._intermixing or self._subparsers is not None:  # `tokenizer`, `data`: a level up
+        if self._intermixing:
             return super().parse_known_args(args, namespace)
-        self._intermixing = True
-        try:
-            namespace, extras = self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._intermixing = False
+        if self._subparsers is not None:  # `tokenizer`, `data`: their actions parse the rest
+            namespace, extras = super().parse_known_args(args, namespace)
+        else:
+            self._intermixing = True
+            try:
+                namespace, extras = self.parse_known_intermixed_args(args, namespace)
+            finally:
+                self._intermixing = False
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
-        namespace.command_prog = self.prog  # "bloomtrain tokenizer train": its errors' prefix
+        if not hasattr(namespace, "command_prog"):  # the innermost: "bloomtrain tokenizer train"
+            namespace.command_prog = self.prog  # its errors' prefix
         return namespace, extras
 
 

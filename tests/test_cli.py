@@ -70,6 +70,10 @@ def test_an_unknown_option_is_the_subcommands_error_with_its_usage(capsys):
     assert err.startswith("usage: bloomtrain tokenizer train [-h] --input FILE [FILE ...]")
     assert err.endswith("bloomtrain tokenizer train: error: unrecognized arguments: "
                         "--bogus-key text\n")
+    err = _error(["tokenizer", "--bogus", "train", "--input", "a.jsonl", "--vocab-size", "300",
+                  "--output", "tok"], capsys)  # before the action
+    assert err.startswith("usage: bloomtrain tokenizer [-h] ACTION ...")
+    assert err.endswith("bloomtrain tokenizer: error: unrecognized arguments: --bogus\n")
     err = _error(["plot", "runs/a", "--bogus"], capsys)
     assert err.startswith("usage: bloomtrain plot [-h]")
     assert "bloomtrain plot: error: unrecognized arguments: --bogus" in err
