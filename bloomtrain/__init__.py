@@ -30,24 +30,26 @@ def load_model(path, device="cpu", dtype=None):
     import torch
 
     from bloomtrain import hf
-    from bloomtrain.model import BloomForCausalLM, alibi_slopes
+    from bloomtrain.checkpoint.reader import open_model
+    from bloomtrain.model import BloomForCausalLM, alibi_slopes, check_state
+    from bloomtrain.model.presets import EMBEDDING, LM_HEAD
     from bloomtrain.runtime import torch_dtype
 
     if hf.is_hf_dir(path):
         shape, state, _ = hf.collect_hf_state(path)
     else:
-        reader = hf.open_checkpoint(path)
+        reader = open_model(path)
         shape = reader.shape
-        state = {n: reader.load(n) for n in reader.names() if n != hf.LM_HEAD}
-        hf.check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, reader.path)
-    dtype = torch_dtype(dtype) if dtype is not None else state[hf.EMBEDDING].dtype
+        state = {n: reader.load(n) for n in reader.names() if n != LM_HEAD}
+        check_state(shape, {n: tuple(t.shape) for n, t in state.items()}, reader.path)
+    dtype = torch_dtype(dtype) if dtype is not None else state[EMBEDDING].dtype
 
     # Built on the meta device and filled by assignment: no random init and no second copy of
     # the weights, which matters for the billion-parameter presets.
     with torch.device("meta"):
         model = BloomForCausalLM(shape)
     state = dict(state)
-    state[hf.LM_HEAD] = state[hf.EMBEDDING]
+    state[LM_HEAD] = state[EMBEDDING]
     model.load_state_dict(state, strict=True, assign=True)
     # Assignment wraps each module's tensor in its own Parameter; re-tie so that the head *is*
     # the embedding, as in a freshly built model.

@@ -13,15 +13,19 @@ import os
 import struct
 from typing import Callable, Iterable
 
-import torch
+from typing import TYPE_CHECKING
 
 from bloomtrain.errors import UserError
 
-# torch dtype name -> safetensors dtype tag (the subset a BLOOM checkpoint can hold).
-ST_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+if TYPE_CHECKING:  # the table below is read without torch (checkpoint.format)
+    import torch
+
+# The dtypes a BLOOM checkpoint can hold, by torch's name: safetensors' tag and bytes per element.
+DTYPES = {
+    "float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2), "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2), "int8": ("I8", 1),
+    "uint8": ("U8", 1), "bool": ("BOOL", 1),
 }
 
 
@@ -32,16 +36,18 @@ def write_safetensors_streaming(path: str | os.PathLike,
     """Write `entries` — (name, torch dtype name, shape, load) — to `path`, calling each `load()`
     once, in order, right before its bytes are written, so at most one tensor need be in
     memory. Returns (sha256 hex digest, size in bytes) of what was written."""
+    import torch
+
     entries = list(entries)
     header: dict = {}
     offset = 0
     for name, dtype, shape, _ in entries:
-        if dtype not in ST_DTYPES:
+        if dtype not in DTYPES:
             raise UserError(f"cannot write {name}: dtype {dtype} has no safetensors tag")
-        num_bytes = getattr(torch, dtype).itemsize
+        tag, num_bytes = DTYPES[dtype]
         for d in shape:
             num_bytes *= d
-        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape),
+        header[name] = {"dtype": tag, "shape": list(shape),
                         "data_offsets": [offset, offset + num_bytes]}
         offset += num_bytes
     if metadata:

@@ -229,10 +229,10 @@ def _original(base: Path, name: str):
 def _load_all(step: Path):
     """What load_model and export do with a checkpoint: every parameter, checked. The loaded
     tensors, or the CheckpointError (naming the checkpoint)."""
-    from bloomtrain import hf
+    from bloomtrain.checkpoint.reader import open_model
 
     try:
-        reader = hf.open_checkpoint(step)
+        reader = open_model(step)
         out = {n: reader.load(n) for n in reader.names()}
         out.update({f"exp_avg.{n}": reader.load(n, "exp_avg") for n in reader.names()
                     if reader.has("exp_avg")})

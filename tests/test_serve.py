@@ -793,7 +793,7 @@ def _tp_rank_from_checkpoint(rank, world, path):
     import weakref
 
     from bloomtrain.checkpoint.reader import CheckpointReader
-    from bloomtrain.hf import HFSliceReader
+    from bloomtrain.serve.hf_slices import HFSliceReader
     from bloomtrain.serve.tp import load_serving_model, serving_layout
     from bloomtrain.topology import Topology
 
@@ -840,6 +840,7 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
                        ffn_hidden_size=256)
     full = build_model(shape, seed=7).eval()
     from bloomtrain import hf
+    from bloomtrain.serve.hf_slices import sliceable
 
     checkpoint.save_checkpoint(tmp_path / "ck", 1, full.state_dict(), shape)
     exported = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
@@ -850,7 +851,7 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
         shutil.copytree(exported, path)
         torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
         (path / "model.safetensors").unlink()
-        assert hf.sliceable(path)
+        assert sliceable(path)
     ranks = run_ranks(2, _tp_rank_from_checkpoint, str(path))
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
@@ -886,16 +887,18 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from bloomtrain import hf
+    from bloomtrain.checkpoint.hf_files import canonical_name
+    from bloomtrain.model.presets import EMBEDDING
+    from bloomtrain.serve.hf_slices import HFSliceReader, sliceable
     from bloomtrain.utils import UserError
 
     _, path = model_dir
-    reader = hf.HFSliceReader(path)
+    reader = HFSliceReader(path)
     qkv = "transformer.h.0.self_attention.query_key_value.weight"
     dense = "transformer.h.0.self_attention.dense.weight"
     (weights,) = Path(path).glob("*.safetensors")
     with safe_open(str(weights), framework="pt") as f:  # the reference: safetensors itself
-        whole = {hf._canonical_name(k): f.get_tensor(k) for k in f.keys()}
+        whole = {canonical_name(k): f.get_tensor(k) for k in f.keys()}
     # The same weights as a torch .bin (zip format, memory-mapped) give the same shards; the
     # older pickle format cannot be read in part and is not offered to the slice reader.
     as_bin = tmp_path / "bin"
@@ -905,10 +908,10 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     legacy = tmp_path / "legacy"
     shutil.copytree(as_bin, legacy)
     torch.save(dict(whole), legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
-    assert hf.sliceable(path) and hf.sliceable(as_bin) and not hf.sliceable(legacy)
-    bin_reader = hf.HFSliceReader(as_bin)
+    assert sliceable(path) and sliceable(as_bin) and not sliceable(legacy)
+    bin_reader = HFSliceReader(as_bin)
     assert bin_reader.names() == reader.names()
-    for name, dim in ((qkv, 0), (dense, 1), (hf.EMBEDDING, 0)):
+    for name, dim in ((qkv, 0), (dense, 1), (EMBEDDING, 0)):
         for rank in range(2):
             want = whole[name].chunk(2, dim)[rank]
             assert torch.equal(reader.load_tp_shard(name, "model", rank, 2, dim), want)
@@ -924,10 +927,10 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     head = tensors[emb].clone()
     head[-1, 0] += 1.0  # the second rank's rows only
     save_file({**tensors, "lm_head.weight": head}, str(weights))
-    reader = hf.HFSliceReader(untied)
-    reader.load_tp_shard(hf.EMBEDDING, "model", 0, 2, 0)  # rank 0's rows agree
+    reader = HFSliceReader(untied)
+    reader.load_tp_shard(EMBEDDING, "model", 0, 2, 0)  # rank 0's rows agree
     with pytest.raises(UserError, match="untied LM heads are not supported"):
-        reader.load_tp_shard(hf.EMBEDDING, "model", 1, 2, 0)
+        reader.load_tp_shard(EMBEDDING, "model", 1, 2, 0)
 
 
 # ---- the CLI, end to end: tensor parallelism, SIGTERM drain ---------------------------------

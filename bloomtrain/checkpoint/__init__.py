@@ -45,13 +45,15 @@ from bloomtrain.utils import lazy_exports
 # `bloomtrain status` and the CLI's parsers) must not wait for it.
 __getattr__ = lazy_exports(__name__, {
     **dict.fromkeys(["Deferred", "Fragment", "full_fragments"], "fragments"),
-    **dict.fromkeys(["CheckpointReader", "LazyState", "load_model_state"], "reader"),
+    **dict.fromkeys(["CheckpointReader", "LazyState", "load_model_state", "open_model"],
+                    "reader"),
     **dict.fromkeys(["CheckpointWriter", "save_checkpoint"], "writer")})
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MODEL_KINDS", "OPTIM_KINDS", "TIED_ALIAS", "CheckpointError",
     "CheckpointReader", "CheckpointWriter", "Deferred", "Fragment", "LazyState",
     "find_latest_valid",
-    "full_fragments", "list_checkpoints", "load_model_state", "prune", "read_manifest", "resolve",
+    "full_fragments", "list_checkpoints", "load_model_state", "open_model", "prune",
+    "read_manifest", "resolve",
     "save_checkpoint", "sha256_file", "step_dir_name", "verify",
 ]

@@ -15,8 +15,9 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
 from bloomtrain.errors import UserError
+from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
+from bloomtrain.safetensors_io import DTYPES
 from bloomtrain.utils import PathOutside, path_inside
 
 FORMAT = "bloomtrain-checkpoint"
@@ -24,12 +25,6 @@ FORMAT_VERSION = 2
 MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 TIED_ALIAS = {LM_HEAD: EMBEDDING}  # the tied LM head is stored once, as the embedding
-# Bytes per element of the dtypes safetensors stores that torch names the same way. A
-# manifest's dtype strings are looked up on the torch module, so anything else (say "load")
-# must never get that far.
-TENSOR_DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-                 "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
-                 "bool": 1}
 _FRAGMENT_KEYS = ("files", "keys", "dtypes", "tp_dim", "tp_rank", "tp_size", "offset", "numel")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DISPLACED_DIR = re.compile(r"^\.step_(\d+)\.old$")
@@ -141,11 +136,13 @@ def _check_fragments(bad, name: str, t, files: dict, file_bytes: dict[str, int])
                 raise bad(f"{where}: the {kind} key must be a string")
             if not isinstance(file, str) or file not in files:
                 raise bad(f"{where}: the {kind} file {file!r} is not among the manifest's files")
-            if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
-                raise bad(f"{where}: dtype {dtype!r} is not one of {sorted(TENSOR_DTYPES)}")
+            # Looked up on the torch module when read: anything else (say "load") must never
+            # get that far.
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise bad(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
             if dtype != frags[0]["dtypes"][kind]:
                 raise bad(f"tensor {name}: its fragments disagree on the {kind} dtype")
-            file_bytes[file] = file_bytes.get(file, 0) + fr["numel"] * TENSOR_DTYPES[dtype]
+            file_bytes[file] = file_bytes.get(file, 0) + fr["numel"] * DTYPES[dtype][1]
     tp_size, tp_dim = frags[0]["tp_size"], frags[0]["tp_dim"]
     if tp_size > len(frags):  # also keeps a huge tp_size from costing anything below
         raise bad(f"tensor {name}: tp_size {tp_size} but only {len(frags)} fragment(s); the "

@@ -175,6 +175,17 @@ class CheckpointReader:
         self._handles.clear()
 
 
+def open_model(path: str | os.PathLike) -> CheckpointReader:
+    """A reader of the model weights of the checkpoint at `path` (any layout), with the model and
+    tokenizer files verified against their checksums. Optimizer state is not read: for a large
+    model it is most of the bytes, and a model's users (inference, export) need none of it."""
+    reader = CheckpointReader(path, kinds=MODEL_KINDS)
+    reader.check_complete()  # before anything builds the model its manifest describes
+    tok = [k for k in reader.manifest["files"] if k.startswith("tokenizer/")]
+    verify(reader.path, reader.manifest, files=tok)
+    return reader
+
+
 class LazyState(Mapping):
     """A read-only mapping name -> tensor computed on access, so a consumer that walks the
     parameters one by one never holds more than one full parameter from the checkpoint."""

@@ -67,13 +67,14 @@ def load_eval_model(checkpoint, topo: Topology, device, dtype=None) -> EvalModel
     tensor-parallel shards (bloomtrain checkpoints, HF safetensors and zip-format .bin files);
     HF .bin files of the older pickle format are read whole, then cut. `dtype` (None: as
     stored)."""
-    from bloomtrain import hf
+    from bloomtrain.checkpoint.reader import open_model
+    from bloomtrain.hf import is_hf_dir
+    from bloomtrain.serve.hf_slices import HFSliceReader, sliceable
 
-    if hf.is_hf_dir(checkpoint) and not hf.sliceable(checkpoint):
+    if is_hf_dir(checkpoint) and not sliceable(checkpoint):
         model = _load_whole(checkpoint, topo, dtype)
     else:
-        reader = hf.HFSliceReader(checkpoint) if hf.is_hf_dir(checkpoint) else \
-            hf.open_checkpoint(checkpoint)
+        reader = HFSliceReader(checkpoint) if is_hf_dir(checkpoint) else open_model(checkpoint)
         model = _load_shards(reader, topo, dtype)
     for chunk in model.chunks:
         chunk.to(device)
@@ -94,19 +95,19 @@ def _check_layout(topo: Topology, shape: BloomShape) -> None:
 
 def _load_shards(reader, topo: Topology, dtype) -> EvalModel:
     """Build on the meta device, cut by `parallelize`, then replace each local parameter by its
-    shard as `reader` (a CheckpointReader or hf.HFSliceReader) gives it. The last stage's copy
+    shard as `reader` (a CheckpointReader or an HFSliceReader) gives it. The last stage's copy
     of the tied embedding (pp > 1) is read under the embedding's name (its spec's)."""
-    from bloomtrain import hf
-    from bloomtrain.model import BloomForCausalLM, alibi_slopes
+    from bloomtrain.model import BloomForCausalLM, alibi_slopes, check_state
+    from bloomtrain.model.presets import EMBEDDING, LM_HEAD
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.runtime import dtype_name, torch_dtype
     from bloomtrain.utils import replace_parameters
 
     shape = reader.shape
-    hf.check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != hf.LM_HEAD},
-                   reader.path)
+    check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != LM_HEAD},
+                reader.path)
     _check_layout(topo, shape)
-    dtype = torch_dtype(dtype) if dtype is not None else reader.dtype(hf.EMBEDDING)
+    dtype = torch_dtype(dtype) if dtype is not None else reader.dtype(EMBEDDING)
     with torch.device("meta"):
         full = BloomForCausalLM(shape)
     cfg = eval_config(topo.tp_size, topo.pp_size, dtype_name(dtype))

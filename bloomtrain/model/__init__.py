@@ -11,4 +11,4 @@ from bloomtrain.utils import lazy_exports
 # bloom.py imports torch; presets (shapes, for config validation) must not wait for it.
 __getattr__ = lazy_exports(__name__, dict.fromkeys(
     ["BloomBlock", "BloomForCausalLM", "BloomModel", "alibi_causal_bias", "alibi_slopes",
-     "build_model", "expected_parameters", "init_weights", "lm_loss"], "bloom"))
+     "build_model", "check_state", "expected_parameters", "init_weights", "lm_loss"], "bloom"))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,13 @@ from torch.utils.checkpoint import checkpoint
 
 from bloomtrain.model.attention import (ATTENTION_IMPLS, PagedAttention, attention_core,
                                         flex_alibi)
+from bloomtrain.config import Recompute
+from bloomtrain.errors import UserError
 from bloomtrain.model.params import base_spec, init_full, init_std
 from bloomtrain.model.presets import BloomShape
 
-ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# train.activation_checkpointing's choices.
+ACTIVATION_CHECKPOINTING = typing.get_args(Recompute)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -292,3 +296,22 @@ def expected_parameters(shape: BloomShape) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = BloomForCausalLM(shape)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_state(shape: BloomShape, names_shapes: dict[str, tuple[int, ...]], where) -> None:
+    """A stored state (names and shapes, the tied head excluded) against the parameters of a
+    BLOOM of `shape`; a UserError naming what is missing, extra or of the wrong shape."""
+    expected = expected_parameters(shape)
+    missing = [n for n in expected if n not in names_shapes]
+    unexpected = [n for n in names_shapes if n not in expected]
+    if missing:
+        raise UserError(f"{where}: {len(missing)} parameter(s) missing for a "
+                        f"{shape.num_layers}-layer BLOOM, e.g. {', '.join(missing[:4])}")
+    if unexpected:
+        raise UserError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:4])}"
+                        f"{' ...' if len(unexpected) > 4 else ''}")
+    for name, want in expected.items():
+        got = tuple(names_shapes[name])
+        if got != want:
+            raise UserError(f"{where}: {name} has shape {list(got)}, the config implies "
+                            f"{list(want)}")

@@ -40,15 +40,18 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     bloomtrain.serve.quantize), then moved to `device`. From a bloomtrain checkpoint, HF
     safetensors or HF torch .bin files in the zip format each rank reads only its shards
     (`_load_tp_shards`); .bin files of the older pickle format are read whole, then cut."""
-    from bloomtrain import hf, load_model
+    from bloomtrain import load_model
+    from bloomtrain.checkpoint.reader import open_model
+    from bloomtrain.hf import is_hf_dir
     from bloomtrain.parallel.parallelize import parallelize
+    from bloomtrain.serve.hf_slices import HFSliceReader, sliceable
     from bloomtrain.serve.quantize import quantize_model
 
     split = topo is not None and topo.tp_size > 1
-    if split and not hf.is_hf_dir(checkpoint):
-        model = _load_tp_shards(hf.open_checkpoint(checkpoint), topo, dtype)
-    elif split and hf.sliceable(checkpoint):
-        model = _load_tp_shards(hf.HFSliceReader(checkpoint), topo, dtype)
+    if split and not is_hf_dir(checkpoint):
+        model = _load_tp_shards(open_model(checkpoint), topo, dtype)
+    elif split and sliceable(checkpoint):
+        model = _load_tp_shards(HFSliceReader(checkpoint), topo, dtype)
     else:
         model = load_model(checkpoint, device="cpu", dtype=dtype)
         if split:  # .bin weights of the pickle format: read whole, then cut
@@ -70,18 +73,18 @@ def _load_tp_shards(reader, topo, dtype):
     the training plan, then each local parameter replaced by its shard. `reader` is a
     CheckpointReader (load_tp_shard: the fragments of that shard when the checkpoint was
     written with the same split, else one full parameter at a time, cut) or an
-    hf.HFSliceReader (safetensors slices, or slices of a memory-mapped torch .bin)."""
+    HFSliceReader (safetensors slices, or slices of a memory-mapped torch .bin)."""
     import torch.nn as nn
 
-    from bloomtrain import hf
-    from bloomtrain.model import BloomForCausalLM, alibi_slopes
+    from bloomtrain.model import BloomForCausalLM, alibi_slopes, check_state
+    from bloomtrain.model.presets import EMBEDDING, LM_HEAD
     from bloomtrain.parallel.parallelize import parallelize
     from bloomtrain.utils import replace_parameters
 
     shape = reader.shape
-    hf.check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != hf.LM_HEAD},
-                   reader.path)
-    dtype = torch_dtype(dtype) if dtype is not None else reader.dtype(hf.EMBEDDING)
+    check_state(shape, {n: reader.full_shape(n) for n in reader.names() if n != LM_HEAD},
+                reader.path)
+    dtype = torch_dtype(dtype) if dtype is not None else reader.dtype(EMBEDDING)
     precision = dtype_name(dtype)
     with torch.device("meta"):
         model = BloomForCausalLM(shape)

@@ -70,8 +70,8 @@ def _model_states(files: dsfiles.CheckpointFiles) -> dict:
 
 
 def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
-    from bloomtrain.hf import _canonical_name as canonical
-    from bloomtrain.hf import check_state
+    from bloomtrain.checkpoint.hf_files import canonical_name as canonical
+    from bloomtrain.model import check_state
 
     where, meta = files.tag_dir, _model_states(files)
     shape, hf_cfg = _hf_shape(files, where)

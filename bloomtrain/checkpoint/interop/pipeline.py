@@ -166,7 +166,7 @@ class PipelineCheckpoint:
 
 
 def read_megatron(files: CheckpointFiles, weights_only: bool) -> Source:
-    from bloomtrain.hf import check_state
+    from bloomtrain.model import check_state
 
     ckpt = PipelineCheckpoint(files)
     check_state(ckpt.shape, ckpt.shapes, ckpt.where)

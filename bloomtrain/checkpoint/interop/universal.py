@@ -64,9 +64,9 @@ def _scalar(obj, file: Path) -> int:
 
 def _shape_and_names(root: Path, names: list[str], meta: dict):
     """(BloomShape, universal name -> HF name, Megatron-style args) of the model."""
-    from bloomtrain.checkpoint.interop.hf_zero import _args_from_hf, _hf_shape
+    from bloomtrain.checkpoint.hf_files import canonical_name
     from bloomtrain.checkpoint.interop.files import CheckpointFiles
-    from bloomtrain.hf import _canonical_name
+    from bloomtrain.checkpoint.interop.hf_zero import _args_from_hf, _hf_shape
 
     if any(megatron.is_pipeline_name(n) for n in names):
         if "args" not in meta:
@@ -78,15 +78,14 @@ def _shape_and_names(root: Path, names: list[str], meta: dict):
         return shape, megatron.hf_names(names, root, shape.num_layers), args
     files = CheckpointFiles(root=root.parent, tag_dir=root)
     shape, cfg = _hf_shape(files, root)
-    return shape, {n: _canonical_name(n) for n in names}, _args_from_hf(cfg)
+    return shape, {n: canonical_name(n) for n in names}, _args_from_hf(cfg)
 
 
 class UniversalCheckpoint:
     """The files of one universal step by HF name; `read(name, kind)` gives a full tensor."""
 
     def __init__(self, root: Path):
-        from bloomtrain.hf import check_state
-        from bloomtrain.model import expected_parameters
+        from bloomtrain.model import check_state, expected_parameters
 
         self.root, zero = root, root / "zero"
         names = sorted(d.name for d in zero.iterdir() if d.is_dir())
