@@ -1,18 +1,10 @@
-"""The serving engine's loop: requests in, results out, one model step at a time around the
-scheduler (bloomtrain.serve.scheduler: continuous batching over the paged KV cache, chunked
-prefill, preemption) and an executor that runs a StepBatch (bloomtrain.serve.runner's forward,
-or tp.TensorParallelExecutor). A step takes the requests and aborts that arrived since the last,
-schedules, runs the model, picks each sampling sequence's next token (bloomtrain.serve.sampling),
-detokenizes it (bloomtrain.serve.detokenize, stop strings included) and hands the results to
-each sequence's sink; a finished or aborted sequence leaves the batch, its blocks back in the
-pool, within that step. With the runner's batch-invariant numerics a request's logits, and so
-its greedy tokens and its seeded samples, are the same whatever else is in the batch.
-
-Threads: `submit` and `abort` may be called from any thread (the HTTP event loop); `step` runs
-on one thread only, the engine's (`start`), or the caller's (`generate`, and
-bloomtrain.serve.remote's loop, where the HTTP front end is another process). Results go to each
-sequence's `sink` as `SeqOutput`s, called on the engine thread, or handed to `dispatch`.
-The Engine implements bloomtrain.serve.interface.EngineClient.
+"""The serving engine's loop: requests in, results out, one model step at a time. A step takes
+the requests and aborts that arrived since the last, schedules (scheduler.py: continuous
+batching over the paged KV cache, chunked prefill, preemption), runs the model (runner.py, or
+tp.py's executor), turns the logits into each sequence's results (outputs.py) and hands them to
+its sink, or to `dispatch`; a finished or aborted sequence leaves the batch, its blocks back in
+the pool, within that step. `submit` and `abort` may be called from any thread; `step` runs on
+one thread only: the engine's (`start`), or the caller's (`generate`, remote.py's loop).
 """
 from __future__ import annotations
 
@@ -20,13 +12,12 @@ import itertools
 import threading
 import time
 
-import torch
-
 from bloomtrain.serve.config import EngineConfig
 from bloomtrain.serve.detokenize import TextStream, special_token_ids
 from bloomtrain.serve.interface import EngineClosed, QueueFull, SeqOutput, check_request
-from bloomtrain.serve.sampling import SamplingParams, logprob_entries, sample_next
-from bloomtrain.serve.scheduler import Entry, Scheduler, Sequence
+from bloomtrain.serve.outputs import process_step
+from bloomtrain.serve.sampling import SamplingParams
+from bloomtrain.serve.scheduler import Scheduler, Sequence
 
 __all__ = ["Engine", "generate_offline"]
 
@@ -188,7 +179,8 @@ class Engine:
             logits = self.execute(batch)
             if self.metrics is not None:
                 self.metrics.step_done()
-            self._process(entries, logits)
+            process_step(entries, logits, self.vocab_limit, self.eos_token_id, self.metrics,
+                         self._emit)
         self._flush()
         return bool(entries)
 
@@ -228,63 +220,6 @@ class Engine:
                 self.metrics.admitted(seq.num_prompt)
 
     # ---- results -------------------------------------------------------------------------------
-
-    def _process(self, entries: list[Entry], logits: torch.Tensor) -> None:
-        logits = logits.cpu()
-        new_tokens = sample_next(entries, logits, self.vocab_limit, self.eos_token_id)
-        now = time.monotonic()
-        for e in entries:
-            seq = e.seq
-            out = SeqOutput(seq.id, [], "")
-            lps = seq.prompt_logprobs
-            if lps is not None and not seq.prompt_logprobs_sent:
-                # Row j predicts position start + j + 1. Positions already scored (before a
-                # preemption) are not scored twice.
-                first = max(e.start + 1, len(lps))
-                last = min(e.start + e.num, seq.num_prompt - 1)
-                if last >= first:
-                    row = e.logit_row + first - e.start - 1
-                    lps += logprob_entries(self.vocab_limit, logits[row:row + last - first + 1],
-                                                 seq.tokens[first:last + 1],
-                                                 seq.params.logprobs or 0)
-                if len(lps) == seq.num_prompt:
-                    out.prompt_logprobs = lps
-                    seq.prompt_logprobs_sent = True
-            if not e.sample:
-                if seq.num_computed == len(seq.tokens) and seq.params.max_tokens == 0:
-                    self._emit(seq, out, finish="length")
-                elif out.prompt_logprobs is not None:
-                    self._emit(seq, out)
-                continue
-            token = new_tokens[seq.id]
-            if seq.params.logprobs is not None:
-                row = e.logit_row + e.num_logits - 1
-                out.logprobs = logprob_entries(self.vocab_limit, logits[row:row + 1], [token],
-                                                     seq.params.logprobs)
-            self._token_metrics(seq, now)
-            if token == self.eos_token_id and not seq.params.ignore_eos:
-                # The end-of-text token is no part of the text or the token ids, but its
-                # logprob is reported, as OpenAI's and vLLM's completions do: a harness scoring
-                # with echo + max_tokens 1 drops the last entry as the generated token's.
-                self._emit(seq, out, finish="stop")
-                continue
-            seq.tokens.append(token)
-            out.token_ids = [token]
-            finish = None
-            if seq.text is not None:
-                # Stop strings count from min_tokens on, as vLLM's.
-                out.text = seq.text.push(token, seq.num_output >= seq.params.min_tokens)
-                if seq.text.stopped:
-                    finish = "stop"
-            if finish is None and seq.num_output >= seq.params.max_tokens:
-                finish = "length"
-            self._emit(seq, out, finish=finish)
-
-    def _token_metrics(self, seq: Sequence, now: float) -> None:
-        if self.metrics is not None:
-            last = seq.last_token_time
-            self.metrics.token(now - seq.arrival, None if last is None else now - last)
-        seq.last_token_time = now
 
     def _emit(self, seq: Sequence, out: SeqOutput, finish: str | None = None) -> None:
         if finish is not None:

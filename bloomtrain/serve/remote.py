@@ -32,6 +32,7 @@ close: the engine process stops, and the front end fails what is in flight and d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -63,6 +64,45 @@ def _gauges(engine) -> tuple[int, int, int]:
 
 # ---- the engine process ---------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _forwarded_signals(frontend):
+    """The SIGTERM and SIGINT this process receives go to `frontend` (a Process) as well."""
+    previous = {}
+    if frontend is not None:
+        def forward(signum, frame):
+            if frontend.pid is not None and frontend.is_alive():
+                os.kill(frontend.pid, signum)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _handle(engine, msg, ids: dict[int, int], send) -> bool:
+    """One message of the front end; True when it said bye."""
+    kind = msg[0]
+    if kind == "submit":
+        _, cid, prompt_ids, params = msg
+        try:
+            ids[cid] = engine.submit(prompt_ids, params, cid)
+        except (QueueFull, EngineClosed, RequestError) as e:
+            reason = "error" if isinstance(e, RequestError) else "abort"
+            send(("out", [(cid, SeqOutput(-1, [], "", finish_reason=reason, error=str(e)))],
+                  _gauges(engine)))
+    elif kind == "abort":
+        if msg[1] in ids:
+            engine.abort(ids[msg[1]])
+    elif kind == "metrics":
+        send(("metrics", msg[1], engine.metrics.snapshot()
+              if engine.metrics is not None else {}))
+    elif kind == "stop_accepting":
+        engine.stop_accepting()
+    return kind == "bye"
+
+
 def serve_engine(engine, conn, frontend=None, log=print) -> None:
     """Run `engine` for the front end at the other end of `conn` until it says bye or goes
     away. `frontend` (a multiprocessing Process) gets the SIGTERM/SIGINT this process
@@ -82,52 +122,26 @@ def serve_engine(engine, conn, frontend=None, log=print) -> None:
         send(("out", pairs, _gauges(engine)))
 
     engine.dispatch = dispatch
-    previous = {}
-    if frontend is not None:
-        def forward(signum, frame):
-            if frontend.pid is not None and frontend.is_alive():
-                os.kill(frontend.pid, signum)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, forward)
     try:
-        while True:
-            busy = engine.num_live > 0
-            timeout = 0 if busy else None
-            while conn.poll(timeout):
-                timeout = 0
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    log("[serve] the HTTP front end exited; stopping the engine", flush=True)
-                    return
-                kind = msg[0]
-                if kind == "submit":
-                    _, cid, prompt_ids, params = msg
+        with _forwarded_signals(frontend):
+            while True:
+                timeout = 0 if engine.num_live > 0 else None
+                while conn.poll(timeout):
+                    timeout = 0
                     try:
-                        ids[cid] = engine.submit(prompt_ids, params, cid)
-                    except (QueueFull, EngineClosed, RequestError) as e:
-                        reason = "error" if isinstance(e, RequestError) else "abort"
-                        send(("out", [(cid, SeqOutput(-1, [], "", finish_reason=reason,
-                                                      error=str(e)))], _gauges(engine)))
-                elif kind == "abort":
-                    if msg[1] in ids:
-                        engine.abort(ids[msg[1]])
-                elif kind == "metrics":
-                    send(("metrics", msg[1], engine.metrics.snapshot()
-                          if engine.metrics is not None else {}))
-                elif kind == "stop_accepting":
-                    engine.stop_accepting()
-                elif kind == "bye":
-                    return
-            if engine.num_live > 0 and engine.error is None:
-                try:
-                    engine.step()
-                except Exception as e:
-                    engine.fail(e)
-                    send(("error", repr(e)))
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        log("[serve] the HTTP front end exited; stopping the engine", flush=True)
+                        return
+                    if _handle(engine, msg, ids, send):
+                        return
+                if engine.num_live > 0 and engine.error is None:
+                    try:
+                        engine.step()
+                    except Exception as e:
+                        engine.fail(e)
+                        send(("error", repr(e)))
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         engine.dispatch = None
 
 
