@@ -130,8 +130,10 @@ def test_state_a_function_changes_does_not_reach_the_next(tmp_path):
     given = run_ranks(2, _observe, env={"BLOOMTRAIN_TEST_LEAK": "given"})
     assert [g["env"] for g in given] == ["given", "given"]  # a call's env is its own
     after = run_ranks(2, _observe)
-    assert [a["pid"] for a in after] == pids  # the same workers
-    assert after == fresh
+    assert [a["pid"] for a in after] == pids, "the same workers"
+    changed = [(r, k, f[k], a[k]) for r, (f, a) in enumerate(zip(fresh, after)) for k in f
+               if f[k] != a[k]]
+    assert not changed, changed  # (rank, what, before, after)
     assert after[0]["cwd"] != str(tmp_path) and after[0]["dtype"] == torch.float32
     assert after[0]["seed"] == 67280421310721 and after[0]["devices"] == ["cpu"]
     assert [a["rank"] for a in after] == [0, 1] and after[0]["world"] == 2
