@@ -244,7 +244,8 @@ class _AgentNoise(logging.Filter):
 
 def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
                  worker_env: dict[str, str] | None = None,
-                 explain: Callable[[int, object], str] | None = None) -> None:
+                 explain: Callable[[int, object], str] | None = None,
+                 signalled: Callable[[str], None] | None = None) -> None:
     """Start this node's workers running `entry(*args)` (a module-level function) with torch's
     elastic launcher (what torchrun uses). One node: `nproc` workers on a free localhost port.
     Several nodes (`spec`): every node runs this with the same --nnodes and --rdzv-endpoint and
@@ -252,7 +253,10 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     `max_restarts`, the launcher restarts every worker of the job after one fails (each node
     its own), up to that many times. `worker_env`: variables the workers inherit, for this
     launch only. A failed job raises UserError with `explain(rank, failure)` of the worker
-    that failed first (default: `failure_text`)."""
+    that failed first (default: `failure_text`). A SIGTERM/SIGINT to the launcher, passed on
+    to the workers, ends it with exit code 128+signal; with `signalled` (for a program whose
+    normal end is a signal, such as a server that drains) `signalled(name)` is called and
+    launch_local returns."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
@@ -297,6 +301,9 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
         except SignalException as e:
             # torch's agent passed the signal on to the workers and ended them: an end the
             # caller asked for, said in one line rather than a traceback.
+            if signalled is not None:
+                signalled(signal.Signals(e.sigval).name)
+                return
             forced = (f" ({noise.forced} still running 30 s later, with SIGKILL)"
                       if noise.forced else "")
             print(f"bloomtrain: {signal.Signals(e.sigval).name}: torch's elastic agent passed it "

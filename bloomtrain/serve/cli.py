@@ -68,15 +68,12 @@ def _main(args) -> int:
     opts["chat_template_source"] = _chat_template(opts["tokenizer"], args.chat_template)
     _engine_config(opts).check()  # before any process starts
     if tp > 1 and not under_launcher:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         from bloomtrain.runtime import launch_local
-        try:
-            launch_local(tp, serve_worker, opts)
-        except SignalException as e:
-            # SIGTERM/SIGINT reached the launcher, which passed it on to the ranks and waited
-            # for them: rank 0 drained and stopped the others.
-            print(f"[serve] stopped by {signal.Signals(e.sigval).name}", file=sys.stderr)
+
+        # SIGTERM/SIGINT reaching the launcher is passed on to the ranks, and it waits for
+        # them: rank 0 drains and stops the others, a normal end (exit 0).
+        launch_local(tp, serve_worker, opts, signalled=lambda name: print(
+            f"[serve] stopped by {name}", file=sys.stderr))
         return 0
     serve_worker(opts)
     return 0
