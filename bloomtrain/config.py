@@ -583,35 +583,43 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise UserError(f"{key} must be true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool):
-            raise UserError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise UserError(f"{key} must be an integer, got {value!r}")
+        return _to_int(value, key)
     if tp is float:
-        number = None
-        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except (ValueError, OverflowError):  # OverflowError: an int beyond float's range
-                pass
-        # nan or inf would pass every range check below (all comparisons with nan are false)
-        # and poison the run; no key gives them a meaning.
-        if number is None or not math.isfinite(number):
-            raise UserError(f"{key} must be a finite number, got {_short(value)}")
-        return number
+        return _to_float(value, key)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"{key} must be a string, got {value!r}")
     return value
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise UserError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.replace("_", ""))
+        except ValueError:
+            pass
+    raise UserError(f"{key} must be an integer, got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    number = None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):  # OverflowError: an int beyond float's range
+            pass
+    # nan or inf would pass every range check (all comparisons with nan are false) and poison
+    # the run; no key gives them a meaning.
+    if number is None or not math.isfinite(number):
+        raise UserError(f"{key} must be a finite number, got {_short(value)}")
+    return number
 
 
 def _short(value: Any) -> str:
