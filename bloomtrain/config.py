@@ -29,6 +29,8 @@ Attention = Literal["auto", "sdpa", "flex"]
 Device = Literal["auto", "cpu", "cuda"]
 OnLossSpike = Literal["log", "skip", "rollback"]
 OnSaveError = Literal["continue", "stop"]
+GradReduceDtype = Literal["fp32", "bf16", "int8"]
+WeightGatherDtype = Literal["auto", "bf16", "int8"]
 
 
 @dataclass
@@ -81,6 +83,16 @@ class ParallelConfig:
     # ZeRO-Offload (arXiv 2101.06840): keep this rank's fp32 masters and Adam moments in host
     # memory (pinned on CUDA) and run the optimizer step there.
     offload_optimizer: bool = False
+    # The wire format of the data-parallel gradient reduction (parallel/zero/compress.py): fp32
+    # (exact), bf16, or int8 (blockwise absmax, ZeRO++'s qgZ: ~0.26x fp32's bytes). The sums
+    # are taken in fp32 either way.
+    grad_reduce_dtype: GradReduceDtype = "fp32"
+    # With a bf16/int8 reduction: send what quantization dropped in the next reduction. The
+    # residual is per rank, fp32, the size of the rank's gradient input (4 bytes per local
+    # parameter), and is checkpointed with the optimizer state.
+    grad_error_feedback: bool = False
+    # ZeRO-3's parameter all-gather: auto (the compute dtype), bf16, or int8 (ZeRO++'s qwZ).
+    weight_gather_dtype: WeightGatherDtype = "auto"
 
 
 @dataclass
@@ -295,6 +307,9 @@ DOMAINS: dict[str, Domain] = {
     "parallel.backend": choice(Backend),
     "parallel.timeout_minutes": POSITIVE,
     "parallel.offload_optimizer": BOOL,
+    "parallel.grad_reduce_dtype": choice(GradReduceDtype),
+    "parallel.grad_error_feedback": BOOL,
+    "parallel.weight_gather_dtype": choice(WeightGatherDtype),
     "data.paths": Domain("parsed", parse=lambda v: parse_data_paths(v),
                          note="'PREFIX', or 'WEIGHT PREFIX' entries with positive weights"),
     "data.tokenizer": free("a path, checked when it is loaded"),
@@ -437,6 +452,14 @@ class Config:
                             f"optim.warmup_samples ({o.warmup_samples})")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             raise UserError("checkpoint.save_interval needs checkpoint.dir")
+        p = self.parallel
+        if p.grad_error_feedback and p.grad_reduce_dtype == "fp32":
+            raise UserError("parallel.grad_error_feedback needs a compressed reduction: set "
+                            "parallel.grad_reduce_dtype to bf16 or int8 (fp32 loses nothing)")
+        if p.weight_gather_dtype != "auto" and p.zero_stage != 3:
+            raise UserError(f"parallel.weight_gather_dtype={p.weight_gather_dtype} needs "
+                            f"parallel.zero_stage=3 (got {p.zero_stage}): only ZeRO-3 gathers "
+                            f"weights before each use")
 
     def get(self, key: str):
         """The value of a dotted key ("train.seed", "run_dir")."""

@@ -173,6 +173,10 @@ def _companions(key: str, value) -> dict:
         return {"optim.min_lr": 0.0}
     if key == "train.train_samples":
         return {"train.train_iters": None}
+    if key == "parallel.weight_gather_dtype":
+        return {"parallel.zero_stage": 3}
+    if key == "parallel.grad_error_feedback":
+        return {"parallel.grad_reduce_dtype": "int8"}
     return {}
 
 
