@@ -82,17 +82,17 @@ def worker(config: dict, samples_dir: str) -> None:
     import torch.distributed as dist
 
     from bloomtrain.config import Config
-    from bloomtrain.train import loop
+    from bloomtrain.train import loop, steplog
 
     rank = int(os.environ["RANK"])
     out = open(Path(samples_dir) / f"rank{rank}.jsonl", "w")
     ckpt_dir = Path(config["checkpoint"]["dir"])
-    log_record = loop.Trainer._log_record
+    record = steplog.StepLog.record
 
-    def sampled(self, *a, **kw):
-        log_record(self, *a, **kw)
+    def sampled(self, meter, state, *a, **kw):
+        record(self, meter, state, *a, **kw)
         t = os.times()
-        s = {"step": self.state.step, "rss": _rss_bytes(),
+        s = {"step": state.step, "rss": _rss_bytes(),
              "fds": len(os.listdir("/proc/self/fd")), "cpu_s": t.user + t.system}
         if rank == 0:
             s["ckpt_bytes"] = _tree_bytes(ckpt_dir) if ckpt_dir.exists() else 0
@@ -101,7 +101,7 @@ def worker(config: dict, samples_dir: str) -> None:
         out.write(json.dumps(s) + "\n")
         out.flush()
 
-    loop.Trainer._log_record = sampled
+    steplog.StepLog.record = sampled
     try:
         loop.train(Config.from_dict(config), log=lambda *a: None)
     finally:

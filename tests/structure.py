@@ -233,6 +233,128 @@ def parameter_flag_writes(repo: Path) -> list[str]:
     return hits
 
 
+MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update",
+            "setdefault", "add", "discard"}
+
+
+def _frozen_classes(trees) -> tuple[set[str], set[str]]:
+    """(classes of the package, those whose instances cannot change: frozen dataclasses,
+    NamedTuples, Enums)."""
+    classes, frozen = set(), set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            classes.add(node.name)
+            deco = [ast.unparse(d) for d in node.decorator_list]
+            bases = [ast.unparse(b) for b in node.bases]
+            if any("frozen=True" in d for d in deco) or any(
+                    b in ("NamedTuple", "Enum", "enum.Enum", "Exception") or b.endswith("Error")
+                    for b in bases):
+                frozen.add(node.name)
+    return classes, frozen
+
+
+def _mutated_names(tree) -> set[str]:
+    """Names that the module's functions rebind (`global X`) or change in place (X[k] =,
+    del X[k], X.attr =, X += ..., X.append(...) and the other mutators), and class attributes
+    they set through the class (`cls.X =`, `Klass.X =`) as `Klass.X`. Statements at the module's
+    top level build a table at import; they are not counted."""
+    out, classes = set(), {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    functions = [n for n in ast.walk(tree)
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    for node in (n for f in functions for n in ast.walk(f)):
+        if isinstance(node, ast.Global):
+            out.update(node.names)
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        for t in targets:
+            if isinstance(t, ast.AugAssign):
+                t = t.target
+            if isinstance(t, (ast.Subscript, ast.Attribute)) and isinstance(t.value, ast.Name):
+                owner = t.value.id
+                if isinstance(t, ast.Attribute) and (owner == "cls" or owner in classes):
+                    out.add(f"{owner}.{t.attr}")
+                else:
+                    out.add(owner)
+            elif isinstance(node, ast.AugAssign) and isinstance(t, ast.Name):
+                out.add(t.id)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name)):
+            out.add(node.func.value.id)
+    return out
+
+
+def mutable_globals(repo: Path) -> list[str]:
+    """Module-level state of the package: module globals (and class attributes) that the module
+    changes after import, and module globals holding an instance of a package class that can
+    change. Read-only tables (dicts and tuples written once) are not state."""
+    trees = _trees(modules(repo))
+    classes, frozen = _frozen_classes(trees)
+    found = []
+    for name, tree in trees.items():
+        mutated = _mutated_names(tree)
+        cls_of = {}
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = (item.targets if isinstance(item, ast.Assign) else
+                               [item.target] if isinstance(item, ast.AnnAssign) else [])
+                    for t in targets:
+                        if isinstance(t, ast.Name):
+                            cls_of[f"{node.name}.{t.id}"] = node.name
+        for key, klass in cls_of.items():
+            attr = key.split(".")[1]
+            if key in mutated or f"cls.{attr}" in mutated:
+                found.append(f"{name}.{key}")
+        for node in tree.body:
+            for stmt in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+                if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+                    continue
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                call = stmt.value.func if isinstance(stmt.value, ast.Call) else None
+                instance = (isinstance(call, ast.Name) and call.id in classes
+                            and call.id not in frozen)
+                for t in targets:
+                    if isinstance(t, ast.Name) and (t.id in mutated or instance):
+                        found.append(f"{name}.{t.id}")
+    return sorted(set(found))
+
+
+# The module-level state the package keeps, each with why it cannot be passed explicitly.
+MUTABLE_GLOBALS = {
+    "bloomtrain.parallel.comm.STATS":
+        "communication accounting, never what is computed or sent: the autograd functions' "
+        "backward passes, which no argument reaches, count through it",
+    "bloomtrain.parallel.comm.INFLIGHT":
+        "the op each thread is blocked in, written by every collective wrapper (autograd "
+        "backward passes included) and read by the hang watchdog's thread",
+    "bloomtrain.parallel.comm._GROUP_DEVICES":
+        "the device types each process group serves, read from its backend once (it never "
+        "changes); parallel/compile.py's guard filter drops Dynamo's guards on it by this name",
+    "bloomtrain.train.watchdog.Watchdog._active":
+        "one hang watchdog per process: a second trainer's start stops the first one's thread",
+    "bloomtrain.runtime._ARRIVALS":
+        "torch's rendezvous registry calls our handler factory with its own arguments only: the "
+        "store it creates is kept here for the launcher to say which nodes never arrived",
+    "bloomtrain.data.preprocess._worker_tokenizer":
+        "a preprocessing pool worker's tokenizer, set by the pool's initializer, the one place "
+        "multiprocessing gives a worker for state of its own",
+}
+
+
+def reads_of_test_variables(repo: Path) -> list[str]:
+    """Places in the package that name a BLOOMTRAIN_TEST_ variable: test-only behaviour belongs to
+    the tests, injected from there (tests/faults.py)."""
+    hits = []
+    for path in sorted((repo / "bloomtrain").rglob("*.py")):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "BLOOMTRAIN_TEST_" in line:
+                hits.append(f"{path.relative_to(repo)}:{i}")
+    return hits
+
+
 def cited_docs(repo: Path) -> dict[str, list[str]]:
     """The `docs/` files that the package, the tests and the benches cite, with where."""
     found: dict[str, list[str]] = {}
@@ -258,6 +380,8 @@ def summary(repo: Path) -> dict:
         "composition_sites": composition_sites(repo),
         "parameter_attribute_writes": parameter_flag_writes(repo),
         "direct_collective_calls": direct_collective_calls(repo),
+        "mutable_globals": mutable_globals(repo),
+        "reads_of_test_variables": reads_of_test_variables(repo),
     }
 
 

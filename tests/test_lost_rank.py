@@ -1,10 +1,10 @@
 """One rank lost: a real tp2·dp2 job on 4 ranks, launched as users launch it (`bloomtrain train
 --nproc 4`), in which rank 2 SIGKILLs itself inside a collective of step 3 (the fault injection
-hook BLOOMTRAIN_TEST_KILL). The survivors must leave their collectives and exit, the launcher
-must exit non-zero within parallel.timeout_minutes + 60 s with a last line that names the lost
-rank and its signal, no process of the job may be left, and the checkpoint directory must hold
-only whole checkpoints: the kill lands while the saves of every step (async, save_interval 1)
-are under way."""
+BLOOMTRAIN_TEST_KILL, tests/faults.py). The survivors must leave their collectives and exit, the
+launcher must exit non-zero within parallel.timeout_minutes + 60 s with a last line that names
+the lost rank and its signal, no process of the job may be left, and the checkpoint directory
+must hold only whole checkpoints: the kill lands while the saves of every step (async,
+save_interval 1) are under way."""
 from __future__ import annotations
 
 import re
@@ -13,6 +13,7 @@ import pytest
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import watchdog
+from tests import faults
 from tests.chaos import Job, alive, full_state, group_left_after
 from tests.synthetic import tiny_job_yaml, write_synthetic_dataset
 
@@ -31,9 +32,9 @@ def test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it(dataset, tmp_p
         dataset, tmp_path / "run",
         f"parallel: {{tp: 2, timeout_minutes: {TIMEOUT_MINUTES}}}\n"
         f"checkpoint: {{dir: {tmp_path / 'ck'}, save_interval: 1, keep_last: 2}}\n"))
-    kill_line = f"{watchdog.KILL_ENV}: rank {LOST} SIGKILLs itself"
+    kill_line = f"{faults.KILL_ENV}: rank {LOST} SIGKILLs itself"
     job = Job(["train", "--config", str(cfg), "--nproc", "4"],
-              env={watchdog.KILL_ENV: f"{LOST}:{KILL_STEP}"})
+              env=faults.env(kill=f"{LOST}:{KILL_STEP}"))
     try:
         # Start-up is slow (four ranks import torch on two cores); the bound that matters runs
         # from the kill.
@@ -80,13 +81,13 @@ def test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it(dataset, tmp_p
 
 def test_the_kill_injection_fires_once_per_restart():
     # Entry i is for restart i (TORCHELASTIC_RESTART_COUNT): a restarted job meets the next kill.
-    assert watchdog.parse_kill("2:3,1:6", 0) == (2, 3)
-    assert watchdog.parse_kill("2:3,1:6", 1) == (1, 6)
-    assert watchdog.parse_kill("2:3,1:6", 2) is None
-    assert watchdog.parse_kill(None, 0) is None
+    assert faults.parse_kill("2:3,1:6", 0) == (2, 3)
+    assert faults.parse_kill("2:3,1:6", 1) == (1, 6)
+    assert faults.parse_kill("2:3,1:6", 2) is None
+    assert faults.parse_kill(None, 0) is None
     for bad in ("2:3:4", "2", "a:b", "2:3,"):
         with pytest.raises(ValueError, match="RANK:STEP"):
-            watchdog.parse_kill(bad, 0)
+            faults.parse_kill(bad, 0)
 
 
 def test_the_launchers_last_line_says_how_the_first_rank_ended(tmp_path):

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from bloomtrain import checkpoint as ckpt
-from bloomtrain.train import watchdog
+from tests import faults
 from tests.chaos import Job, compare, group_left_after
 from tests.synthetic import write_synthetic_dataset
 
@@ -61,8 +61,7 @@ def test_killed_ranks_restart_by_themselves_and_end_bitwise_equal(dataset, tmp_p
     rc, out = _run(cfg, tmp_path, "ref")
     assert rc == 0, out[-6000:]
     spec = ",".join(f"{rank}:{step}" for rank, step in KILLS)
-    rc, out = _run(cfg, tmp_path, "got", "--max-restarts", "2",
-                   env={watchdog.KILL_ENV: spec})
+    rc, out = _run(cfg, tmp_path, "got", "--max-restarts", "2", env=faults.env(kill=spec))
     assert rc == 0, out[-6000:]
 
     # Both kills fired, each once, inside a step; each restart resumed from a checkpoint that

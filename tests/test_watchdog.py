@@ -1,8 +1,8 @@
 """The hang watchdog (bloomtrain/train/watchdog.py): comm's record of the op each thread is blocked
 in, the report's format and the launcher's summary, shown without processes; then a real 4-rank
 job through `bloomtrain train --nproc 4` in which one rank stops inside a step (the fault
-injection hook BLOOMTRAIN_TEST_SLEEP), which must end with every rank's report and a non-zero
-exit within the timeout plus 60 s."""
+injection BLOOMTRAIN_TEST_SLEEP, tests/faults.py), which must end with every rank's report and a
+non-zero exit within the timeout plus 60 s."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.topology import Topology
 from bloomtrain.train import watchdog
 from bloomtrain.train.watchdog import Watchdog
+from tests import faults
 from tests.test_train import dataset  # noqa: F401  (fixture)
 
 
@@ -253,17 +254,18 @@ def test_one_watchdog_per_process_and_none_for_one_rank(tmp_path, fake_group):
     assert not second._thread.is_alive() and comm.INFLIGHT.on_failure is None
 
 
-def test_fault_injection_hook_parses(monkeypatch, tmp_path):
-    assert watchdog.parse_sleep("1:2:0.5") == (1, 2, 0.5)
-    assert watchdog.parse_sleep("") is None
+def test_fault_injection_hook_parses(monkeypatch):
+    assert faults.parse_sleep("1:2:0.5") == (1, 2, 0.5)
+    assert faults.parse_sleep("") is None
     with pytest.raises(ValueError, match="RANK:STEP:SECONDS"):
-        watchdog.parse_sleep("1:2")
-    monkeypatch.setenv(watchdog.SLEEP_ENV, "3:2:0.01")
-    dog = _dog(tmp_path, rank=3)
-    dog.heartbeat(1)
+        faults.parse_sleep("1:2")
+    monkeypatch.setenv(faults.SLEEP_ENV, "3:2:0.01")
+    injected = faults.Faults.from_env()
+    with injected.fault_in_step(3, 1):
+        pass
     t0 = time.monotonic()
-    dog.heartbeat(2)
-    assert time.monotonic() - t0 >= 0.01
+    with injected.fault_in_step(3, 2):
+        assert time.monotonic() - t0 >= 0.01
 
 
 def test_summary_says_who_waited_on_whom():
@@ -322,7 +324,7 @@ def _run_until_exit(args, env) -> tuple[int, str, float | None]:
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if watchdog.SLEEP_ENV in line and not hung_at:
+            if faults.SLEEP_ENV in line and not hung_at:
                 hung_at.append(time.monotonic())
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -347,7 +349,7 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_report(dataset, tm
     # (pp 0, dp 1) then waits for its gradient from rank 3 (p2p); ranks 0 and 2 finish their
     # pipeline and wait in the dp gradient reduction with ranks 1 and 3.
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               **{watchdog.SLEEP_ENV: f"{SLEEPER}:{SLEEP_STEP}:600"})
+               **faults.env(sleep=f"{SLEEPER}:{SLEEP_STEP}:600"))
     rc, out, after_hang = _run_until_exit(["train", "--config", str(_config(tmp_path, dataset)),
                                            "--nproc", "4"], env)
     assert after_hang is not None, out[-6000:]
@@ -361,7 +363,7 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_report(dataset, tm
     stuck = reports[SLEEPER]
     assert (stuck["state"], stuck["step"], stuck["coords"]) == ("outside", "2",
                                                                  "pp 1, dp 1, tp 0")
-    assert "in heartbeat" in (hang / f"{SLEEPER}.txt").read_text()
+    assert "in fault_in_step" in (hang / f"{SLEEPER}.txt").read_text()
     # Its pipeline neighbour: a p2p receive from it, the peer named.
     p2p = reports[1]
     assert (p2p["op"], p2p["comm"], p2p["peer"], p2p["ranks"]) == ("recv", "pp", "3", "[1, 3]")

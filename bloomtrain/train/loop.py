@@ -1,10 +1,7 @@
-"""The trainer: build the parts from a validated Config, then a loop that reads top to bottom.
-
-Building, in order: validate the config for this world size (bloomtrain.layout), join the job,
-create the process groups, build the model on the meta device and `parallelize` it (each rank
-materializes only its own shards), the data (Megatron's sample order, read by a resumable
-iterator that prefetches the next global batch), the learning-rate schedule, and resume from a
-checkpoint. Every step runs through the pipeline schedule runtime, with one chunk when pp = 1.
+"""The trainer: the parts built from a validated Config (join the job, the process groups, the
+model built on meta and `parallelize`d, the data in Megatron's sample order, the learning-rate
+schedule, a resume), then a loop that reads top to bottom. Every step runs through the pipeline
+schedule runtime, with one chunk when pp = 1.
 """
 from __future__ import annotations
 
@@ -32,10 +29,11 @@ from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
 from bloomtrain.train.control import RunControl
 from bloomtrain.train.launch import (env_from_slurm, init_distributed, resolve_device,
                                      world_size_from_env)
-from bloomtrain.train.metrics import MetricsLog, progress_line
+from bloomtrain.train.metrics import MetricsLog
 from bloomtrain.train.monitors import Monitors
 from bloomtrain.train.sinks import open_sinks
 from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter
+from bloomtrain.train.steplog import StepLog, layout_text
 from bloomtrain.train.watchdog import Watchdog
 from bloomtrain.utils import atomic_output
 
@@ -172,11 +170,6 @@ class Trainer:
                     dtype=self.engine.compute_dtype,
                     timeout=self.cfg.parallel.timeout_minutes * 60)
 
-    def _mean_over_dp(self, value: float) -> float:
-        t = torch.tensor(value, dtype=torch.float32, device=self.device)
-        comm.all_reduce(t, self.topo.dp_group, "dp")
-        return float(t / self.topo.dp_size)
-
     def train_step(self, micro_batches: list[dict]):
         """One step, in torchtitan's order: the gradients zeroed, forward and backward of every
         micro-batch through the schedule, the engine's reductions, the clip, then the optimizer
@@ -192,7 +185,7 @@ class Trainer:
                                    timeline=timeline, **self._schedule_kwargs(micro_batches))
         if timeline is not None:
             timeline.save(self.run_dir, self.state.step + 1)
-        loss = self._global_loss(loss)
+        loss = global_loss(loss, self.topo, self.device)
         self.spike = self.spikes.check(self.state, loss)  # before the step it may veto
         lr = self.lr_schedule(self.state.consumed_samples)
         self.engine.reduce_gradients()
@@ -200,17 +193,6 @@ class Trainer:
             return loss, self.optimizer.discard(), lr
         self.optimizer.clip_grad_norm()
         return loss, self._optimizer_step(lr), lr
-
-    def _global_loss(self, loss: float) -> float:
-        """This dp rank's loss (the same on its tp ranks, and on its pp ranks by broadcast)
-        averaged over dp, the same bits on every rank: the loss-spike decision rests on that.
-        Each dp group runs its own all-reduce, and a float sum depends on the order it adds in;
-        fp32 values summed in fp64 are exact whatever the order (for losses within
-        2^(29 - log2 dp) of each other), then rounded as _mean_over_dp's (its very value for
-        dp <= 2)."""
-        t = torch.tensor(loss, dtype=torch.float32, device=self.device).double()
-        comm.all_reduce(t, self.topo.dp_group, "dp")
-        return float(t.float() / self.topo.dp_size)
 
     @functools.cached_property
     def spikes(self) -> LossSpikes:
@@ -220,6 +202,11 @@ class Trainer:
     @functools.cached_property
     def monitors(self) -> Monitors:
         return Monitors(self.cfg.train, self.topo, self.device, self.engine)
+
+    @functools.cached_property
+    def steplog(self) -> StepLog:
+        return StepLog(layout_text(self.cfg, self.topo.layout, self.attention), self.metrics,
+                       self.monitors, self.optimizer, self.print)
 
     def _optimizer_step(self, lr: float):
         """The optimizer's step, with the gradient analyser on the steps it is due (every rank
@@ -244,13 +231,13 @@ class Trainer:
                                       self.topo, **self._schedule_kwargs(mbs))
             total += loss * len(mbs)
             count += len(mbs)
-        return self._mean_over_dp(total / count) if count else None
+        return mean_over_dp(total / count, self.topo, self.device) if count else None
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
-        self._announce()
+        self.steplog.announce(self.shape, self.data.train_samples, self.run_dir, self.plan_text)
         if state.consumed_samples >= self.data.train_samples:
             # A resumed run at its end: say so, rather than exit 0 having done nothing.
             total = t.train_iters if t.train_iters is not None else state.step
@@ -266,107 +253,72 @@ class Trainer:
             while state.consumed_samples < self.data.train_samples:
                 if self.spikes.jump(state):  # samples a loss-spike rollback took out
                     continue
-                gbs = self.batches.global_batch_size_at(state.consumed_samples)
-                t0 = time.time()
+                # The step clock of the hang watchdog runs while this loop does.
                 self.watchdog.heartbeat(state.step + 1)
-                loss, res, lr = self.train_step(self.data.next_batch())
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                spike = self.spike
-                if spike is not None and spike.action == "rollback":
-                    self.spikes.rollback(state, spike)  # the checkpoint's weights, new data
-                else:
-                    state.step += 1
-                    state.consumed_samples += gbs
-                    state.skipped_steps += res.skipped
-                result.losses.append(loss)
-                meter.add(loss, res.skipped, time.time() - t0, gbs)
-                if spike is not None:
-                    meter.spike = spike  # its record carries it
-                    if spike.action != "rollback":  # the rollback said it, with where to
-                        self.print(spike.line())
-                elif res.skipped:
-                    self._warn_skipped(res)
-                if state.step % t.log_interval == 0 or res.skipped or spike is not None:
-                    self._log_record(meter, loss, lr, res, gbs, stats)
-                if t.eval_interval and state.step % t.eval_interval == 0:
-                    self._eval_and_log(result)
-                if self.harness is not None and self.harness.due(state.step):
-                    self._harness_eval()
-                stop = self.control.should_stop()
-                if stop:
-                    self.print(f"[train] stopping at step {state.step}: {stop}; saving")
-                if stop or self.control.time_to_save(state.step):
-                    # A failed save returns None (checkpoint.on_save_error=continue): the next
-                    # interval tries again. On a stop there is no next one: it raises.
-                    save = self.checkpoints.save_final if stop else self.checkpoints.save
-                    path = save(state)
-                    if path is not None:
-                        result.checkpoint = str(path)
-                    self.control.saved()
+                self._step(meter, result, stats)
+                stop = self._stop_or_save(result)
                 if stop:
                     result.exit_reason = stop
                     return result
-            if not (t.eval_interval and state.step % t.eval_interval == 0):
-                self._eval_and_log(result)
-            if self.harness is not None and not self.harness.due(state.step):
-                self._harness_eval()
-            # A resumed step, or one whose interval save committed, needs no new save.
-            if cfg.checkpoint.dir and self.checkpoints.saved_step() != state.step:
-                result.checkpoint = str(self.checkpoints.save_final(state))
+            self._finish(result)
         return result
 
-    # ---- reporting ------------------------------------------------------------------------------
-    def _layout_text(self) -> str:
-        p, layout = self.cfg.parallel, self.topo.layout
-        t = self.cfg.train
-        ac = t.activation_checkpointing
-        return (f"tp={layout.tp} pp={layout.pp} dp={layout.dp} zero={p.zero_stage}"
-                f"{' offload' if p.offload_optimizer else ''}"
-                f"{' schedule=' + p.pp_schedule if layout.pp > 1 else ''}"
-                f"{' sp' if p.sequence_parallel else ''} precision={t.precision} "
-                f"attention={self.attention}{' compile' if t.compile else ''}"
-                f"{'' if ac == 'none' else ' recompute=' + ac}")
+    def _step(self, meter: SpikeMeter, result: TrainResult, stats) -> None:
+        """One step, its place in the train state, and what is due after it: its record, the
+        evaluation, the harness's tasks."""
+        t, state = self.cfg.train, self.state
+        gbs = self.batches.global_batch_size_at(state.consumed_samples)
+        t0 = time.time()
+        loss, res, lr = self.train_step(self.data.next_batch())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        spike = self.spike
+        if spike is not None and spike.action == "rollback":
+            self.spikes.rollback(state, spike)  # the checkpoint's weights, new data
+        else:
+            state.step += 1
+            state.consumed_samples += gbs
+            state.skipped_steps += res.skipped
+        result.losses.append(loss)
+        meter.add(loss, res.skipped, time.time() - t0, gbs)
+        if spike is not None:
+            meter.spike = spike  # its record carries it
+            if spike.action != "rollback":  # the rollback said it, with where to
+                self.print(spike.line())
+        elif res.skipped:
+            self.steplog.warn_skipped(state, res)
+        if state.step % t.log_interval == 0 or res.skipped or spike is not None:
+            self.steplog.record(meter, state, loss, lr, res, gbs, stats)
+        if t.eval_interval and state.step % t.eval_interval == 0:
+            self._eval_and_log(result)
+        if self.harness is not None and self.harness.due(state.step):
+            self._harness_eval()
 
-    def _announce(self) -> None:
-        s = self.shape
-        self.print(f"[train] model {s.num_parameters():,} parameters (L={s.num_layers}, "
-                   f"h={s.hidden_size}, heads={s.num_heads}, vocab={s.vocab_size}); "
-                   f"{self._layout_text()}; {self.data.train_samples:,} samples, run dir "
-                   f"{self.run_dir}")
-        self.print(f"[train] {self.plan_text}")
-        for where in self.metrics.where():
-            self.print(f"[train] {where}")
+    def _stop_or_save(self, result: TrainResult) -> str | None:
+        """Why the run stops now, if it does, after saving; else a save if one is due."""
+        stop = self.control.should_stop()
+        if stop:
+            self.print(f"[train] stopping at step {self.state.step}: {stop}; saving")
+        if stop or self.control.time_to_save(self.state.step):
+            # A failed save returns None (checkpoint.on_save_error=continue): the next interval
+            # tries again. On a stop there is no next one: it raises.
+            save = self.checkpoints.save_final if stop else self.checkpoints.save
+            path = save(self.state)
+            if path is not None:
+                result.checkpoint = str(path)
+            self.control.saved()
+        return stop
 
-    def _warn_skipped(self, res) -> None:
-        scale = (f"; loss scale {res.loss_scale:g} -> {self.optimizer.loss_scale:g}"
-                 if res.loss_scale is not None else "")
-        self.print(f"[train] WARNING step {self.state.step}: non-finite gradient norm "
-                   f"({res.grad_norm}), step skipped{scale} ({self.state.skipped_steps} skipped "
-                   f"so far)")
-
-    def _log_record(self, meter, loss, lr, res, gbs, stats) -> None:
-        num_steps = meter.steps  # before record() starts the next interval
-        rec = meter.record(self.state, loss, lr, res, gbs)
-        rec["layout"] = self._layout_text()
-        # Memory, step times over ranks, stragglers, the gradient analyser's last figures: a
-        # collective, before the traffic below is read so that the record counts its own.
-        fields, alerts, lines = self.monitors.record(rec["step_time_s"], num_steps)
-        rec.update(fields)
-        if alerts:
-            rec.setdefault("alerts", []).extend(a.removeprefix("[train] ") for a in alerts)
-        for line in lines:
-            self.print(line)
-        if res.loss_scale is not None:
-            rec["loss_scale"] = self.optimizer.loss_scale
-        if stats.enabled:
-            # This rank's collective traffic since the last record, per kind and group.
-            rec["comm"] = {f"{k}/{g}": v for (k, g), v in stats.snapshot().items()}
-            stats.reset()
-        if res.skipped:
-            rec["skipped"] = True
-        self.metrics.record(rec)
-        self.metrics.progress(progress_line(rec))
+    def _finish(self, result: TrainResult) -> None:
+        """The end of the samples: the evaluations not run at the last step, the last save."""
+        t, state = self.cfg.train, self.state
+        if not (t.eval_interval and state.step % t.eval_interval == 0):
+            self._eval_and_log(result)
+        if self.harness is not None and not self.harness.due(state.step):
+            self._harness_eval()
+        # A resumed step, or one whose interval save committed, needs no new save.
+        if self.cfg.checkpoint.dir and self.checkpoints.saved_step() != state.step:
+            result.checkpoint = str(self.checkpoints.save_final(state))
 
     def _harness_eval(self) -> None:
         """lm-evaluation-harness tasks on the live model (bloomtrain.eval.training)."""
@@ -378,6 +330,23 @@ class Trainer:
         if loss is not None:
             result.eval_loss = loss
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
+
+
+def mean_over_dp(value: float, topo: Topology, device) -> float:
+    t = torch.tensor(value, dtype=torch.float32, device=device)
+    comm.all_reduce(t, topo.dp_group, "dp")
+    return float(t / topo.dp_size)
+
+
+def global_loss(loss: float, topo: Topology, device) -> float:
+    """This dp rank's loss (the same on its tp ranks, and on its pp ranks by broadcast)
+    averaged over dp, the same bits on every rank: the loss-spike decision rests on that. Each
+    dp group runs its own all-reduce, and a float sum depends on the order it adds in; fp32
+    values summed in fp64 are exact whatever the order (for losses within 2^(29 - log2 dp) of
+    each other), then rounded as mean_over_dp's (its very value for dp <= 2)."""
+    t = torch.tensor(loss, dtype=torch.float32, device=device).double()
+    comm.all_reduce(t, topo.dp_group, "dp")
+    return float(t.float() / topo.dp_size)
 
 
 def train(cfg: Config, log=print, run: RunLayout | None = None) -> TrainResult:

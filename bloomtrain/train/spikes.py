@@ -9,7 +9,7 @@ for them (bloomtrain.train.loop).
 
 The monitor is a pure function of the window and the loss, in Python floats: every rank holds
 the same window and the same loss (the global batch's, the same bits everywhere; see
-Trainer._global_loss), so every rank takes the same decision without communicating. The window
+loop.global_loss), so every rank takes the same decision without communicating. The window
 lives in TrainState, so a resumed run decides as the uninterrupted one would have.
 """
 from __future__ import annotations

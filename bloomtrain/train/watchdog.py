@@ -1,45 +1,16 @@
-"""The hang watchdog. When a collective or point-to-point op has been waited on for longer than
-`parallel.timeout_minutes`, or a training step has gone that long outside any collective, the
-process writes `run_dir/hang/RANK.txt` and exits with HANG_EXIT_CODE. The report is a header
-(`key: value` lines: the rank, its pp/dp/tp coordinates, the op it waits on, the op's group
-name, the group's member ranks, the peer of a p2p op, how long) and then every thread's Python
-stack from faulthandler. A hung collective cannot be interrupted from Python, hence a daemon
-thread that polls and ends the process with os._exit.
-
-What it reads: `comm.INFLIGHT`, where comm's wrappers record the op each thread is blocked in
-(async ops while their Work is waited for), and the trainer's per-step `heartbeat`, which lets a
-rank that hangs outside communication (a stuck data read, a deadlocked thread, the sleeping
-rank of the tests) see its own step exceed the timeout and report it too. The step clock counts
-from the later of the heartbeat and the last time a poll saw a new op begun (any thread), only
-while no op is in flight and only while the heartbeat's caller (the training loop) is still
-running, so evaluation and saving, which communicate, and whatever follows the loop, are never
-mistaken for a hang.
-
-The backend's own timeout (the process groups are created with the same minutes) often fires
-first: the collective then raises in comm, which hands the error to `on_failure` before it
-propagates; that writes the same report, and if unwinding blocks again (the end-of-run barrier
-would wait one more timeout) the process is ended GRACE_S later. A peer that died makes gloo
-raise "Connection closed by peer" at once, which is reported the same way.
-
-The local launcher sets BLOOMTRAIN_HANG_REPORTS to a folder where each reporting rank leaves the
-path of its report, and prints `summarize` of them after the workers exit: who waited in what,
-on whom. Under torchrun every rank prints its own summary line to stderr.
-
-Fault injection, for tests only: BLOOMTRAIN_TEST_SLEEP="RANK:STEP:SECONDS" makes global rank RANK
-sleep SECONDS in the heartbeat of step STEP, i.e. inside that step and outside any collective.
-It is read when the watchdog is built; a real job never sets it.
-BLOOMTRAIN_TEST_KILL="RANK:STEP[,RANK:STEP...]" makes global rank RANK SIGKILL itself in step
-STEP, as soon as its training thread is inside a collective or p2p op of that step (a GPU or
-node lost mid-step); entry i applies to restart i of the elastic launcher
-(TORCHELASTIC_RESTART_COUNT, which torch counts per node), so each kill fires once and a
-restarted job runs into the next.
+"""The hang watchdog. When an op has been waited on longer than `parallel.timeout_minutes`
+(comm.INFLIGHT records the op each thread is blocked in), or a training step has gone that long
+outside any op (the trainer's `heartbeat`), the process writes `run_dir/hang/RANK.txt` (a `key:
+value` header: the rank, its coordinates, the op, its group and members, the peer, how long; then
+every thread's stack from faulthandler) and exits with HANG_EXIT_CODE, from a daemon thread: a
+hung collective cannot be interrupted from Python. The local launcher prints `summarize` of the
+ranks' reports: who waited in what, on whom.
 """
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -52,11 +23,13 @@ from bloomtrain.parallel import comm
 from bloomtrain.runtime import error_text
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its limit
+# Set by the local launcher: a folder where each reporting rank leaves the path of its report,
+# for the launcher's summary. Under torchrun every rank prints its own summary line to stderr.
 REPORTS_ENV = "BLOOMTRAIN_HANG_REPORTS"
-SLEEP_ENV = "BLOOMTRAIN_TEST_SLEEP"
-KILL_ENV = "BLOOMTRAIN_TEST_KILL"
-# After a collective raised a timeout or connection error: how long the error may take to end
-# the process on its own before the watchdog does.
+# The backend's own timeout (the groups are created with the same minutes) often fires first, and
+# a dead peer makes gloo raise "Connection closed by peer" at once: comm hands the error to
+# on_failure, which writes the same report. If unwinding then blocks again (the end-of-run
+# barrier would wait one more timeout), the watchdog ends the process this long after.
 GRACE_S = 10.0
 P2P_KINDS = ("send", "recv", "batch_isend_irecv")
 
@@ -69,31 +42,6 @@ class Hang:
     entry: tuple | None = None  # comm.INFLIGHT entry: (kind, name, group, peer, start)
     error: str = ""
     thread_id: int | None = None  # the thread that waits or steps (faulthandler's "Thread 0x")
-
-
-def parse_sleep(value: str | None) -> tuple[int, int, float] | None:
-    if not value:
-        return None
-    try:
-        rank, step, seconds = value.split(":")
-        return int(rank), int(step), float(seconds)
-    except ValueError:
-        raise ValueError(f"{SLEEP_ENV}={value!r}: expected RANK:STEP:SECONDS, e.g. 1:2:600") \
-            from None
-
-
-def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
-    """The (rank, step) KILL_ENV names for restart `restart` of the job, if any."""
-    if not value:
-        return None
-    try:
-        kills = [tuple(int(x) for x in item.split(":")) for item in value.split(",")]
-    except ValueError:
-        kills = [()]
-    if any(len(k) != 2 for k in kills):
-        raise ValueError(f"{KILL_ENV}={value!r}: expected RANK:STEP[,RANK:STEP...], one per "
-                         f"restart, e.g. 2:3,1:6")
-    return kills[restart] if restart < len(kills) else None
 
 
 def members(entry: tuple, rank: int) -> list[int] | None:
@@ -145,6 +93,8 @@ def _on_stack(thread_id: int, code) -> bool:
 class Watchdog:
     """One per process (`start` stops the previous one). `check` and `report` are usable
     without the thread."""
+    # The process's running watchdog: a second trainer in the same process (tests, notebooks)
+    # stops the first one's thread. Allow-listed state (tests/structure.py).
     _active: "Watchdog | None" = None
 
     def __init__(self, topo, run_dir, timeout_s: float, poll_s: float | None = None):
@@ -158,9 +108,6 @@ class Watchdog:
         # comm.INFLIGHT.last as the previous check saw it, and when it last changed
         self._seen_last: tuple | None = None
         self._active_at = 0.0
-        self._inject = parse_sleep(os.environ.get(SLEEP_ENV))
-        self._kill = parse_kill(os.environ.get(KILL_ENV),
-                                int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         self._lock = threading.Lock()
         self._reported = False
         self._failed_at: float | None = None
@@ -194,29 +141,13 @@ class Watchdog:
     def heartbeat(self, step: int) -> None:
         """Step `step` starts now (called by the training loop, from the loop itself)."""
         self._beat = (step, time.monotonic(), threading.get_ident(), sys._getframe(1).f_code)
-        if self._inject is not None and self._inject[:2] == (self.rank, step):
-            seconds = self._inject[2]
-            print(f"[bloomtrain] {SLEEP_ENV}: rank {self.rank} sleeps {seconds:g} s in step "
-                  f"{step} (fault injection for tests)", file=sys.stderr, flush=True)
-            time.sleep(seconds)
-        if self._kill == (self.rank, step):
-            threading.Thread(target=self._kill_in_step, args=(threading.get_ident(), step),
-                             name="bloomtrain-test-kill", daemon=True).start()
-
-    def _kill_in_step(self, thread_id: int, step: int) -> None:
-        """KILL_ENV: SIGKILL this process once `thread_id` is in an op of step `step` (or as
-        the step ends, should every op of it pass between two polls)."""
-        entry = None
-        while entry is None and self._beat is not None and self._beat[0] == step:
-            entry = comm.INFLIGHT.busy.get(thread_id)
-            time.sleep(0.0002)
-        where = f"in {entry[0]}/{entry[1]}" if entry is not None else "at its end"
-        print(f"[bloomtrain] {KILL_ENV}: rank {self.rank} SIGKILLs itself in step {step}, "
-              f"{where} (fault injection for tests)", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- detection ------------------------------------------------------------------------------
     def check(self, now: float | None = None) -> Hang | None:
+        """The hang, if any. The step clock counts from the later of the heartbeat and the last
+        time a check saw a new op begun (any thread), only while no op is in flight and while
+        the heartbeat's caller (the training loop) is still running: evaluation and saving,
+        which communicate, and whatever follows the loop, are never taken for a hang."""
         now = time.monotonic() if now is None else now
         slot = comm.INFLIGHT
         inflight = slot.snapshot()
