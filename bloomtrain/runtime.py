@@ -261,31 +261,11 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
                                                       RendezvousTimeoutError)
-    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     spec = spec or LaunchSpec(nproc=nproc)
     spec.check()
-    if spec.rdzv_endpoint is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-        run_id = f"bloomtrain-{os.getpid()}"
-    else:
-        # The same on every node; the store lives and dies with node 0's launcher, so a fixed
-        # id cannot meet a previous job's state.
-        endpoint, run_id = spec.rdzv_endpoint, "bloomtrain"
-    rendezvous_handler_registry.register(_RDZV_BACKEND, _c10d_handler)
-    _ARRIVALS.clear()
-    lc = LaunchConfig(
-        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id=run_id,
-        rdzv_backend=_RDZV_BACKEND, rdzv_endpoint=endpoint,
-        # Node 0 hosts the store, whatever its name resolves to (torch would guess from the
-        # hostname); the others wait up to the timeout for it to come up, as for the others
-        # to join.
-        rdzv_configs={"join_timeout": spec.rdzv_timeout, "read_timeout": spec.rdzv_timeout,
-                      "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
-        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn")
+    lc, endpoint = _launch_config(spec)
     # By default the workers' store is one the agent keeps across restarts, and a restarted
     # group reads the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
     # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
@@ -304,13 +284,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
             if signalled is not None:
                 signalled(signal.Signals(e.sigval).name)
                 return
-            forced = (f" ({noise.forced} still running 30 s later, with SIGKILL)"
-                      if noise.forced else "")
-            print(f"bloomtrain: {signal.Signals(e.sigval).name}: torch's elastic agent passed it "
-                  f"to this node's {spec.nproc} worker(s) and ended them{forced}; a training "
-                  f"worker saves a checkpoint at the end of its step first (the [checkpoint] "
-                  f"lines above); exit code {128 + e.sigval}", file=sys.stderr, flush=True)
-            raise SystemExit(128 + e.sigval) from None
+            _signalled_exit(e.sigval, spec.nproc, noise.forced)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             raise UserError((explain or failure_text)(rank, failure)) from None
@@ -320,6 +294,45 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
             raise UserError(_connection_text(spec, endpoint, e)) from None
         finally:
             _ARRIVALS.clear()  # node 0's store server goes with its last reference
+
+
+def _launch_config(spec: LaunchSpec):
+    """torch's LaunchConfig for `spec`, and the rendezvous endpoint: a free localhost port for
+    one node."""
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if spec.rdzv_endpoint is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+        run_id = f"bloomtrain-{os.getpid()}"
+    else:
+        # The same on every node; the store lives and dies with node 0's launcher, so a fixed
+        # id cannot meet a previous job's state.
+        endpoint, run_id = spec.rdzv_endpoint, "bloomtrain"
+    rendezvous_handler_registry.register(_RDZV_BACKEND, _c10d_handler)
+    _ARRIVALS.clear()
+    return LaunchConfig(
+        min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id=run_id,
+        rdzv_backend=_RDZV_BACKEND, rdzv_endpoint=endpoint,
+        # Node 0 hosts the store, whatever its name resolves to (torch would guess from the
+        # hostname); the others wait up to the timeout for it to come up, as for the others
+        # to join.
+        rdzv_configs={"join_timeout": spec.rdzv_timeout, "read_timeout": spec.rdzv_timeout,
+                      "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
+        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn"), endpoint
+
+
+def _signalled_exit(sigval: int, nproc: int, forced: int) -> None:
+    """A launcher ended by a signal: one line saying what torch's agent did, then exit code
+    128+signal."""
+    forced_text = f" ({forced} still running 30 s later, with SIGKILL)" if forced else ""
+    print(f"bloomtrain: {signal.Signals(sigval).name}: torch's elastic agent passed it to this "
+          f"node's {nproc} worker(s) and ended them{forced_text}; a training worker saves a "
+          f"checkpoint at the end of its step first (the [checkpoint] lines above); exit code "
+          f"{128 + sigval}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + sigval) from None
 
 
 def _connection_text(spec: LaunchSpec, endpoint: str, e: BaseException) -> str:

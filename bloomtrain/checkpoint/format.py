@@ -102,7 +102,6 @@ def _check_fragments(bad, name: str, t, files: dict, file_bytes: dict[str, int])
     if not isinstance(t, dict) or not isinstance(t.get("shape"), list) or \
             not all(_is_int(d) and d >= 0 for d in t["shape"]):
         raise bad(f"tensor {name}: shape must be a list of non-negative integers")
-    shape = t["shape"]
     frags = t.get("fragments")
     if not isinstance(frags, list) or not frags or not all(isinstance(f, dict) for f in frags):
         raise bad(f"tensor {name}: fragments must be a non-empty list of objects")
@@ -143,6 +142,11 @@ def _check_fragments(bad, name: str, t, files: dict, file_bytes: dict[str, int])
             if dtype != frags[0]["dtypes"][kind]:
                 raise bad(f"tensor {name}: its fragments disagree on the {kind} dtype")
             file_bytes[file] = file_bytes.get(file, 0) + fr["numel"] * DTYPES[dtype][1]
+    _check_tiling(bad, name, t["shape"], frags)
+
+
+def _check_tiling(bad, name: str, shape: list[int], frags: list[dict]) -> None:
+    """The fragments of each tp chunk tile it exactly, neither overlapping nor leaving a gap."""
     tp_size, tp_dim = frags[0]["tp_size"], frags[0]["tp_dim"]
     if tp_size > len(frags):  # also keeps a huge tp_size from costing anything below
         raise bad(f"tensor {name}: tp_size {tp_size} but only {len(frags)} fragment(s); the "

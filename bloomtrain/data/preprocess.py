@@ -192,21 +192,6 @@ def preprocess(
                             skips=SkipReport(json_key, _MAX_REPORTS))
     bar = ProgressLine(enabled=progress)
     start = time.monotonic()
-
-    def consume(path_index: int, results) -> None:
-        for lineno, result in results:
-            if isinstance(result, str):
-                if strict:
-                    message = skip_message(paths[path_index], lineno, result, json_key)
-                    raise UserError(f"{message} (run without --strict to skip such documents)")
-                stats.skips.add(paths[path_index], lineno, result)
-                continue
-            builder.add_item(result)
-            builder.end_document()
-            stats.docs += 1
-            stats.tokens += int(result.size)
-        bar.update(*stats.progress(path_index, time.monotonic() - start))
-
     builder = IndexedDatasetBuilder(prefix, dtype)
     pool = None
     try:
@@ -214,7 +199,8 @@ def preprocess(
             pool = _start_pool(workers, tok)
         for path_index, results in _encoded_batches(paths, tok, json_key, append_eod, dtype,
                                                     pool, workers):
-            consume(path_index, results)
+            _add_documents(builder, stats, paths[path_index], results, strict, json_key)
+            bar.update(*stats.progress(path_index, time.monotonic() - start))
         # The totals, whenever the last redraw was.
         bar.update(*stats.progress(len(paths) - 1, time.monotonic() - start), force=True)
         if stats.docs == 0:
@@ -225,10 +211,7 @@ def preprocess(
         builder.abort()
         if is_disk_full(e):
             # Only a write runs out of space; the temporaries are gone by now.
-            raise disk_full_error(
-                f"writing dataset {prefix}.bin/.idx", e, Path(prefix).parent,
-                "nothing was written under those names, and a dataset already there is "
-                "unchanged. Free disk space or choose another --output-prefix") from e
+            raise _disk_full(prefix, e) from e
         raise
     finally:
         if pool is not None:
@@ -237,6 +220,29 @@ def preprocess(
     stats.elapsed = time.monotonic() - start
     _log_summary(stats, dtype, log)
     return stats
+
+
+def _add_documents(builder, stats: PreprocessStats, path, results, strict: bool,
+                   json_key: str) -> None:
+    """One batch of a file's (line number, tokens or skip reason) into the dataset."""
+    for lineno, result in results:
+        if isinstance(result, str):
+            if strict:
+                message = skip_message(path, lineno, result, json_key)
+                raise UserError(f"{message} (run without --strict to skip such documents)")
+            stats.skips.add(path, lineno, result)
+            continue
+        builder.add_item(result)
+        builder.end_document()
+        stats.docs += 1
+        stats.tokens += int(result.size)
+
+
+def _disk_full(prefix: str, e: OSError) -> UserError:
+    return disk_full_error(
+        f"writing dataset {prefix}.bin/.idx", e, Path(prefix).parent,
+        "nothing was written under those names, and a dataset already there is unchanged. Free "
+        "disk space or choose another --output-prefix")
 
 
 def _log_summary(stats: PreprocessStats, dtype: np.dtype, log: Callable[[str], None]) -> None:

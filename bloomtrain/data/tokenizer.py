@@ -76,6 +76,12 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
             f"the corpus ({docs:,} document(s)) ran out of pairs seen at least --min-frequency "
             f"{min_frequency} times; train on more text for a larger vocabulary")
 
+    _write_tokenizer_dir(tok, output_dir)
+    return output_dir / "tokenizer.json"
+
+
+def _write_tokenizer_dir(tok, output_dir: Path) -> None:
+    """tokenizer.json and the side files transformers' AutoTokenizer reads."""
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -94,7 +100,6 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
     # tokenizer.json last: its presence marks a finished directory.
     with atomic_output(output_dir / "tokenizer.json") as f:
         f.write(tok.to_str(pretty=True).encode("utf-8"))
-    return output_dir / "tokenizer.json"
 
 
 def _write_json(path: Path, obj) -> None:

@@ -85,67 +85,84 @@ def check_train_manifest(path, manifest: dict) -> None:
     `optimizer`, `topology`, `ranks`), which the checkpoint reader does not follow. Raises
     CheckpointError naming the manifest and the key, so that a damaged or hand-edited manifest
     stops a resume before any state is loaded, not with a TypeError half-way through it."""
-    mf = Path(path) / "manifest.json"
+    for check in (_train_state_problem, _optimizer_problem, _topology_problem, _ranks_problem):
+        problem = check(manifest)
+        if problem:
+            raise ckpt.CheckpointError(
+                f"{Path(path) / 'manifest.json'}: {problem}; training cannot resume from it (its "
+                f"weights alone still load: `bloomtrain export-hf`, `bloomtrain generate`)")
 
-    def bad(message: str) -> ckpt.CheckpointError:
-        return ckpt.CheckpointError(f"{mf}: {message}; training cannot resume from it (its "
-                                    f"weights alone still load: `bloomtrain export-hf`, "
-                                    f"`bloomtrain generate`)")
 
-    def is_int(v, lo=0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+def _is_int(v, lo=0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
-    def is_number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _train_state_problem(manifest: dict) -> str | None:
     state = manifest.get("train_state")
-    if state:  # absent or empty: an imported HF checkpoint, which starts from step 0
-        if not isinstance(state, dict):
-            raise bad("train_state must be an object")
-        known = {"step", "consumed_samples", "skipped_steps", "skipped_samples"}
-        unknown = sorted(map(str, set(state) - known))
-        if unknown:
-            raise bad(f"train_state has unknown keys {unknown}")
-        for key in ("step", "consumed_samples", "skipped_steps"):
-            if not is_int(state.get(key)):
-                raise bad(f"train_state.{key} must be a non-negative integer, got "
-                          f"{state.get(key)!r}")
-        ranges = state.get("skipped_samples", [])
-        if not isinstance(ranges, list) or not all(
-                isinstance(r, dict) and is_int(r.get("start")) and is_int(r.get("end"))
-                and r["start"] <= r["end"] for r in ranges):
-            raise bad("train_state.skipped_samples must be a list of {start, end, ...} with "
-                      "integers 0 <= start <= end")
-        window = manifest.get("loss_window", [])
-        if not isinstance(window, list) or not all(is_number(v) for v in window):
-            raise bad("loss_window must be a list of finite numbers")
+    if not state:  # absent or empty: an imported HF checkpoint, which starts from step 0
+        return None
+    if not isinstance(state, dict):
+        return "train_state must be an object"
+    known = {"step", "consumed_samples", "skipped_steps", "skipped_samples"}
+    unknown = sorted(map(str, set(state) - known))
+    if unknown:
+        return f"train_state has unknown keys {unknown}"
+    for key in ("step", "consumed_samples", "skipped_steps"):
+        if not _is_int(state.get(key)):
+            return f"train_state.{key} must be a non-negative integer, got {state.get(key)!r}"
+    ranges = state.get("skipped_samples", [])
+    if not isinstance(ranges, list) or not all(
+            isinstance(r, dict) and _is_int(r.get("start")) and _is_int(r.get("end"))
+            and r["start"] <= r["end"] for r in ranges):
+        return ("train_state.skipped_samples must be a list of {start, end, ...} with integers "
+                "0 <= start <= end")
+    window = manifest.get("loss_window", [])
+    if not isinstance(window, list) or not all(_is_number(v) for v in window):
+        return "loss_window must be a list of finite numbers"
+    return None
+
+
+def _optimizer_problem(manifest: dict) -> str | None:
     scalars = manifest.get("optimizer")
-    if scalars is not None:
-        if not isinstance(scalars, dict) or not is_int(scalars.get("step_count", 0)):
-            raise bad("optimizer must be an object with step_count a non-negative integer")
-        scaler = scalars.get("scaler")
-        if scaler is not None and not (
-                isinstance(scaler, dict) and is_number(scaler.get("scale"))
-                and scaler["scale"] > 0 and is_int(scaler.get("growth_tracker"))
-                and is_int(scaler.get("hysteresis_tracker"), lo=-(2 ** 31))):
-            raise bad("optimizer.scaler must be {scale: number > 0, growth_tracker: integer, "
-                      "hysteresis_tracker: integer}")
+    if scalars is None:
+        return None
+    if not isinstance(scalars, dict) or not _is_int(scalars.get("step_count", 0)):
+        return "optimizer must be an object with step_count a non-negative integer"
+    scaler = scalars.get("scaler")
+    if scaler is not None and not (
+            isinstance(scaler, dict) and _is_number(scaler.get("scale"))
+            and scaler["scale"] > 0 and _is_int(scaler.get("growth_tracker"))
+            and _is_int(scaler.get("hysteresis_tracker"), lo=-(2 ** 31))):
+        return ("optimizer.scaler must be {scale: number > 0, growth_tracker: integer, "
+                "hysteresis_tracker: integer}")
+    return None
+
+
+def _topology_problem(manifest: dict) -> str | None:
     topology = manifest.get("topology")
     if topology is not None and not (isinstance(topology, dict) and all(
-            is_int(topology.get(k), lo=1) for k in ("tp", "pp", "dp"))):
-        raise bad("topology must be an object with tp, pp and dp positive integers")
+            _is_int(topology.get(k), lo=1) for k in ("tp", "pp", "dp"))):
+        return "topology must be an object with tp, pp and dp positive integers"
+    return None
+
+
+def _ranks_problem(manifest: dict) -> str | None:
     ranks = manifest.get("ranks", {})
     if not isinstance(ranks, dict):
-        raise bad("ranks must be an object of rank -> {rng}")
+        return "ranks must be an object of rank -> {rng}"
     size = torch.get_rng_state().numel()
     for rank, meta in ranks.items():
         if not isinstance(meta, dict):
-            raise bad(f"ranks[{rank!r}] must be an object")
+            return f"ranks[{rank!r}] must be an object"
         if "rng" not in meta:  # a rank without one keeps the generator it has
             continue
         rng = meta["rng"]
         if not isinstance(rng, dict) or not isinstance(rng.get("torch"), str):
-            raise bad(f"ranks[{rank!r}].rng must be an object with `torch`, a base64 string")
+            return f"ranks[{rank!r}].rng must be an object with `torch`, a base64 string"
         for device in ("torch", "cuda"):
             if device not in rng:
                 continue
@@ -155,9 +172,10 @@ def check_train_manifest(path, manifest: dict) -> None:
             except (binascii.Error, ValueError):
                 raw = None
             if raw is None or (device == "torch" and len(raw) != size):
-                raise bad(f"ranks[{rank!r}].rng.{device} is not a saved generator state "
-                          f"(base64 of {size} bytes)" if device == "torch" else
-                          f"ranks[{rank!r}].rng.cuda is not base64")
+                return (f"ranks[{rank!r}].rng.{device} is not a saved generator state (base64 "
+                        f"of {size} bytes)" if device == "torch" else
+                        f"ranks[{rank!r}].rng.cuda is not base64")
+    return None
 
 
 class TrainCheckpoints:
