@@ -332,7 +332,7 @@ MUTABLE_GLOBALS = {
         "backward passes included) and read by the hang watchdog's thread",
     "bloomtrain.parallel.comm._GROUP_DEVICES":
         "the device types each process group serves, read from its backend once (it never "
-        "changes); parallel/compile.py's guard filter drops Dynamo's guards on it by this name",
+        "changes); comm.keeps_guard drops Dynamo's guards on it (train.compile)",
     "bloomtrain.train.watchdog.Watchdog._active":
         "one hang watchdog per process: a second trainer's start stops the first one's thread",
     "bloomtrain.runtime._ARRIVALS":

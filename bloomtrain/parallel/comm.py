@@ -1,54 +1,15 @@
-"""Communication accounting: every collective and point-to-point call of the parallel modules goes
-through the wrappers below, which count calls and bytes per (kind, group name) and then call
-torch.distributed.
+"""Every collective and point-to-point call of the package goes through the wrappers below, which
+check each tensor's device against its group's backend, record the op each thread is blocked in
+(the hang watchdog's input, bloomtrain/train/watchdog.py), and count calls and bytes per (kind,
+group name) when asked (`stats_scope`, or BLOOMTRAIN_COMM_STATS=1):
 
-    from bloomtrain.parallel import comm
-    comm.STATS.enable()            # or BLOOMTRAIN_COMM_STATS=1 in the environment
-    ...
     comm.STATS.snapshot()          # {("all_reduce", "tp"): {"calls": 8, "bytes": 65536}, ...}
 
 Bytes are the size of the full buffer of the operation, the convention of nccl-tests: the tensor
 for all-reduce and broadcast, the gathered output for all-gather, the unreduced input for
-reduce-scatter, the message for send/recv. A test can then predict them from activation shapes.
-
-Groups follow Topology's convention: `group=None` is a group of one, so a collective on it is a
-no-op and is not counted (torch would read None as the whole world, which is never what a tp or dp
-group of size 1 means). Point-to-point calls name their peer by global rank and pass the group
-through unchanged.
-
-`STATS` is the one module-level mutable object in bloomtrain.parallel. It is accounting only: it
-never changes what is computed or communicated, so making it global cannot make two runs differ,
-and it spares threading a counter through every autograd function and layer (whose backward
-passes run where no argument can reach them). When disabled, the cost of a call is one bool test.
-A run turns it on only inside `stats_scope`, which restores the previous setting when the run
-ends, so one run's setting never leaks into the next in the same process.
-
-Device checks. NCCL serves only CUDA tensors and gloo (as we use it) only CPU tensors; a
-collective on a tensor its backend does not serve fails on a cluster, never on a laptop. So
-every wrapper checks, before calling torch.distributed, that each tensor's device type is one
-its group serves, and raises `CommDeviceError` naming the op, the group and the device. What a
-group serves is read once from its backend string ("nccl", "gloo", or per-device
-"cpu:gloo,cuda:nccl") and cached; the check is then a dict lookup and a set test per call.
-`declare_devices` overrides it, which is how a CPU-only test stands in for an NCCL group.
-
-The job's process group (train/launch.py) is per-device, `cpu:gloo,cuda:nccl`, on CUDA: CPU
-tensors (object collectives, a user's CPU-side control value) are then legal on every group by
-construction, while the training collectives and the per-step control flags still run on the
-training device through NCCL (a 4-byte NCCL all-reduce is faster than a gloo TCP round across
-hundreds of ranks, and needs no host copy).
-
-In-flight ops (the hang watchdog's input, bloomtrain/train/watchdog.py). `INFLIGHT` holds, per
-thread, the op that thread is blocked in: (op, group name, group, peer, start time), stored
-before the torch.distributed call and cleared after it. An async op is in flight while it is
-posted and while its `wait()` runs, not in between: the wrappers return a `Work` whose wait
-records it, so every caller (pipeline runtime, ZeRO) is covered without knowing. A call that
-raises a timeout or a connection error hands (entry, error) to `INFLIGHT.on_failure` (the
-watchdog's report) before the error propagates. The cost per call is one tuple, one clock read
-and three stores, small against the host time of the smallest collective; it is host
-bookkeeping, so under torch.compile (tensor-parallel regions traced into the graph) the wrappers
-take the plain call, and a hang there is seen by the watchdog's step heartbeat instead. On NCCL
-a blocking call returns once enqueued, so a hang shows up at a later host sync; then
-`INFLIGHT.last` (the op this process entered last) is what the report names.
+reduce-scatter, the message for send/recv. `group=None` is a group of one (Topology's
+convention): a collective on it is a no-op and is not counted, where torch would read None as the
+whole world. Point-to-point calls name their peer by global rank.
 """
 from __future__ import annotations
 
@@ -99,6 +60,10 @@ class CommStats:
         return {key: dict(v) for key, v in self._counts.items()}
 
 
+# Module state (allow-listed in tests/structure.py). Accounting only: it never changes what is
+# computed or sent, so it cannot make two runs differ, and it spares threading a counter through
+# every autograd function, whose backward passes run where no argument reaches. Disabled, a call
+# costs one bool test; a run enables it only inside stats_scope, which restores the setting.
 STATS = CommStats()
 
 
@@ -116,9 +81,12 @@ def stats_scope(enabled: bool):
 
 
 class InFlight:
-    """The op each thread is blocked in, for the hang watchdog. Written by the calling thread,
-    read by the watchdog's; each write is one store of an immutable tuple, so a reader never
-    sees half an entry. Like STATS, it never changes what is communicated."""
+    """The op each thread is blocked in, for the hang watchdog: (op, group name, group, peer,
+    start time), stored before the torch.distributed call and cleared after it; an async op
+    while it is posted and while its `Work.wait()` runs. Written by the calling thread, read by
+    the watchdog's; each write is one store of an immutable tuple, so a reader never sees half
+    an entry. On NCCL a blocking call returns once enqueued, so a hang shows at a later host
+    sync, and `last` (the op this process entered last) is what the report names."""
 
     def __init__(self):
         # thread ident -> (op, name, group, peer, monotonic start) while blocked, else None
@@ -134,6 +102,8 @@ class InFlight:
         return {k: v for k, v in self.busy.copy().items() if v is not None}
 
 
+# Module state (allow-listed in tests/structure.py): every wrapper writes it, autograd backward
+# passes included, and the watchdog's thread reads it. Like STATS, it never changes what is sent.
 INFLIGHT = InFlight()
 
 # How a timed-out or broken collective reads (gloo: "Timed out waiting 3000ms ...", "Connection
@@ -153,7 +123,8 @@ def _call(kind: str, name: str, group, peer, async_op: bool, fn, /, *args, **kwa
     """fn(*args, **kwargs) with (kind, name, group, peer) in flight for this thread while it
     runs; an async op's handle comes back as a Work, in flight again while it is waited for."""
     if torch.compiler.is_dynamo_compiling():
-        # Traced into the graph as a functional collective: no host bookkeeping there.
+        # Traced into the graph as a functional collective (train.compile's tensor-parallel
+        # regions): no host bookkeeping there; the watchdog's step heartbeat sees such a hang.
         return fn(*args, **kwargs)
     slot, key = INFLIGHT, get_ident()
     slot.busy[key] = slot.last = entry = (kind, name, group, peer, monotonic())
@@ -189,12 +160,23 @@ class CommDeviceError(RuntimeError):
     """A collective was given a tensor on a device its group's backend does not serve."""
 
 
-# Device types served, per backend name; a backend we do not know is trusted with both.
+# NCCL serves only CUDA tensors and gloo (as we use it) only CPU tensors: a collective on a
+# tensor its backend does not serve fails on a cluster, never on a laptop, so every wrapper
+# checks first. Device types served, per backend name; one we do not know is trusted with both.
 _BACKEND_DEVICES = {"nccl": frozenset({"cuda"}), "gloo": frozenset({"cpu"}),
                     "mpi": frozenset({"cpu", "cuda"}), "ucc": frozenset({"cpu", "cuda"})}
-# What each group serves: a fact about the group that never changes, cached on first use (the
-# same reasoning as STATS: it cannot make two runs differ).
+# Module state (allow-listed in tests/structure.py): what each group serves, read from its
+# backend string once (it never changes), so that a check is a dict lookup and a set test.
+# `declare_devices` overrides it, which is how a CPU-only test stands in for an NCCL group.
 _GROUP_DEVICES: dict = {}
+
+
+def keeps_guard(entry) -> bool:
+    """Dynamo's guard filter for train.compile (bloomtrain.parallel.compile): every guard but
+    those on _GROUP_DEVICES. Tracing a collective reads it, so Dynamo would guard on its keys,
+    and the first use of any later group (the checkpoint writer's, at the first save) would
+    recompile every block; the groups a block uses are guarded by name themselves."""
+    return not (entry.is_global and "._GROUP_DEVICES" in entry.name)
 
 
 def backend_devices(backend: str) -> frozenset[str]:
