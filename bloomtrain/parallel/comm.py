@@ -7,7 +7,7 @@ group name) when asked (`stats_scope`, or BLOOMTRAIN_COMM_STATS=1):
 
 Bytes are the size of the full buffer of the operation, the convention of nccl-tests: the tensor
 for all-reduce and broadcast, the gathered output for all-gather, the unreduced input for
-reduce-scatter, the message for send/recv. `group=None` is a group of one (Topology's
+reduce-scatter and all-to-all, the message for send/recv. `group=None` is a group of one (Topology's
 convention): a collective on it is a no-op and is not counted, where torch would read None as the
 whole world. Point-to-point calls name their peer by global rank.
 """
@@ -263,6 +263,20 @@ def reduce_scatter_tensor(output, input_, group, name: str, op=ReduceOp.SUM,
         STATS.record("reduce_scatter", name, input_)
     return _call("reduce_scatter", name, group, None, async_op, _reduce_scatter_single, output,
                  input_, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(output, input_, group, name: str, async_op: bool = False):
+    """Split `input_` along dim 0 into equal chunks, send chunk j to rank j; `output` holds the
+    chunk every rank sent here, in rank order. Counted as the input's bytes (what leaves this
+    rank, the own chunk included, as for reduce-scatter)."""
+    if group is None:
+        output.copy_(input_)
+        return None
+    check_devices("all_to_all", name, group, output, input_)
+    if STATS.enabled:
+        STATS.record("all_to_all", name, input_)
+    return _call("all_to_all", name, group, None, async_op, dist.all_to_all_single, output,
+                 input_, group=group, async_op=async_op)
 
 
 def broadcast(tensor, src: int, group, name: str, async_op: bool = False):

@@ -123,7 +123,10 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
         parts.engine = ZeroEngine(chunks, specs, topo, t.precision, zero_stage=layout.zero_stage,
                                   bucket_size_mb=cfg.parallel.bucket_size_mb, device=device,
                                   values=_values(model.shape, topo, t.seed),
-                                  offload=cfg.parallel.offload_optimizer)
+                                  offload=cfg.parallel.offload_optimizer,
+                                  grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
+                                  error_feedback=cfg.parallel.grad_error_feedback,
+                                  weight_gather_dtype=cfg.parallel.weight_gather_dtype)
         parts.optimizer = ZeroAdamW(parts.engine, cfg.optim, t.precision,
                                     num_blocks=model.shape.num_layers)
     elif device.type != "meta":

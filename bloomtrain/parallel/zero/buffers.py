@@ -49,7 +49,8 @@ Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
 
 class FlatBuffers:
     def __init__(self, layout: SegmentLayout, rules: StageRules, dp_size: int, dp_rank: int,
-                 compute_dtype: torch.dtype, device, offload: bool = False):
+                 compute_dtype: torch.dtype, device, offload: bool = False,
+                 error_feedback: bool = False):
         self.layout, self.rules = layout, rules
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.compute_dtype, self.device = compute_dtype, torch.device(device)
@@ -76,6 +77,9 @@ class FlatBuffers:
         # Offload, stage 3: the compute-dtype copy of the own shard that gathers read.
         self.compute_shard = (zeros(shard, compute_dtype) if offload and rules.shard_params
                               else None)
+        # parallel.grad_error_feedback: what this rank's compressed dp reductions have not sent
+        # yet, laid out like the full gradient (compress.py), on the device that reduces.
+        self.grad_residual = zeros(full) if error_feedback else None
         # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use;
         # made by `bind`, one group at a time.
         self.gathered: dict[int, torch.Tensor] = {}
@@ -179,7 +183,9 @@ class FlatBuffers:
                 "fp32_master": _size(self.master) * on_device,
                 "fp32_grads": _size(self.grad),
                 "adam_m": _size(self.exp_avg) * on_device,
-                "adam_v": _size(self.exp_avg_sq) * on_device}
+                "adam_v": _size(self.exp_avg_sq) * on_device,
+                **({"grad_residual": _size(self.grad_residual)}
+                   if self.grad_residual is not None else {})}
 
     def host_nbytes(self) -> dict[str, int]:
         """Offload: the bytes held in host memory, by category (all 0 without offload)."""

@@ -76,7 +76,9 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], specs: dict, topo, precision: str,
                  zero_stage: int = 0, bucket_size_mb: float = 25, device=None,
                  values: Values | None = None, prefetch: bool = True,
-                 unit_types: tuple = (BloomBlock,), offload: bool = False):
+                 unit_types: tuple = (BloomBlock,), offload: bool = False,
+                 grad_reduce_dtype: str = "fp32", error_feedback: bool = False,
+                 weight_gather_dtype: str = "auto"):
         self.topo, self.precision = topo, precision
         self.rules = stage_rules(zero_stage)
         self.compute_dtype = torch_dtype(precision)
@@ -93,17 +95,19 @@ class ZeroEngine:
         if device is None:
             device = groups[0][0][1].device
         self.bufs = FlatBuffers(layout, self.rules, topo.dp_size, topo.dp_rank,
-                                self.compute_dtype, device, offload=offload)
+                                self.compute_dtype, device, offload=offload,
+                                error_feedback=error_feedback and topo.dp_size > 1)
         self.host = HostCopies(self.bufs, topo) if offload else None
         if self.bufs.device.type != "meta":
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)
         self.counters = Counters()
         self.waits = WaitClock(self.bufs.device)
-        self.reducer = GradReducer(self.bufs, topo, self.counters, waits=self.waits)
+        self.reducer = GradReducer(self.bufs, topo, self.counters, waits=self.waits,
+                                   dtype=grad_reduce_dtype)
         self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch,
                                         on_backward=self.reducer.queue_end_of_backward,
-                                        waits=self.waits)
+                                        waits=self.waits, wire=weight_gather_dtype)
                          if self.rules.shard_params else None)
         if self.gatherer is not None:
             self.reducer.on_group_done = self.gatherer.free

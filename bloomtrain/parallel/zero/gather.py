@@ -12,6 +12,11 @@ gather is prefetched asynchronously while the current one computes (the previous
 backward). Recomputation under activation checkpointing runs a unit's forward inside backward:
 its weights are kept, since its backward comes next.
 
+`wire` (parallel.weight_gather_dtype): auto gathers in the compute dtype; bf16 or int8 (ZeRO++'s
+qwZ, blockwise absmax) encode each shard for the collective and decode the gathered bytes into
+the compute dtype (compress.py). Every rank, the shard's owner too, computes with the decoded
+weights, so the replicas stay equal; the fp32 masters are untouched.
+
 The waits for the gathers of a training step are timed by the engine's WaitClock (waits.py):
 under stage 3 they are where a slow dp peer makes the others wait.
 """
@@ -25,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero import compress
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
 from bloomtrain.parallel.zero.waits import WaitClock
@@ -44,8 +50,12 @@ def _in_backward() -> bool:
 
 class Stage3Gatherer:
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, units: list[Unit],
-                 prefetch: bool = True, on_backward=None, waits: WaitClock | None = None):
+                 prefetch: bool = True, on_backward=None, waits: WaitClock | None = None,
+                 wire: str = "auto"):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        plain = (wire == "auto" or topo.dp_group is None
+                 or (wire == "bf16" and bufs.compute_dtype == torch.bfloat16))
+        self.wire = None if plain else wire
         self.waits = waits or WaitClock(bufs.device)
         # Called when backward reaches a unit: the end of that backward frees what it gathered,
         # even if no parameter gradient arrives in it.
@@ -80,9 +90,15 @@ class Stage3Gatherer:
         # cast (offload.py refreshes it after every step), so a gather never reads the host.
         source = bufs.master if bufs.compute_shard is None else bufs.compute_shard
         for seg in group.segments:
+            out = buf[seg.full_off - group.full_off:][:seg.padded]
+            if self.wire is not None:
+                with contextlib.nullcontext() if async_op else self._stall():
+                    handles.append(compress.all_gather(out, bufs.state_view(source, seg),
+                                                       self.topo.dp_group, DP, self.wire,
+                                                       async_op=async_op))
+                continue
             # Without offload the compute-dtype shard exists only for the collective.
             shard = bufs.state_view(source, seg).to(bufs.compute_dtype)
-            out = buf[seg.full_off - group.full_off:][:seg.padded]
             with contextlib.nullcontext() if async_op else self._stall():
                 handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
                                                            async_op=async_op))

@@ -15,6 +15,11 @@ schedule.
 Every wait for a dp collective is timed by the engine's WaitClock (waits.py), the straggler
 check's input.
 
+`dtype` is the dp reduction's wire format (parallel.grad_reduce_dtype): fp32 takes comm's plain
+collectives, exactly as without the option; bf16 and int8 go through compress.py (quantize,
+all-to-all, dequantize, sum in fp32), with the error-feedback residual `bufs.grad_residual`
+when there is one. Without dp peers nothing is sent, so nothing is compressed.
+
 After the dp reduction the linear sums are taken on the shard (1/dp of the bytes): partial
 sequence-parallel gradients over tp, the two tied-embedding copies over the embedding group.
 """
@@ -24,6 +29,7 @@ import torch
 from torch.autograd import Variable
 
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero import compress
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
 from bloomtrain.parallel.zero.segments import Segment, Slot, clip_ranges
@@ -36,8 +42,9 @@ MAX_IN_FLIGHT = 2
 
 class GradReducer:
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, on_group_done=None,
-                 waits: WaitClock | None = None):
+                 waits: WaitClock | None = None, dtype: str = "fp32"):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        self.dtype = dtype if topo.dp_group is not None else "fp32"
         self.waits = waits or WaitClock(bufs.device)
         self.rules = bufs.rules
         self.dp_group = topo.dp_group
@@ -103,8 +110,12 @@ class GradReducer:
         staging = self._staging.pop(seg.index)
         self._received.pop(seg.index, None)
         out = torch.empty(seg.shard, dtype=torch.float32, device=staging.device)
-        # Reduced in fp32; summed here, averaged over dp at the step.
-        handle = comm.reduce_scatter_tensor(out, staging, self.dp_group, DP, async_op=True)
+        # Summed in fp32 here, averaged over dp at the step.
+        if self.dtype == "fp32":
+            handle = comm.reduce_scatter_tensor(out, staging, self.dp_group, DP, async_op=True)
+        else:
+            handle = compress.reduce_scatter(out, staging, self.dp_group, DP, self.dtype,
+                                             self._residual(seg), async_op=True)
         self._inflight.append((seg, staging, out, handle))
         while len(self._inflight) > MAX_IN_FLIGHT:
             self._complete_oldest()
@@ -138,6 +149,27 @@ class GradReducer:
         while self._inflight:
             self._complete_oldest()
 
+    def _residual(self, seg: Segment) -> torch.Tensor | None:
+        r = self.bufs.grad_residual
+        return None if r is None else r[seg.full_off:seg.full_off + seg.padded]
+
+    def _reduce_accumulated(self, seg: Segment) -> None:
+        """Stages 0-1: the step's dp sum of a segment's full accumulator."""
+        full = self.bufs.full_grad(seg)
+        if not self.rules.shard_optimizer:
+            if self.dtype == "fp32":
+                comm.all_reduce(full, self.dp_group, DP)
+            else:
+                compress.all_reduce(full, self.dp_group, DP, self.dtype, self._residual(seg))
+            return
+        out = torch.empty(seg.shard, dtype=torch.float32, device=full.device)
+        if self.dtype == "fp32":
+            comm.reduce_scatter_tensor(out, full, self.dp_group, DP)
+        else:
+            compress.reduce_scatter(out, full, self.dp_group, DP, self.dtype,
+                                    self._residual(seg))
+        self.bufs.grad_view(seg).copy_(out)
+
     # ---- at the step -----------------------------------------------------------------------------
     @torch.no_grad()
     def reduce_for_step(self) -> None:
@@ -148,13 +180,7 @@ class GradReducer:
         if not self.rules.shard_grads and self.dp_group is not None:
             with self.waits.waiting():  # the first the peers see of this rank's step
                 for seg in bufs.layout.segments:
-                    full = bufs.full_grad(seg)
-                    if not self.rules.shard_optimizer:
-                        comm.all_reduce(full, self.dp_group, DP)
-                    else:
-                        out = torch.empty(seg.shard, dtype=torch.float32, device=full.device)
-                        comm.reduce_scatter_tensor(out, full, self.dp_group, DP)
-                        bufs.grad_view(seg).copy_(out)
+                    self._reduce_accumulated(seg)
         partial = []
         for seg in bufs.layout.segments:
             lo, hi = bufs.own(seg)

@@ -1,0 +1,197 @@
+"""Compressed data-parallel communication (parallel.grad_reduce_dtype, grad_error_feedback,
+weight_gather_dtype; bloomtrain/parallel/zero/compress.py): the int8 codec against a plain
+quantizer written here, the compressed reduce-scatter against the sum of what that quantizer
+makes of every rank's input, error feedback's bookkeeping, fp32 bitwise equal to the engine
+without the option, the bytes of a real training step (gloo, dp=4, ZeRO-1 and ZeRO-3), the
+error-feedback residual through a checkpoint, and the refused combinations."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bloomtrain.config import Config
+from bloomtrain.errors import UserError
+from bloomtrain.model.presets import BloomShape
+from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero import compress
+from tests import helpers
+from tests.dist import run_ranks
+
+SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=256)
+SEQ = 16
+LR = 1e-3
+
+
+def plain_int8(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The test's own blockwise absmax int8 round trip of a 1-d fp32 tensor."""
+    out = torch.empty_like(x)
+    for a in range(0, x.numel(), block):
+        b = x[a:a + block]
+        s = float(b.abs().max()) / 127
+        out[a:a + block] = b if s == 0 else torch.round(b / s).clamp(-127, 127) * s
+    return out
+
+
+def test_int8_codec_matches_a_plain_quantizer_and_its_size():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 300, generator=g) * torch.tensor([[1.0], [1e-3], [0.0]])
+    payload = compress.encode(x, "int8")
+    # 300 values in 3 blocks (the last one short): 300 int8 + 3 fp32 scales.
+    assert payload.dtype == torch.int8 and payload.shape == (3, 300 + 12)
+    assert compress.encoded_bytes(300, "int8") == 312
+    back = compress.decode(payload, 300, "int8")
+    for row in range(3):
+        # Division vs the test's own: the same to an fp32 ulp of the value.
+        torch.testing.assert_close(back[row], plain_int8(x[row]), rtol=0, atol=1e-6 * x[row].abs().max())
+    # A round trip is off by at most half a step (absmax / 254) per block.
+    assert float((back[0] - x[0]).abs().max()) <= float(x[0].abs().max()) / 254 * 1.0001
+    bf = compress.decode(compress.encode(x, "bf16"), 300, "bf16")
+    assert torch.equal(bf, x.to(torch.bfloat16).float())
+
+
+def _reduce_rank(rank, world, dtype):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(world * 200, generator=g)
+    out = torch.empty(200)
+    compress.reduce_scatter(out, x.clone(), comm.world_group(), "dp", dtype)
+    residual = torch.zeros_like(x)
+    outs = []
+    for _ in range(3):  # a constant gradient, three reductions with error feedback
+        o = torch.empty(200)
+        compress.reduce_scatter(o, x.clone(), comm.world_group(), "dp", dtype, residual)
+        outs.append(o)
+    full = x.clone()
+    compress.all_reduce(full, comm.world_group(), "dp", dtype)
+    return x, out, outs, residual, full
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bf16"])
+def test_compressed_reduce_scatter_is_the_fp32_sum_of_the_decoded_chunks(dtype):
+    world = 2
+    res = run_ranks(world, _reduce_rank, dtype)
+    inputs = [r[0] for r in res]
+    rt = plain_int8 if dtype == "int8" else (lambda t: t.to(torch.bfloat16).float())
+    for rank, (_, out, outs, residual, full) in enumerate(res):
+        chunks = [rt(x[rank * 200:(rank + 1) * 200]) for x in inputs]
+        torch.testing.assert_close(out, chunks[0] + chunks[1], rtol=0, atol=1e-6)
+        # Error feedback: what was sent over three reductions is 3x the input less what is
+        # still owed (the residuals of every rank, for this chunk).
+        owed = sum(r[3][rank * 200:(rank + 1) * 200] for r in res)
+        exact = sum(x[rank * 200:(rank + 1) * 200] for x in inputs)
+        torch.testing.assert_close(sum(outs), 3 * exact - owed, rtol=0, atol=1e-5)
+        # The all-reduce: every rank holds the same values, each chunk the (re-encoded) sum.
+        assert torch.equal(full, res[0][4])
+    sums = torch.cat([r[1] for r in res])
+    torch.testing.assert_close(res[0][4], torch.cat([rt(c) for c in sums.split(200)]),
+                               rtol=0, atol=1e-6)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+def _train(stage, precision, steps, **parallel):
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "bucket_size_mb": 0.05,
+                                          **parallel},
+                         optim={"lr": LR, "clip_grad": 1.0}, precision=precision, seed=1)
+    parts = helpers.build(cfg)
+    topo, chunk = parts.topo, parts.chunks[0]
+    g = torch.Generator().manual_seed(7)
+    losses = []
+    with comm.stats_scope(True) as stats:
+        for step in range(steps):
+            batch = torch.randint(0, SHAPE.vocab_size, (topo.dp_size * 4, SEQ + 1), generator=g)
+            mine = batch[topo.dp_rank * 4:(topo.dp_rank + 1) * 4]
+            loss = 0.0
+            for ids in mine.split(2):  # two micro-batches
+                part = chunk(ids[:, :-1], labels=ids[:, 1:]) / 2
+                part.backward()
+                loss += float(part)
+            helpers.step(parts.optimizer, LR)
+            losses.append(loss)
+            if step == 0:
+                first = stats.snapshot()
+    return parts, losses, first
+
+
+def _engine_rank(rank, world, stage, precision, parallel):
+    parts, losses, counts = _train(stage, precision, 3, **parallel)
+    return losses, parts.engine.master_state(), counts
+
+
+def _without_option_rank(rank, world, stage):
+    """The engine exactly as before the option existed: ZeroEngine's defaults."""
+    from bloomtrain.parallel import parallelize as par
+    real = par.ZeroEngine
+
+    def engine(*args, **kwargs):
+        for key in ("grad_reduce_dtype", "error_feedback", "weight_gather_dtype"):
+            kwargs.pop(key, None)
+        return real(*args, **kwargs)
+    par.ZeroEngine = engine
+    try:
+        parts, losses, _ = _train(stage, "bf16", 3)
+    finally:
+        par.ZeroEngine = real
+    return losses, parts.engine.master_state()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_reduction_is_bitwise_the_engine_without_the_option(stage):
+    world = 2
+    new = run_ranks(world, _engine_rank, stage, "bf16", {"grad_reduce_dtype": "fp32"})
+    old = run_ranks(world, _without_option_rank, stage)
+    for (losses, masters, counts), (old_losses, old_masters) in zip(new, old):
+        assert losses == old_losses
+        assert all(torch.equal(masters[k], old_masters[k]) for k in old_masters)
+        assert not any(kind == "all_to_all" for kind, _ in counts)
+
+
+def _dp_bytes(counts, kinds):
+    return sum(v["bytes"] for (kind, name), v in counts.items() if name == "dp" and kind in kinds)
+
+
+REDUCE_KINDS = ("reduce_scatter", "all_reduce", "all_to_all")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_int8_reduction_bytes_on_a_training_step(stage):
+    world = 4
+    fp32 = run_ranks(world, _engine_rank, stage, "bf16", {"grad_reduce_dtype": "fp32"})
+    int8 = run_ranks(world, _engine_rank, stage, "bf16", {"grad_reduce_dtype": "int8"})
+    ef = run_ranks(world, _engine_rank, stage, "bf16", {"grad_reduce_dtype": "int8",
+                                                         "grad_error_feedback": True})
+    for a, b, c in zip(fp32, int8, ef):
+        ratio = _dp_bytes(b[2], REDUCE_KINDS) / _dp_bytes(a[2], REDUCE_KINDS)
+        # 4:1, less the fp32 scale of every 128 values and the padding to whole blocks.
+        assert ratio <= 0.27, ratio
+        assert _dp_bytes(c[2], REDUCE_KINDS) == _dp_bytes(b[2], REDUCE_KINDS)
+        # The other dp traffic (the weights' all-gathers) is untouched.
+        assert _dp_bytes(b[2], ("all_gather",)) == _dp_bytes(a[2], ("all_gather",))
+        # Still training the same model: int8 sums move the loss by little in 3 steps.
+        assert abs(b[0][-1] - a[0][-1]) < 0.05 * a[0][-1]
+    print(f"stage {stage}: int8/fp32 dp reduction bytes = {ratio:.4f}")
+
+
+def test_int8_weight_gather_bytes_zero3():
+    world = 4
+    bf16 = run_ranks(world, _engine_rank, 3, "bf16", {"weight_gather_dtype": "auto"})
+    int8 = run_ranks(world, _engine_rank, 3, "bf16", {"weight_gather_dtype": "int8"})
+    for a, b in zip(bf16, int8):
+        ratio = _dp_bytes(b[2], ("all_gather",)) / _dp_bytes(a[2], ("all_gather",))
+        assert ratio <= 0.52, ratio
+        assert _dp_bytes(b[2], REDUCE_KINDS) == _dp_bytes(a[2], REDUCE_KINDS)
+        assert abs(b[0][-1] - a[0][-1]) < 0.05 * a[0][-1]
+    print(f"int8/bf16 stage-3 gather bytes = {ratio:.4f}")
+
+
+# ---- refused combinations ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"grad_error_feedback": True}, "grad_error_feedback needs a compressed reduction"),
+    ({"weight_gather_dtype": "int8", "zero_stage": 2}, "needs parallel.zero_stage=3"),
+    ({"grad_reduce_dtype": "int4"}, "grad_reduce_dtype must be fp32, bf16 or int8"),
+    ({"weight_gather_dtype": "fp8"}, "weight_gather_dtype must be auto, bf16 or int8"),
+])
+def test_refused_combinations(parallel, message):
+    cfg = Config.from_dict({"parallel": parallel, "train": {"train_iters": 1}})
+    with pytest.raises(UserError, match=message):
+        cfg.check()
