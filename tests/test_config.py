@@ -78,6 +78,7 @@ def test_rampup_sizes_must_fit_the_interleaved_schedule():
 
 import dataclasses  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import typing  # noqa: E402
 
 from bloomtrain.config import DOMAINS, Domain, parse_split  # noqa: E402
@@ -236,3 +237,85 @@ def test_each_key_at_the_edges_of_its_domain(key):
     if key == "model.hidden_dropout":
         with pytest.raises(UserError, match=r"model.hidden_dropout must be in \[0, 1\), got 5"):
             _config_with(key, 5)
+
+
+# ---- each key's values as its meaning has them, written here, not read from DOMAINS -------------
+# The oracle above reads the table itself, so a wrong table passes it: model.hidden_dropout made a
+# free key, or attention_dropout's upper bound dropped, passed every test above and the fuzzers.
+# Here each key's values come from what the key is (README's configuration reference): a count is
+# at least 1, a probability below 1, a seed fits numpy's 32-bit RandomState, and so on.
+COUNT_KEYS = (  # positive numbers: 0 and -1 refused, 1 accepted
+    "model.vocab_size", "model.hidden_size", "model.num_layers", "model.num_heads",
+    "model.ffn_hidden_size", "model.layer_norm_epsilon", "model.init_method_std",
+    "model.make_vocab_size_divisible_by", "parallel.tp", "parallel.pp",
+    "parallel.num_virtual_stages", "parallel.bucket_size_mb", "parallel.timeout_minutes",
+    "data.seq_length", "optim.lr", "optim.decay_samples", "optim.eps", "optim.initial_loss_scale",
+    "optim.loss_scale_window", "optim.hysteresis", "optim.min_loss_scale",
+    "train.micro_batch_size", "train.global_batch_size", "train.train_iters",
+    "train.train_samples", "train.log_interval", "train.eval_interval", "train.eval_iters",
+    "train.loss_spike_window", "train.loss_spike_zscore", "train.exit_duration_minutes",
+    "train.eval_harness_interval", "train.eval_harness_limit", "checkpoint.save_interval",
+    "checkpoint.save_interval_minutes", "checkpoint.keep_last")
+NON_NEGATIVE_KEYS = ("optim.min_lr", "optim.warmup_samples", "optim.weight_decay",
+                     "optim.clip_grad", "train.grad_stats_interval")  # 0 means none or off
+PROBABILITY_KEYS = ("model.hidden_dropout", "model.attention_dropout", "optim.beta1",
+                    "optim.beta2")  # in [0, 1)
+SEED_KEYS = ("data.seed", "train.seed")
+PROBES: dict[str, tuple[list, list]] = {  # key -> (values accepted, values refused)
+    **{k: ([1], [0, -1]) for k in COUNT_KEYS},
+    **{k: ([0, 1], [-1]) for k in NON_NEGATIVE_KEYS},
+    **{k: ([0, 0.5, 0.999], [1, 5, -0.1]) for k in PROBABILITY_KEYS},
+    **{k: ([0, 2 ** 32 - 1], [-1, 2 ** 32]) for k in SEED_KEYS},
+    "train.straggler_factor": ([1.5], [1, 0.5]),  # x the median step time: above 1
+    "parallel.pp_schedule": (["gpipe", "1f1b", "interleaved"], ["pipedream", ""]),
+    "parallel.zero_stage": ([0, 1, 2, 3], [4, -1]),
+    "parallel.backend": (["auto", "gloo", "nccl"], ["mpi"]),
+    "parallel.grad_reduce_dtype": (["fp32", "bf16", "int8"], ["fp16", "int4"]),
+    "parallel.weight_gather_dtype": (["auto", "bf16", "int8"], ["fp32", "int4"]),
+    "data.split": (["969,30,1", "98/2", "1"], ["1,2,3,4", "0,0", "-1,2"]),
+    "data.paths": ([["a"], ["0.3 a", "0.7 b"]], [["0 a"], ["a", "0.5 b"], ["1 a b"]]),
+    "optim.decay_style": (["cosine", "linear", "constant"], ["step", "exponential"]),
+    "train.precision": (["bf16", "fp16", "fp32"], ["fp8", "int8"]),
+    "train.activation_checkpointing": (["none", "selective", "full"], ["some", "true"]),
+    "train.attention": (["auto", "sdpa", "flex"], ["flash", "eager"]),
+    "train.device": (["auto", "cpu", "cuda"], ["gpu", "mps"]),
+    "train.on_loss_spike": (["log", "skip", "rollback"], ["ignore", "stop"]),
+    "checkpoint.on_save_error": (["continue", "stop"], ["retry", "ignore"]),
+}
+# Keys any value of their type suits: switches, names and paths (checked where they are used).
+FREE_KEYS = {
+    "model.preset", "parallel.pp_partition", "parallel.pp_timeline", "parallel.sequence_parallel",
+    "parallel.comm_stats", "parallel.offload_optimizer", "parallel.grad_error_feedback",
+    "data.tokenizer", "data.cache_dir", "data.eod_mask_loss", "train.rampup_batch_size",
+    "train.compile", "train.ignore_plan", "train.kill_switch_path", "train.eval_harness_tasks",
+    "train.eval_harness_include_path", "checkpoint.dir", "checkpoint.resume",
+    "checkpoint.async_save", "run.tensorboard", "run.wandb", "run_dir"}
+PROBE_COMPANIONS = {"parallel.weight_gather_dtype": {"parallel.zero_stage": 3}}
+
+
+def test_every_key_is_probed_or_free():
+    both = FREE_KEYS & set(PROBES)
+    missing = set(KEY_TYPES) - FREE_KEYS - set(PROBES)
+    assert not both and not missing, (
+        f"give each config key values accepted and refused in tests/test_config.py's PROBES, "
+        f"from what the key means (or list it in FREE_KEYS): missing {sorted(missing)}, "
+        f"in both {sorted(both)}")
+
+
+@pytest.mark.parametrize("key", sorted(PROBES))
+def test_each_key_accepts_and_refuses_what_it_means(key):
+    accepted, refused = PROBES[key]
+    for value in accepted + refused:
+        d = {"train": {"train_iters": 1}, "checkpoint": {"dir": "ck"}}
+        over = {**_companions(key, value if value in accepted else 1),
+                **PROBE_COMPANIONS.get(key, {}), key: value}
+        for k, v in over.items():
+            section, name = k.split(".")
+            d.setdefault(section, {})[name] = v
+        cfg = Config.from_dict(d)
+        if value in accepted:
+            cfg.check()
+            assert cfg.get(key) == value, (key, value)
+        else:
+            with pytest.raises(UserError, match=re.escape(key)):
+                cfg.check()
