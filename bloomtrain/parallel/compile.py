@@ -29,7 +29,11 @@ def compiled_block_forward():
     # would bake in the data pointers that ZeRO-3's gathers and frees change every step (guards
     # check metadata only, so those never recompile).
     return torch.compile(BloomBlock.forward, dynamic=False,
-                         options={"guard_filter_fn": comm.keeps_guard})
+                         options={"guard_filter_fn": _guard_filter})
+
+
+def _guard_filter(entries) -> list[bool]:
+    return [comm.keeps_guard(e) for e in entries]
 
 
 def is_compiled(block: nn.Module) -> bool:
