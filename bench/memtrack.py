@@ -74,7 +74,8 @@ class LiveMemory(TorchDispatchMode):
             self.register(p, "parameters")
 
     def _mark_gradient(self, grad):
-        self._storages[grad.untyped_storage()] = "gradients"
+        if grad is not None:  # None: a gradient left for later (zb-h1's B defers the weights')
+            self._storages[grad.untyped_storage()] = "gradients"
         return grad
 
     def _open_window(self, p):

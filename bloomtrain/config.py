@@ -19,7 +19,7 @@ from bloomtrain.errors import UserError
 # The keys with a set of choices, declared here once: DOMAINS (the checker) reads them, and so do
 # their owners (the pipeline's schedule table, the ZeRO stage table, the attention kernels, the
 # compute dtypes of bloomtrain.runtime and the CLI's --dtype).
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 ZeroStage = Literal[0, 1, 2, 3]
 Backend = Literal["auto", "gloo", "nccl"]
 DecayStyle = Literal["cosine", "linear", "constant"]
@@ -58,7 +58,8 @@ class ParallelConfig:
     tp: int = 1
     # Pipeline-parallel size (arXiv 2104.04473): stages of consecutive blocks, across nodes.
     pp: int = 1
-    # gpipe, 1f1b (PipeDream-flush) or interleaved (needs num_virtual_stages > 1).
+    # gpipe, 1f1b (PipeDream-flush), interleaved (needs num_virtual_stages > 1) or zb-h1 (zero
+    # bubble: 1F1B with the weight gradients deferred into its bubbles; not with zero_stage 3).
     pp_schedule: PipelineSchedule = "1f1b"
     num_virtual_stages: int = 1
     # uniform, type:transformer|embedding (BLOOM's: the embedding and the tied head count as one

@@ -170,7 +170,15 @@ class ParallelLayout:
                 raise UserError("parallel.pp_schedule=interleaved needs parallel.pp >= 2")
         elif v != 1:
             raise UserError(f"parallel.num_virtual_stages ({v}) > 1 needs "
-                            f"parallel.pp_schedule=interleaved (and parallel.pp >= 2)")
+                            f"parallel.pp_schedule=interleaved (and parallel.pp >= 2)"
+                            + ("; zb-h1 runs one model chunk per rank (ZB-H1 is 1F1B's layout, "
+                               "not the interleaved one)" if self.schedule == "zb-h1" else ""))
+        if self.schedule == "zb-h1" and self.zero_stage == 3:
+            raise UserError("parallel.pp_schedule=zb-h1 does not compose with "
+                            "parallel.zero_stage=3: ZeRO-3 gathers a block's weights for its "
+                            "backward and frees them when that backward pass ends, while zb-h1 "
+                            "splits each backward into two passes (input gradients, then the "
+                            "weight gradients much later); use zero_stage <= 2 or pp_schedule=1f1b")
         self.stage_ranges(num_layers)
 
 

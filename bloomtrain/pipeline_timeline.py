@@ -1,7 +1,7 @@
 """`bloomtrain pipeline-timeline RUN_DIR`: print the per-stage timeline of a pipeline step, as
 written by `Timeline.save` (run_dir/pipeline_timeline/step_N_rank_R.json), with the measured
 bubble next to the theory of arXiv 2104.04473: (p-1)/m for GPipe and 1F1B, (p-1)/(v·m)
-interleaved."""
+interleaved, and of arXiv 2401.10241 for zb-h1: (p-1)/(3m) with equal F, B and W times."""
 from __future__ import annotations
 
 import json
@@ -9,11 +9,11 @@ import re
 import shutil
 from pathlib import Path
 
-from bloomtrain.parallel.pipeline import TIMELINE_DIR, summarize
+from bloomtrain.parallel.pipeline import SPLIT_BACKWARD, TIMELINE_DIR, summarize
 from bloomtrain.errors import UserError
 
 _FILE = re.compile(r"step_(\d+)_rank_(\d+)\.json")
-_FILL = {"F": "-", "B": "=", "recv": "."}
+_FILL = {"F": "-", "B": "=", "W": "~", "recv": "."}
 
 
 def load_step(run_dir, step: int | None = None) -> tuple[int, list[dict]]:
@@ -47,7 +47,7 @@ def _label(event: dict, num_chunks: int) -> str:
 
 def render_row(data: dict, offset: float, seconds_per_col: float) -> str:
     """One stage as text: each event at its time column, forwards as `F3---`, backwards as
-    `B3===`, waits for a message as dots, idle as blanks. A label is never cut: an event shorter
+    `B3===` (zb-h1: the input gradient), zb-h1's deferred weight gradients as `W3~~~`, waits for a message as dots, idle as blanks. A label is never cut: an event shorter
     than its label pushes the following ones right, so order stays exact and timing approximate."""
     row: list[str] = []
     for e in sorted(data["events"], key=lambda e: e["start"]):
@@ -85,8 +85,10 @@ def format_timeline(run_dir, step: int | None = None, width: int | None = None) 
              + f", step {total * 1e3:.1f} ms, one column = {seconds_per_col * 1e3:.2f} ms"]
     for data, offset in zip(stages, offsets):
         lines.append(prefix.format(data["pp_rank"]) + render_row(data, offset, seconds_per_col))
+    split = first["schedule"] in SPLIT_BACKWARD
     lines.append("F<mb> forward, B<mb> backward" + (" (F<chunk>.<mb> with model chunks)"
                                                     if v > 1 else "")
+                 + (" of the input, W<mb> of the weights" if split else "")
                  + ", '.' waiting for a message, blank: idle")
     lines.append("")
     lines.append(f"{'stage':>5} {'compute ms':>11} {'idle ms':>9} {'recv wait ms':>13} "
@@ -95,7 +97,8 @@ def format_timeline(run_dir, step: int | None = None, width: int | None = None) 
     for data, s in zip(stages, summaries):
         lines.append(f"{data['pp_rank']:>5} {s['compute'] * 1e3:>11.1f} {s['idle'] * 1e3:>9.1f} "
                      f"{s['recv_wait'] * 1e3:>13.1f} {s['bubble']:>7.3f}")
-    formula = "(p-1)/(v*m)" if first["schedule"] == "interleaved" else "(p-1)/m"
+    formula = {"interleaved": "(p-1)/(v*m)", "zb-h1": "(p-1)/(3m)"}.get(first["schedule"],
+                                                                       "(p-1)/m")
     measured = sum(s["idle"] for s in summaries) / max(sum(s["compute"] for s in summaries), 1e-12)
     lines.append(f"measured bubble (idle / compute, all stages) {measured:.3f} vs theory "
                  f"{formula} = {summaries[0]['theory']:.3f}")
@@ -107,7 +110,7 @@ def register(subparsers) -> None:
         "pipeline-timeline",
         description="Print the forward/backward/recv timeline of one pipeline-parallel step, one "
                     "row per stage on a time grid, and the measured bubble against (p-1)/m "
-                    "(GPipe, 1F1B) or (p-1)/(v*m) (interleaved).")
+                    "(GPipe, 1F1B), (p-1)/(v*m) (interleaved) or (p-1)/(3m) (zb-h1).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--step", type=int, default=None, help="step to show (default: the latest)")
     p.add_argument("--width", type=int, default=None,

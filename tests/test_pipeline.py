@@ -17,6 +17,7 @@ from bloomtrain.model.params import logical_name
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     PipelineCommError,
     Timeline,
     build_pipeline_chunks,
@@ -432,8 +433,9 @@ def test_schedule_grid_bubble_and_message_order(schedule, pp, num_micro):
     assert grid_bubble(grid) == pytest.approx(theoretical_bubble(schedule, pp, num_micro, v))
     for rank, row in enumerate(grid):
         ops = SCHEDULES[schedule](pp, rank, num_micro, v)
+        kinds = "FBW" if schedule in SPLIT_BACKWARD else "FB"
         assert sorted((op.kind, op.chunk, op.micro_batch) for op in ops) == sorted(
-            (k, c, i) for k in "FB" for c in range(v) for i in range(num_micro))
+            (k, c, i) for k in kinds for c in range(v) for i in range(num_micro))
         assert [op for _, op in row] == ops
         phases = [op.phase for op in ops]
         assert phases == sorted(phases, key=["warmup", "steady", "cooldown"].index)

@@ -6,9 +6,11 @@ Clusters Using Megatron-LM", arXiv 2104.04473, §2.2), with BLOOM's stage partit
 One module per concern, in reading order:
 1. `stage`: `build_pipeline_chunks` keeps this rank's share of a full (possibly tensor-parallel)
    model, with the tied embedding copied onto the last stage;
-2. `schedules`: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B as plain functions that list a
-   rank's forward/backward ops in named warmup / steady / cooldown phases; `schedule_grid` replays
-   those lists under unit costs, which is where the bubble of a schedule is counted;
+2. `schedules`: GPipe, 1F1B (PipeDream-flush), interleaved 1F1B and ZB-H1 (zero bubble) as plain
+   functions that list a rank's forward/backward ops in named warmup / steady / cooldown phases;
+   `schedule_grid` replays those lists under per-op costs, which is where the bubble of a schedule
+   is counted;
+   `weightgrad`: ZB-H1's split backward, B (input gradient) now and W (weight gradients) later;
 3. `runtime`: `pipeline_train_step` / `pipeline_eval_step` run a rank's op list with batched
    isend/irecv to the neighbouring stages, freeing each sent activation (Megatron's
    `deallocate_output_tensor`), with a timeout and a precise error on every wait;
@@ -26,9 +28,11 @@ With pp > 1 the tied word embedding exists twice, the embedding on the first sta
 head's copy on the last; their specs (bloomtrain.model.params) mark them `tied`, and the optimizer
 sums their gradients over the embedding group so that both take the same steps.
 """
-from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, Op, gpipe_schedule, grid_bubble,
-                                                    interleaved_schedule, one_f_one_b_schedule,
-                                                    op_p2p, schedule_grid, theoretical_bubble)
+from bloomtrain.parallel.pipeline.schedules import (SCHEDULES, SPLIT_BACKWARD, Op, gpipe_schedule,
+                                                    grid_bubble, interleaved_schedule,
+                                                    one_f_one_b_schedule, op_costs, op_p2p,
+                                                    peak_in_flight, schedule_grid,
+                                                    theoretical_bubble, zb_h1_schedule)
 from bloomtrain.parallel.pipeline.timeline import TIMELINE_DIR, Timeline, summarize
 from bloomtrain.utils import lazy_exports
 
@@ -37,26 +41,34 @@ from bloomtrain.utils import lazy_exports
 __getattr__ = lazy_exports(__name__, {
     **dict.fromkeys(["COMM_NAME", "PipelineCommError", "pipeline_eval_step",
                      "pipeline_train_step"], "runtime"),
-    **dict.fromkeys(["PipelineChunk", "StageTransformer", "build_pipeline_chunks"], "stage")})
+    **dict.fromkeys(["PipelineChunk", "StageTransformer", "build_pipeline_chunks"], "stage"),
+    **dict.fromkeys(["DeferWeightGrads", "WeightGradStore", "backward_input"], "weightgrad")})
 
 __all__ = [
     "COMM_NAME",
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "TIMELINE_DIR",
     "Op",
     "PipelineChunk",
     "PipelineCommError",
     "StageTransformer",
     "Timeline",
+    "DeferWeightGrads",
+    "WeightGradStore",
+    "backward_input",
     "build_pipeline_chunks",
     "gpipe_schedule",
     "grid_bubble",
     "interleaved_schedule",
     "one_f_one_b_schedule",
+    "op_costs",
     "op_p2p",
+    "peak_in_flight",
     "pipeline_eval_step",
     "pipeline_train_step",
     "schedule_grid",
     "summarize",
     "theoretical_bubble",
+    "zb_h1_schedule",
 ]

@@ -5,6 +5,7 @@ precise error on every wait.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Callable
@@ -15,8 +16,10 @@ from torch.autograd.variable import Variable
 
 from bloomtrain.layout import check_micro_batches
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.pipeline.schedules import SCHEDULES, Op, op_p2p
+from bloomtrain.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, Op, op_p2p
 from bloomtrain.parallel.pipeline.timeline import Timeline
+from bloomtrain.parallel.pipeline.weightgrad import (DeferWeightGrads, WeightGradStore,
+                                                     backward_input)
 
 COMM_NAME = "pp"
 
@@ -156,6 +159,73 @@ def _check_step_args(schedule: str, chunks, micro_batches, topo) -> tuple[int, i
     return num_chunks, num_micro
 
 
+class _Step:
+    """One rank's ops of one step: each forward, backward and (zb-h1) W, with their messages."""
+
+    def __init__(self, schedule: str, chunks, micro_batches, topo, *, train: bool, scale_loss,
+                 p2p: _P2P, timeline):
+        self.chunks, self.micro_batches, self.train = chunks, micro_batches, train
+        self.scale_loss, self.p2p, self.timeline = scale_loss, p2p, timeline
+        self.num_micro = len(micro_batches)
+        # zb-h1: B leaves the weight gradients to W (bloomtrain.parallel.pipeline.weightgrad).
+        self.store = WeightGradStore() if train and schedule in SPLIT_BACKWARD else None
+        # (chunk, micro-batch) -> (received input or None, output or loss) until the backward.
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float64,
+                                    device=next(chunks[0].parameters()).device)
+
+    def record(self, kind: str, t0: float, op: Op) -> None:
+        if self.timeline is not None:
+            self.timeline.record(kind, t0, time.perf_counter(), op.chunk, op.micro_batch)
+
+    def run(self, op: Op) -> list:
+        if op.kind == "F":
+            return self.forward(op)
+        if op.kind == "B":
+            return self.backward(op)
+        t0 = time.perf_counter()
+        self.store.run((op.chunk, op.micro_batch))
+        self.record("W", t0, op)
+        return []
+
+    def forward(self, op: Op) -> list:
+        chunk, batch = self.chunks[op.chunk], self.micro_batches[op.micro_batch]
+        inp = None
+        if not chunk.is_first:
+            inp = self.p2p.wait_recv(op)
+            inp.requires_grad_(self.train)
+        t0 = time.perf_counter()
+        if chunk.is_last:
+            out = chunk(batch["tokens"] if chunk.is_first else inp, batch["labels"],
+                        batch.get("loss_mask"))
+            self.loss_sum += out.detach().double()
+        else:
+            out = chunk(batch["tokens"] if chunk.is_first else inp)
+        self.record("F", t0, op)
+        if self.train:
+            self.stash[(op.chunk, op.micro_batch)] = (inp, out)
+        return [] if chunk.is_last else [(op, out)]
+
+    def backward(self, op: Op) -> list:
+        chunk = self.chunks[op.chunk]
+        inp, out = self.stash.pop((op.chunk, op.micro_batch))
+        grad = None if chunk.is_last else self.p2p.wait_recv(op)
+        t0 = time.perf_counter()
+        if chunk.is_last:
+            # The step's gradient is the mean over micro-batches, as one process averaging the
+            # micro-batch losses gets it.
+            out = self.scale_loss(out / self.num_micro)
+        if self.store is None:
+            _backward(out, grad)
+            inp_grad = None if chunk.is_first else inp.grad
+        else:
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            inp_grad = backward_input(out, grad, inp, params, self.store,
+                                      (op.chunk, op.micro_batch))
+        self.record("B", t0, op)
+        return [] if chunk.is_first else [(op, inp_grad)]
+
+
 def _run_step(schedule: str, chunks, micro_batches, topo, *, train: bool, scale_loss,
               recv_shape, dtype, timeline, timeout: float) -> float:
     num_chunks, num_micro = _check_step_args(schedule, chunks, micro_batches, topo)
@@ -167,53 +237,22 @@ def _run_step(schedule: str, chunks, micro_batches, topo, *, train: bool, scale_
     if timeline is not None:
         timeline.begin(topo, schedule, num_micro, num_chunks)
     p2p = _P2P(topo, num_chunks, num_micro, recv_shape, dtype, device, timeout, timeline)
-    # (chunk, micro-batch) -> (received input or None, output or loss) until the backward.
-    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-
-    def forward(op: Op):
-        nonlocal loss_sum
-        chunk, batch = chunks[op.chunk], micro_batches[op.micro_batch]
-        inp = None
-        if not chunk.is_first:
-            inp = p2p.wait_recv(op)
-            inp.requires_grad_(train)
-        t0 = time.perf_counter()
-        if chunk.is_last:
-            out = chunk(batch["tokens"] if chunk.is_first else inp, batch["labels"],
-                        batch.get("loss_mask"))
-            loss_sum += out.detach().double()
-        else:
-            out = chunk(batch["tokens"] if chunk.is_first else inp)
-        if timeline is not None:
-            timeline.record("F", t0, time.perf_counter(), op.chunk, op.micro_batch)
-        if train:
-            stash[(op.chunk, op.micro_batch)] = (inp, out)
-        return [] if chunk.is_last else [(op, out)]
-
-    def backward(op: Op):
-        chunk = chunks[op.chunk]
-        inp, out = stash.pop((op.chunk, op.micro_batch))
-        grad = None if chunk.is_last else p2p.wait_recv(op)
-        t0 = time.perf_counter()
-        if chunk.is_last:
-            # The step's gradient is the mean over micro-batches, as one process averaging the
-            # micro-batch losses gets it.
-            _backward(scale_loss(out / num_micro), None)
-        else:
-            _backward(out, grad)
-        if timeline is not None:
-            timeline.record("B", t0, time.perf_counter(), op.chunk, op.micro_batch)
-        return [] if chunk.is_first else [(op, inp.grad)]
-
+    step = _Step(schedule, chunks, micro_batches, topo, train=train, scale_loss=scale_loss,
+                 p2p=p2p, timeline=timeline)
+    # W ops have no messages: each op posts the receive of the next op that has one.
+    talking = [op for op in ops if op.kind != "W"]
     grad_context = torch.enable_grad() if train else torch.no_grad()
-    with grad_context:
-        p2p.post([], ops[0])
-        for k, op in enumerate(ops):
-            sends = forward(op) if op.kind == "F" else backward(op)
-            p2p.post(sends, ops[k + 1] if k + 1 < len(ops) else None)
+    defer = DeferWeightGrads(step.store) if step.store is not None else contextlib.nullcontext()
+    with grad_context, defer:
+        p2p.post([], talking[0])
+        k = 0
+        for op in ops:
+            sends = step.run(op)
+            if op.kind != "W":
+                k += 1
+                p2p.post(sends, talking[k] if k < len(talking) else None)
         p2p.finish()
-    mean_loss = _broadcast_loss(float(loss_sum) / num_micro, topo, device, timeout, p2p)
+    mean_loss = _broadcast_loss(float(step.loss_sum) / num_micro, topo, device, timeout, p2p)
     if timeline is not None:
         timeline.end()
     return mean_loss
@@ -234,7 +273,7 @@ def pipeline_train_step(schedule: str, chunks, micro_batches: list[dict], topo, 
                         recv_shape, dtype=torch.float32, timeline: "Timeline | None" = None,
                         timeout: float = 600.0) -> float:
     """Run one training step's forwards and backwards over `micro_batches` with `schedule`
-    ("gpipe", "1f1b" or "interleaved") and leave the gradients in the parameters' .grad
+    ("gpipe", "1f1b", "interleaved" or "zb-h1") and leave the gradients in the parameters' .grad
     (accumulated: zero them before). Returns the mean micro-batch loss on every pipeline rank.
 
     `micro_batches`: dicts with "tokens" [b, s], "labels" [b, s] and optionally "loss_mask"; every

@@ -11,13 +11,14 @@ from bloomtrain.parallel.pipeline.schedules import theoretical_bubble
 from bloomtrain.utils import atomic_output
 
 TIMELINE_DIR = "pipeline_timeline"
+COMPUTE = ("F", "B", "W")
 
 
 class Timeline:
-    """Wall-clock events of one pipeline step on one rank, relative to the step's start: "F" and
-    "B" (compute of a micro-batch on a model chunk), "recv" (waiting for a message), "send"
+    """Wall-clock events of one pipeline step on one rank, relative to the step's start: "F", "B"
+    and, under zb-h1, "W" (compute of a micro-batch on a model chunk), "recv" (waiting for a message), "send"
     (posting messages) and "send_wait" (the end-of-step wait for outstanding sends). Idle time is
-    everything that is not F or B. A Timeline passed to a step is reset by it."""
+    everything that is not F, B or W. A Timeline passed to a step is reset by it."""
 
     def __init__(self):
         self.events: list[dict] = []
@@ -57,7 +58,7 @@ class Timeline:
 def summarize(data: dict) -> dict:
     """Compute, idle and bubble of one saved timeline. The bubble is idle over compute time, the
     paper's definition, next to the schedule's theoretical value."""
-    compute = sum(e["end"] - e["start"] for e in data["events"] if e["kind"] in ("F", "B"))
+    compute = sum(e["end"] - e["start"] for e in data["events"] if e["kind"] in COMPUTE)
     recv = sum(e["end"] - e["start"] for e in data["events"] if e["kind"] == "recv")
     step_time = data["step_time"]
     idle = max(step_time - compute, 0.0)

@@ -1,0 +1,297 @@
+"""The zero-bubble schedule zb-h1 (Qi et al., arXiv 2401.10241 §3.1): its op lists and bubble, the
+split backward (bloomtrain.parallel.pipeline.weightgrad) against autograd's, training under
+pipeline, tensor and ZeRO 0-2 parallelism against the single-process reference and the plain
+reference loop, and the refused combinations.
+
+The multi-rank parity runs reuse tests/test_pipeline.py's rank function and reference (fp32, no
+dropout, 8 micro-batches), and tests/test_train_reference.py's plain loop and its tolerances.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bloomtrain.config import Config
+from bloomtrain.layout import ParallelLayout, validate
+from bloomtrain.model import BloomShape, build_model
+from bloomtrain.parallel.pipeline import (
+    SCHEDULES,
+    DeferWeightGrads,
+    WeightGradStore,
+    backward_input,
+    grid_bubble,
+    op_costs,
+    op_p2p,
+    peak_in_flight,
+    schedule_grid,
+    theoretical_bubble,
+)
+from bloomtrain.train import Trainer
+from bloomtrain.utils import UserError
+from tests import test_pipeline as tp
+from tests.dist import run_ranks
+from tests.reference import reference_eval, reference_train
+from tests.test_train import dataset, metrics  # noqa: F401  (fixture)
+from tests.test_train_parallel import LOSS_RTOL, WEIGHT_ATOL
+from tests.test_train_reference import TOLERANCES, _initial_weights, _rel_l2, _state, case_cfg
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- the op lists ------------------------------------------------------------------------------
+
+def test_zb_h1_op_list():
+    # pp=4, rank 1: 1F1B's two warm-up forwards, then F B and W held back by one micro-batch.
+    ops = SCHEDULES["zb-h1"](4, 1, 6)
+    assert [f"{op.kind}{op.micro_batch}" for op in ops] == [
+        "F0", "F1",
+        "F2", "B0", "F3", "B1", "W0", "F4", "B2", "W1", "F5", "B3", "W2",
+        "B4", "W3", "B5", "W4", "W5"]
+    assert [op.phase for op in ops] == ["warmup"] * 2 + ["steady"] * 11 + ["cooldown"] * 5
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_micro", [1, 2, 3, 4, 8, 13])
+def test_zb_h1_lists_are_complete_ordered_and_deadlock_free(pp, num_micro):
+    grid = schedule_grid("zb-h1", pp, num_micro)  # raises on deadlock
+    sent, received = {}, {}
+    for rank, row in enumerate(grid):
+        ops = SCHEDULES["zb-h1"](pp, rank, num_micro)
+        assert [op for _, op in row] == ops
+        assert sorted((op.kind, op.micro_batch) for op in ops) == sorted(
+            (k, i) for k in "FBW" for i in range(num_micro))
+        done = set()
+        for op in ops:  # F before B before W of every micro-batch
+            need = {"F": None, "B": "F", "W": "B"}[op.kind]
+            assert need is None or (need, op.micro_batch) in done
+            done.add((op.kind, op.micro_batch))
+        # Activations live from F to W: never more micro-batches than 1F1B's peak, which is its
+        # first stage's (ZB-H1's memory bound, arXiv 2401.10241 §3.1).
+        one_f_one_b = [peak_in_flight(SCHEDULES["1f1b"](pp, r, num_micro)) for r in range(pp)]
+        assert one_f_one_b[rank] == min(pp - rank, num_micro)
+        assert peak_in_flight(ops) == max(one_f_one_b) == min(pp, num_micro)
+        for op in ops:  # NCCL matches messages by order alone
+            recv, send = op_p2p(op, pp, rank, 1)
+            if send is not None:
+                sent.setdefault((rank, send[0]), []).append((send[1], op.micro_batch))
+            if recv is not None:
+                received.setdefault((recv[0], rank), []).append((recv[1], op.micro_batch))
+    assert sent == received
+
+
+@pytest.mark.parametrize("costs", [(1, 1, 1), (1.0, 1.3, 0.7), (1.0, 0.8, 1.2), (2, 1, 1)])
+@pytest.mark.parametrize("pp,num_micro", [(2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (12, 128)])
+def test_zb_h1_bubble_is_the_papers(costs, pp, num_micro):
+    """Replayed under F, B, W costs, the bubble is arXiv 2401.10241's (p-1)(T_F+T_B-T_W) over
+    m(T_F+T_B+T_W) with m >= p where T_W <= T_F, T_B (the paper's setting), and
+    (p-1)·max(T_F, T_B, T_F+T_B-T_W) over the same in general; 1F1B's is (p-1)/m with the same
+    total backward."""
+    f, b, w = costs
+    zb = op_costs("zb-h1", f, b, w)
+    measured = grid_bubble(schedule_grid("zb-h1", pp, num_micro, costs=zb), zb)
+    assert measured == pytest.approx(theoretical_bubble("zb-h1", pp, num_micro, costs=zb))
+    ofob = op_costs("1f1b", f, b, w)
+    base = grid_bubble(schedule_grid("1f1b", pp, num_micro, costs=ofob), ofob)
+    assert base == pytest.approx((pp - 1) / num_micro)
+    if w <= min(f, b):
+        assert measured == pytest.approx((pp - 1) * (f + b - w) / (num_micro * (f + b + w)))
+    if costs == (1, 1, 1):
+        assert measured == pytest.approx(base / 3)  # <= 0.4x 1F1B's at equal pass times
+
+
+# ---- the split backward ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_split_backward_equals_autograd(recompute):
+    """B for every micro-batch, then W for each: the same gradients as one backward per
+    micro-batch, bit for bit (the same matmuls; the tied embedding's two parts added in the
+    same order), with the linear layers' weight gradients absent until W."""
+    shape = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                       ffn_hidden_size=256)
+    ref, model = build_model(shape, 1), build_model(shape, 1)
+    batches = [torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    for m in (ref, model):
+        m.set_activation_checkpointing(recompute)
+    for ids in batches:
+        ref(ids[:, :-1], ids[:, 1:]).backward()
+    store, params = WeightGradStore(), list(model.parameters())
+    with DeferWeightGrads(store):
+        for i, ids in enumerate(batches):
+            backward_input(model(ids[:, :-1], ids[:, 1:]), None, None, params, store, (0, i))
+    assert store.pending() == 3 and all(p.grad is None for p in params)
+    for i in range(3):
+        store.run((0, i))
+    assert store.pending() == 0
+    for (n, a), b in zip(ref.named_parameters(), params):
+        assert torch.equal(a.grad, b.grad), n
+
+
+# ---- refused combinations ----------------------------------------------------------------------
+
+def _cfg(parallel: dict) -> Config:
+    return Config.from_dict({"model": {"preset": "tiny", "vocab_size": 256},
+                             "parallel": parallel,
+                             "train": {"micro_batch_size": 1, "global_batch_size": 8,
+                                       "train_iters": 1}})
+
+
+@pytest.mark.parametrize("parallel,world,message", [
+    ({"pp": 2, "pp_schedule": "zb-h1", "zero_stage": 3}, 4,
+     "zb-h1 does not compose with parallel.zero_stage=3"),
+    ({"pp": 1, "pp_schedule": "zb-h1", "zero_stage": 3}, 2,
+     "zb-h1 does not compose with parallel.zero_stage=3"),
+    ({"pp": 2, "pp_schedule": "zb-h1", "num_virtual_stages": 2}, 2,
+     "zb-h1 runs one model chunk per rank"),
+])
+def test_refused_combinations(parallel, world, message):
+    with pytest.raises(UserError, match=message):
+        validate(_cfg(parallel), world)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_accepted_combinations(zero):
+    run = validate(_cfg({"pp": 2, "tp": 2, "pp_schedule": "zb-h1", "zero_stage": zero,
+                         "sequence_parallel": True}), 8)
+    assert run.layout == ParallelLayout(tp=2, pp=2, dp=2, zero_stage=zero, schedule="zb-h1",
+                                        sequence_parallel=True)
+
+
+# ---- training against the single-process reference ---------------------------------------------
+# Engine-less (torch AdamW on .grad, as tests/test_pipeline.py): the gradients themselves are
+# compared, with test_pipeline's tolerances; zb-h1 and 1F1B run side by side in the same spawn.
+
+STEPS = 3
+WORLDS = {
+    2: {"pp2-zb": tp._case(2, 1, "zb-h1", "type:transformer|embedding", recompute=True,
+                           steps=STEPS),
+        "pp2-1f1b": tp._case(2, 1, "1f1b", "type:transformer|embedding", recompute=True,
+                             steps=STEPS)},
+    4: {"pp4-zb": tp._case(4, 1, "zb-h1", "2,2,2,2", steps=STEPS),
+        "pp4-1f1b": tp._case(4, 1, "1f1b", "2,2,2,2", steps=STEPS),
+        "pp2tp2sp-zb": tp._case(2, 2, "zb-h1", sp=True, steps=STEPS),
+        "pp2tp2sp-1f1b": tp._case(2, 2, "1f1b", sp=True, steps=STEPS)},
+    8: {"pp4tp2-zb": tp._case(4, 2, "zb-h1", "type:transformer|embedding", steps=STEPS)},
+}
+
+
+@pytest.fixture(scope="module")
+def spawn(tmp_path_factory):
+    runs = {}
+
+    def get(world):
+        if world not in runs:
+            runs[world] = run_ranks(world, tp._rank_main, WORLDS[world],
+                                    str(tmp_path_factory.mktemp("zb")), False)
+        return runs[world]
+    return get
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")
+def test_zb_h1_gradients_match_single_process_and_1f1b(spawn, world):
+    ranks = spawn(world)
+    for name, case in WORLDS[world].items():
+        ref = tp._reference(tp._case_shape(case), STEPS)
+        for r in ranks:
+            assert r[name]["losses"] == pytest.approx(ref["losses"], abs=tp.TRAIN_LOSS_ATOL)
+        for step, (atol, rtol) in ((0, (tp.GRAD_ATOL, tp.GRAD_RTOL)),
+                                   (STEPS - 1, (tp.LAST_GRAD_ATOL, tp.LAST_GRAD_RTOL))):
+            merged, tied = tp._merge_grads(ranks, name, step)
+            assert merged.keys() == ref["grads"][step].keys()
+            for n, g in ref["grads"][step].items():
+                torch.testing.assert_close(merged[n], g, atol=atol, rtol=rtol,
+                                           msg=lambda m, n=n: f"{name} step {step} {n}: {m}")
+            assert len(tied) == 1 and torch.equal(*tied[0]), name
+            twin = name.replace("-zb", "-1f1b")
+            if twin != name and twin in WORLDS[world]:
+                # Against 1F1B on the same ranks: the same matmuls, the weight gradients only
+                # summed later; equal to the reference tolerance, in practice to the last bits.
+                other, _ = tp._merge_grads(ranks, twin, step)
+                for n, g in other.items():
+                    torch.testing.assert_close(merged[n], g, atol=atol, rtol=rtol)
+        for r in ranks:
+            assert r[name]["eval_loss"] == pytest.approx(ref["eval_loss"],
+                                                         abs=tp.TRAIN_LOSS_ATOL)
+
+
+@pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")
+def test_zb_h1_messages_match_by_order_alone(spawn, world):
+    ranks = spawn(world)
+    for name in WORLDS[world]:
+        sent, received = {}, {}
+        for r in ranks:
+            me = r[name]["rank"]
+            for kind, peer, tag, shape in r[name]["p2p"]:
+                log = sent if kind == "send" else received
+                log.setdefault((me, peer) if kind == "send" else (peer, me), []).append(
+                    (tag, shape))
+        assert sent and sent == received, name
+
+
+# ---- the trainer, with ZeRO, against the plain reference loop ------------------------------------
+# tests/test_train_reference.py's check: bf16 with its tolerances; fp32 with
+# tests/test_train_parallel.py's (only summation orders differ).
+
+TRAINER_CASES = {
+    2: {"pp2-zb-bf16": dict(parallel={"pp": 2, "pp_schedule": "zb-h1",
+                                      "pp_partition": "uniform"})},
+    4: {"pp2.dp2-z1-zb-bf16": dict(parallel={"pp": 2, "zero_stage": 1, "pp_schedule": "zb-h1",
+                                             "pp_partition": "uniform"}),
+        "pp2.dp2-z2-zb-fp32": dict(parallel={"pp": 2, "zero_stage": 2, "pp_schedule": "zb-h1",
+                                             "pp_partition": "uniform"}, precision="fp32")},
+    8: {"tp2.pp2.dp2-z2-zb-bf16": dict(parallel={"tp": 2, "pp": 2, "zero_stage": 2,
+                                                 "pp_schedule": "zb-h1",
+                                                 "pp_partition": "uniform"})},
+}
+
+
+def _trainer_worker(rank, world, dataset, tmp):
+    out = {}
+    for name, case in TRAINER_CASES[world].items():
+        res = Trainer(case_cfg(dataset, f"{tmp}/{name}", case), log=lambda *a: None).run()
+        out[name] = {"losses": res.losses, "eval_loss": res.eval_loss,
+                     "checkpoint": res.checkpoint}
+    return out
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(dataset, tmp_path_factory):
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            tmp = tmp_path_factory.mktemp(f"zbtrain{world}")
+            cache[world] = (run_ranks(world, _trainer_worker, dataset, str(tmp)), tmp)
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w in TRAINER_CASES for n in TRAINER_CASES[w]])
+def test_trainer_matches_plain_loop(trainer_runs, dataset, tmp_path, world, name):
+    ranks, tmp = trainer_runs(world)
+    cfg = case_cfg(dataset, tmp_path, TRAINER_CASES[world][name])
+    ref = reference_train(cfg)
+    got = ranks[0][name]
+    for r in ranks:
+        assert r[name]["losses"] == got["losses"]
+    state = _state(got["checkpoint"])
+    assert state["model"].keys() == ref.master.keys()
+    records = [r for r in metrics(Path(tmp) / name / "run") if "loss" in r]
+    if cfg.train.precision == "fp32":
+        np.testing.assert_allclose(got["losses"], ref.losses, rtol=LOSS_RTOL)
+        for n, w in ref.master.items():
+            torch.testing.assert_close(state["model"][n], w, rtol=0, atol=WEIGHT_ATOL)
+        return
+    tol = TOLERANCES[cfg.train.precision]
+    np.testing.assert_allclose(got["losses"], ref.losses, rtol=tol["loss"])
+    np.testing.assert_allclose([r["grad_norm"] for r in records], ref.grad_norms,
+                               rtol=tol["norm"])
+    init = _initial_weights(cfg)
+    motion = {n: w - init[n] for n, w in state["model"].items()}
+    assert _rel_l2(motion, {n: w - init[n] for n, w in ref.master.items()}) < tol["motion"]
+    assert _rel_l2(state["exp_avg"], ref.exp_avg) < tol["moments"]
+    assert got["eval_loss"] == pytest.approx(reference_eval(cfg, state["model"]),
+                                             rel=tol["eval"])
