@@ -55,6 +55,14 @@ class ParallelLayout:
                              sequence_parallel=p.sequence_parallel, zero_stage=p.zero_stage,
                              schedule=p.pp_schedule, partition=p.pp_partition)
 
+    def label(self) -> str:
+        """The layout as a run's records and the planner print it: `tp=4 pp=12 dp=8 zero=1
+        schedule=1f1b` (then `v=N` when interleaved, `sp` with sequence parallelism)."""
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero_stage}"
+                + (f" schedule={self.schedule}" if self.pp > 1 else "")
+                + (f" v={self.num_virtual_stages}" if self.num_virtual_stages > 1 else "")
+                + (" sp" if self.sequence_parallel else ""))
+
     # ---- the grid ------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:

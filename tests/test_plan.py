@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,15 @@ from bloomtrain.model import BloomForCausalLM, alibi_slopes
 from bloomtrain.model.presets import BloomShape, resolve_model_config
 from bloomtrain.parallel import comm
 from bloomtrain.planner import plan_for_run
+from bloomtrain.planner import fit
 from bloomtrain.planner.calibrate import calibrate_efficiency
-from bloomtrain.planner.evaluate import Candidate, comm_bytes, evaluate, stage_memory
+from bloomtrain.planner.efficiency import A100
+from bloomtrain.planner.evaluate import evaluate
 from bloomtrain.planner.hardware import GPU, GPUS, Cluster
-from bloomtrain.planner.memory import ActivationSpec, chunk_activation_items, in_flight
+from bloomtrain.planner.memory import (ActivationSpec, chunk_activation_items, in_flight,
+                                       stage_memory)
+from bloomtrain.planner.traffic import comm_bytes
+from bloomtrain.planner.workload import Candidate
 from bloomtrain.planner.search import candidate_from_config, search, workload_from_config
 from bloomtrain.topology import Topology
 from tests import helpers
@@ -85,7 +91,7 @@ def test_model_state_bytes_equal_the_engines_buffers(case):
         rank = layout.rank_of(pp_rank, case["dp"] - 1, case["tp"] - 1)
         parts = helpers.build(cfg, Topology.describe_rank(layout, rank), device="meta")
         report = parts.engine.memory_report()["measured"]
-        planned = stage_memory(cand, work, layout, pp_rank, 4)
+        planned = stage_memory(cand, work, pp_rank, 4, 0)
         assert {k: report[k] for k in planned.model_states} == planned.model_states, pp_rank
         host = {k: v for k, v in report["host"].items() if k != "total"}
         assert host == (planned.host or dict.fromkeys(host, 0))
@@ -220,17 +226,18 @@ def test_comm_bytes_per_step_equal_the_comm_counters(tmp_path):
             cand = candidate_from_config(cfg, 4)
             work = workload_from_config(cfg, device="cpu")
             m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * layout.dp)
-            assert comm_bytes(cand, work, layout, pp_rank, m) == counted, (cand.label(), pp_rank)
+            assert comm_bytes(cand, work, pp_rank, m) == counted, (cand.label(), pp_rank)
 
 
 # ---- step time against measured steps ------------------------------------------------------------
-# Seven layouts of one model on 2 gloo ranks (a rank per core), timed in the real trainer; the
-# planner predicts each from its own terms on this machine's measured figures: every collective
-# kind's latency and bandwidth between the two ranks, a point-to-point send, and torch's fused
-# AdamW (+ the norm's read and the compute copy: the traffic the planner's optimizer term counts).
-# Its one free number, the compute efficiency, is fitted to all seven at once (geometric mean).
-# The model is wide enough (h=512) for its matmuls to dominate the per-op Python cost, and the
-# micro-batch (64 rows) small enough for the data-parallel traffic to be up to half a step.
+# Nine layouts of one model on 2 gloo ranks (a rank per core), timed in the real trainer. The
+# planner runs on this machine's measured figures: every collective kind's latency and bandwidth
+# between the two ranks, a point-to-point send, and torch's fused AdamW (+ the norm's read and
+# the compute copy: the traffic the planner's optimizer term counts). Its GEMM rate is calibrated
+# by `calibrate_efficiency` from one layout's records (CALIBRATION) and the other eight are
+# predicted. The model is wide enough (h=512) for its matmuls to dominate the per-op Python
+# cost, and the micro-batch (64 rows) small enough for the data-parallel traffic to be up to
+# half a step.
 STEP_MODEL = {"preset": None, "hidden_size": 512, "num_layers": 4, "num_heads": 8,
               "vocab_size": 256}
 STEP_SEQ = 64
@@ -240,22 +247,31 @@ STEP_LAYOUTS = {  # name -> (parallel, train); micro-batch 1 everywhere
     "dp2-z1-m4": ({"zero_stage": 1}, {"global_batch_size": 8}),
     "dp2-z1-m4-full": ({"zero_stage": 1}, {"global_batch_size": 8,
                                            "activation_checkpointing": "full"}),
+    "dp2-z3-m4": ({"zero_stage": 3}, {"global_batch_size": 8}),
     "tp2-m4": ({"tp": 2}, {"global_batch_size": 4}),
     "pp2-m4": ({"pp": 2, "pp_partition": "uniform"}, {"global_batch_size": 4}),
     "pp2-m8": ({"pp": 2, "pp_partition": "uniform"}, {"global_batch_size": 8}),
+    "pp2-v2-m4": ({"pp": 2, "pp_partition": "uniform", "pp_schedule": "interleaved",
+                   "num_virtual_stages": 2}, {"global_batch_size": 4}),
 }
+CALIBRATION = "dp2-z1-m4"
 STEP_ROUNDS = 10  # each round times one step of every layout, so that load drifts hit all alike
-# Measured/predicted must lie within [1/TOL, TOL] for every layout. In 6 runs of this measurement
-# on this 2-core machine, loaded by other jobs at 3-5, the worst layout of a run was 1.17-1.33 (in
-# 15 more, while it was being tuned, up to 1.48): the step medians still move ~15% with the load,
-# and the model leaves out what a GPU hides but a CPU core pays (per-op dispatch; tp's
-# half-width matmuls run below the full-width rate: tp2 came out 1.1-1.3 in most runs). A
-# missing term costs more: without the exposed dp traffic the worst layout (dp2-z1-m1, half of
-# whose step it is) came out 1.68-1.89 in 6 runs.
+# Measured/predicted must lie within [1/TOL, TOL] for every predicted layout. On this 2-core
+# machine, loaded by other jobs, the step medians still move ~15% with the load, and the model
+# leaves out what a CPU core pays beyond its counted ops (tp's half-width matmuls run below the
+# full-width rate). A missing term costs more: without the exposed dp traffic dp2-z1-m1, half
+# of whose step it is, came out 1.68-1.89 in 6 runs.
 STEP_TOL = 1.5
-# Layouts whose measured times differ by more than this are ordered the same by the prediction;
-# closer ones are ties within the noise above.
-ORDER_MARGIN = 1.3
+# Kendall's tau between the measured and the predicted order of the nine layouts (issue 29).
+MIN_TAU = 0.8
+
+
+def kendall_tau(a: dict, b: dict) -> float:
+    """Kendall's tau-a of two scorings of the same keys."""
+    keys = list(a)
+    pairs = [(i, j) for n, i in enumerate(keys) for j in keys[n + 1:]]
+    sign = [((a[i] > a[j]) - (a[i] < a[j])) * ((b[i] > b[j]) - (b[i] < b[j])) for i, j in pairs]
+    return sum(sign) / len(pairs)
 
 
 def _step_cfg(dataset, tmp, name):
@@ -360,10 +376,9 @@ def _seconds(machine: dict, kind: str, nbytes: float) -> float:
 
 
 def _predictor(cfgs: dict, machine: dict, monkeypatch):
-    """predict(efficiency) -> {layout: Plan}, the planner on this machine's figures."""
-    # (bloomtrain.planner's `evaluate` function shadows its submodule as an attribute)
-    evaluate_module = importlib.import_module("bloomtrain.planner.evaluate")
-    hardware = importlib.import_module("bloomtrain.planner.hardware")
+    """(predict(cluster) -> {layout: Plan}, the cluster of this machine's figures): the planner
+    with its collectives timed as measured here."""
+    steptime = importlib.import_module("bloomtrain.planner.steptime")
 
     def ring_time(kind, nbytes, size, link):  # the measured time of one collective of 2 ranks
         if size <= 1 or nbytes <= 0:
@@ -371,35 +386,20 @@ def _predictor(cfgs: dict, machine: dict, monkeypatch):
         assert size == 2, size
         return _seconds(machine, kind, nbytes)
     p2p = _alpha_beta(sorted((n, t) for (k, n), t in machine.items() if k == "p2p"))
-    monkeypatch.setattr(evaluate_module, "ring_time", ring_time)
-    monkeypatch.setattr(hardware, "INTRA_LATENCY_S", p2p[0])
+    monkeypatch.setattr(steptime, "ring_time", ring_time)
     (n0, t0), (n1, t1) = sorted((n, t) for (k, n), t in machine.items() if k == "optimizer")
     seconds_per_element = (t1 - t0) / (n1 - n0)
+    work = workload_from_config(cfgs[CALIBRATION], device="cpu")
+    hbm = (32 + work.compute_bytes) / seconds_per_element / 1e9  # the term's own bytes
+    rates = replace(GPUS["cpu"].efficiency, hbm=1.0)
+    cpu = replace(GPUS["cpu"], name="cpu (measured)", hbm_gbs=hbm, nvlink_gbps=p2p[1] * 8e-9,
+                  latency_s=p2p[0], efficiency=rates)
 
-    def predict(efficiency: float) -> dict:
-        plans = {}
-        for name, cfg in cfgs.items():
-            work = workload_from_config(cfg, device="cpu")
-            hbm = (32 + work.compute_bytes) / seconds_per_element / 1e9  # the term's own bytes
-            cpu = GPU("cpu (measured)", 1 << 40, 1.0, hbm, p2p[1] * 8e-9, 1.0, efficiency)
-            plans[name] = evaluate(candidate_from_config(cfg, 2), work, Cluster(cpu, 2, 2),
-                                   memory_limit=float("inf"))
-        return plans
-    return predict
-
-
-def _fit(measured: dict, step_s) -> tuple[float, dict]:
-    """The efficiency at which the geometric mean of measured/predicted is 1, and each ratio."""
-    def ratios(eff):
-        return {n: measured[n] / s for n, s in step_s(eff).items()}
-    lo, hi = 1e-4, 1.0
-    for _ in range(40):
-        mid = (lo * hi) ** 0.5
-        if statistics.geometric_mean(ratios(mid).values()) < 1:
-            lo = mid  # predicted too slow: a higher efficiency
-        else:
-            hi = mid
-    return hi, ratios(hi)
+    def predict(cluster) -> dict:
+        return {name: evaluate(candidate_from_config(cfg, 2),
+                               workload_from_config(cfg, device="cpu"), cluster,
+                               memory_limit=float("inf")) for name, cfg in cfgs.items()}
+    return predict, Cluster(cpu, 2, 2)
 
 
 def _per_round_median(rounds: list[dict]) -> dict:
@@ -418,21 +418,30 @@ def test_step_time_predictions_follow_measured_steps(tmp_path, monkeypatch):
     measured = _per_round_median([{n: v[i] for n, v in steps.items()}
                                   for i in range(STEP_ROUNDS)])
     cfgs = {name: _step_cfg(dataset, tmp_path, name) for name in STEP_LAYOUTS}
-    predict = _predictor(cfgs, _per_round_median(machine), monkeypatch)
-    eff, ratios = _fit(measured, lambda e: {n: p.step_time_s for n, p in predict(e).items()})
-    plans = predict(eff)
+    predict, cluster = _predictor(cfgs, _per_round_median(machine), monkeypatch)
+    # The calibration run's records, as `bloomtrain plan --calibrate RUN_DIR` reads them.
+    run = tmp_path / "calibration"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfgs[CALIBRATION].to_yaml())
+    layout = ParallelLayout.from_config(cfgs[CALIBRATION].parallel, 2).label()
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_time_s": measured[CALIBRATION], "layout": layout}) + "\n"
+        for i in range(1, 4)))
+    eff = calibrate_efficiency(str(run), cluster).efficiency
+    plans = predict(cluster.with_efficiency(eff))
+    ratios = {n: measured[n] / plans[n].step_time_s for n in measured}
+    tau = kendall_tau(measured, {n: p.step_time_s for n, p in plans.items()})
     table = "\n".join(f"{n:15s} measured {measured[n] * 1e3:7.1f} ms  predicted "
                        f"{plans[n].step_time_s * 1e3:7.1f} ms  ratio {ratios[n]:.2f}  "
                        f"dp {plans[n].time['dp_comm_exposed_s'] * 1e3:.1f} ms" for n in measured)
+    print(f"gemm efficiency {eff:.3f} from {CALIBRATION}; tau {tau:.2f}\n{table}")
+    assert ratios[CALIBRATION] == pytest.approx(1.0, rel=1e-3)
     assert all(1 / STEP_TOL <= r <= STEP_TOL for r in ratios.values()), f"eff {eff:.3f}\n{table}"
-    for a in measured:
-        for b in measured:
-            if measured[a] > ORDER_MARGIN * measured[b]:
-                assert plans[a].step_time_s > plans[b].step_time_s, f"{a} vs {b}\n{table}"
+    assert tau >= MIN_TAU, f"tau {tau:.2f}\n{table}"
 
 
 # ---- BLOOM-176B ------------------------------------------------------------------------------
-BLOOM_LAYOUT = Candidate(tp=4, pp=12, dp=8, micro_batch=2, zero_stage=1, recompute="full")
+BLOOM_LAYOUT = Candidate.of(tp=4, pp=12, dp=8, micro_batch=2, zero_stage=1, recompute="full")
 
 
 def _bloom(system: str):
@@ -457,6 +466,53 @@ def test_bloom_176b_layout_throughput_and_memory():
     # buffer, a fused attention core, so less memory.
     ours = evaluate(BLOOM_LAYOUT, *_bloom("bloomtrain"))
     assert ours.fits and ours.memory_per_gpu < p.memory_per_gpu
+
+
+# Every row of BLOOM's public record (docs/planner_data.csv, sources in docs/bloom_facts.md),
+# fitted to or held out, predicted with the stored efficiencies: issue 29's bounds.
+TFLOPS_TOL, MEMORY_TOL = 0.10, 0.15
+
+
+def test_every_public_bloom_row_is_predicted_within_bounds():
+    report = {r["id"]: r for r in fit.report(fit.load(), A100)}
+    table = "\n".join(f"{k:16s} {r['role']:8s} step {r['step_error']:+.3f} tflops "
+                       f"{r['tflops_error']:+.3f}" for k, r in report.items())
+    # tp4-pp12-24n, not in issue 29's table: two iterations right after a restart (10.5% off)
+    for k, r in report.items():
+        if k != "tp4-pp12-24n":
+            assert abs(r["tflops_error"]) <= TFLOPS_TOL, f"{k}\n{table}"
+        if r["memory_gb"]:
+            assert abs(r["memory_error"]) <= MEMORY_TOL, f"{k}\n{table}"
+    # the global-batch sweep: TFLOPs rise with the batch, as measured
+    sweep = [report[f"gbs-{g}"]["predicted_tflops"] for g in (512, 1024, 1536, 2048)]
+    assert sweep == sorted(sweep) and sweep[-1] - sweep[0] > 30, sweep
+    held = [r for r in report.values() if r["role"] == "holdout"]
+    assert len(held) >= 8 and max(abs(r["step_error"]) for r in held) < 0.10
+
+
+def test_the_stored_efficiencies_are_the_fit_of_the_data():
+    # Refit from a start far from the stored figures: the data and the model, not a hand, set
+    # them (a changed term or row without a refit fails here). bench/planner_fit.py refits.
+    # From two starts the fit lands in two minima (the GEMM and HBM rates trade off); the
+    # stored figures are the better one.
+    rows = fit.load()
+    train = [r for r in rows if r.role == "fit"]
+    fits = [fit.fit(rows, replace(A100, gemm=g, nvlink=g, network=g, hbm=g, op_s=op))
+            for g, op in ((0.8, 50e-6), (0.6, 10e-6))]
+    fitted = min(fits, key=lambda e: sum(x * x for x in fit.residuals(train, e)))
+    for name in fit.PARAMETERS:
+        assert getattr(fitted, name) == pytest.approx(getattr(A100, name), rel=0.03), name
+
+
+def test_a_missing_term_breaks_the_fit(monkeypatch):
+    # Without the exposed dp reduction the fit rows can no longer all be matched: the ramp's
+    # start (one micro-batch per pipeline) is a third dp reduction.
+    steptime = importlib.import_module("bloomtrain.planner.steptime")
+    monkeypatch.setattr(steptime, "dp_exposed", lambda *a: 0.0)
+    monkeypatch.setattr(steptime, "tied_exposed", lambda *a: 0.0)
+    rows = fit.load()
+    errors = [abs(r["tflops_error"]) for r in fit.report(rows, fit.fit(rows, A100))]
+    assert max(errors) > TFLOPS_TOL, errors
 
 
 # ---- errors, API, CLI ------------------------------------------------------------------------
@@ -507,9 +563,13 @@ def test_cli_json_and_table(tmp_path):
 def test_calibrate_recovers_the_efficiency_of_a_run(tmp_path):
     # A run dir written as a real run writes it, with the step time the planner predicts at a
     # known efficiency: calibration must find that efficiency again.
-    cfg = helpers.config(SHAPE8, parallel={"tp": 2}, precision="bf16", global_batch_size=16,
+    # GEMM-bound on an H100 (a model of SHAPE8's size is bound by its kernel launches there,
+    # and then no GEMM rate can be read from its step: checked below).
+    wide = BloomShape(vocab_size=1024, hidden_size=4096, num_layers=2, num_heads=32,
+                      ffn_hidden_size=16384)
+    cfg = helpers.config(wide, parallel={"tp": 2}, precision="bf16", global_batch_size=16,
                          micro_batch_size=2)
-    cfg.data.seq_length = 256
+    cfg.data.seq_length = 2048
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
     cluster = Cluster(GPUS["h100"], 4, 4)
     truth = evaluate(candidate_from_config(cfg, 4), workload_from_config(cfg),
@@ -523,6 +583,14 @@ def test_calibrate_recovers_the_efficiency_of_a_run(tmp_path):
         calibrate_efficiency(str(tmp_path), cluster)
     with pytest.raises(UserError, match="config.yaml is missing"):
         calibrate_efficiency(str(tmp_path / "nowhere"), cluster)
+    small = helpers.config(SHAPE8, parallel={"tp": 2}, precision="bf16", global_batch_size=16,
+                           micro_batch_size=2)
+    (tmp_path / "config.yaml").write_text(small.to_yaml())
+    host_bound = evaluate(candidate_from_config(small, 4), workload_from_config(small),
+                          cluster, memory_limit=float("inf")).step_time_s
+    _write_records(tmp_path, [host_bound] * 3)
+    with pytest.raises(UserError, match="bound by its host"):
+        calibrate_efficiency(str(tmp_path), cluster)
 
 
 def _write_records(run_dir: Path, step_times: list[float]) -> None:

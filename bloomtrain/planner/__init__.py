@@ -3,12 +3,12 @@
     bloomtrain plan --model bloom-176b --gpus 384 --gpu a100-80g --global-batch 2048 --seq 2048
 
 Model states come from the engine's own buffer layout, activations from Korthikanti et al.'s
-per-layer terms for the kernels that run, communication from the collectives our engine issues
-(counted as bloomtrain.parallel.comm counts them), step time from the pipeline, tensor- and
-data-parallel terms of Narayanan et al. with the overlap our engine really does. Modules:
-hardware (GPUs, links, collective times), memory (per-rank bytes), evaluate (one layout), search
-(all layouts, and what to change when none fits), calibrate (the compute efficiency of a real
-run), cli (`bloomtrain plan`).
+per-layer terms for the kernels that run, communication from the collectives our engine issues,
+step time from efficiency terms fitted to BLOOM-176B's public runs (docs/planner_fit.md).
+Modules: workload (what is planned), hardware (devices, links, collective times), efficiency
+(the fitted rates), memory (per-rank bytes), traffic (bytes per step), steptime, evaluate (one
+layout), search (all layouts, and what to change when none fits), calibrate (the GEMM rate of a
+real run), fit (the fit itself), cli (`bloomtrain plan`).
 
 (The package is `planner`, not `plan`, so that the `bloomtrain.plan` function is never shadowed
 by a submodule of the same name.)
@@ -19,13 +19,25 @@ from dataclasses import replace
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.planner.evaluate import Candidate, Plan, Workload, evaluate
+from bloomtrain.planner.evaluate import Plan, evaluate
 from bloomtrain.planner.hardware import GPUS, Cluster, gpu
-from bloomtrain.planner.search import (SearchResult, candidate_from_config, parse_layout,
-                                       plan_or_explain, workload_from_config)
+from bloomtrain.planner.search import (SearchResult, candidate_from_config, plan_or_explain,
+                                       workload_from_config)
+from bloomtrain.planner.workload import Candidate, Workload, parse_layout
 
 __all__ = ["plan", "Plan", "Candidate", "Workload", "Cluster", "GPUS", "evaluate",
            "make_inputs", "SearchResult"]
+GIB = 2 ** 30
+
+
+def config_shape(cfg: Config):
+    """The model a config trains: its shape with the tokenizer's vocabulary when it names one
+    (as training resolves it), else model.vocab_size."""
+    from bloomtrain.model.presets import resolve_model_config
+    if cfg.data.tokenizer:
+        from bloomtrain.data.tokenizer import load_tokenizer
+        return resolve_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    return resolve_model_config(cfg.model, cfg.model.vocab_size or None)
 
 
 def make_inputs(*, model: str | None = None, config: str | None = None, overrides=(),
@@ -47,9 +59,10 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
     if cfg.train.train_iters is None and cfg.train.train_samples is None:
         cfg.train.train_iters = 1  # a plan does not depend on the run's length
     cfg.check()
-    work = workload_from_config(cfg, seq, global_batch, system)
-    cluster = Cluster(gpu(gpu_name), gpus, gpus_per_node, intra_node_gbps, inter_node_gbps,
-                      efficiency)
+    spec = gpu(gpu_name)
+    work = workload_from_config(cfg, seq, global_batch, system, device=spec.kind,
+                                shape=config_shape(cfg))
+    cluster = Cluster(spec, gpus, gpus_per_node, intra_node_gbps, inter_node_gbps, efficiency)
     if calibrate:
         from bloomtrain.planner.calibrate import calibrate_efficiency
         fitted = calibrate_efficiency(calibrate, cluster)
@@ -64,7 +77,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
          tokens: float | None = None, system: str = "bloomtrain", only: str | None = None,
          efficiency: float | None = None, calibrate: str | None = None,
          top: int | None = 5) -> list[Plan]:
-    """The records `bloomtrain plan` prints: with `layout` ("tp=4,pp=12,mbs=2,zero=1,...") that
+    """The records `bloomtrain plan` prints: with `layout` ("tp=4 pp=12 mbs=2 zero=1 ...") that
     layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
     first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
     change that would."""
@@ -75,7 +88,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
                                    seq=seq, system=system, efficiency=efficiency,
                                    calibrate=calibrate)
     if layout:
-        return [evaluate(parse_layout(layout, gpus), work, cluster, tokens)]
+        return [evaluate(parse_layout(layout, gpus, work.partition), work, cluster, tokens)]
     result = plan_or_explain(work, cluster, tokens, only=only)
     return result.plans if top is None else result.plans[:top]
 
@@ -89,7 +102,8 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
     on_cuda = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_cuda else None
     work = workload_from_config(cfg, device=device.type, shape=shape)
-    spec = replace(GPUS["a100-80g"], name=str(device), memory_bytes=total or 1 << 62)
+    base = GPUS["a100-80g"] if on_cuda else GPUS["cpu"]
+    spec = replace(base, name=str(device), memory_bytes=total or 1 << 62)
     cluster = Cluster(spec, world_size, world_size)
     p = evaluate(candidate_from_config(cfg, world_size), work, cluster,
                  memory_limit=float(spec.memory_bytes))
@@ -116,6 +130,3 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
                 f"train.ignore_plan=true to start anyway")
         text += " (over; starting anyway: train.ignore_plan=true)"
     return p, text
-
-
-GIB = 2 ** 30

@@ -1,7 +1,7 @@
-"""Fit the planner's one free number, the compute efficiency, to a real run: the value at which the
+"""Fit the GEMM efficiency (bloomtrain.planner.efficiency) to a real run: the value at which the
 planner's step time for the run's own layout, batch and model equals the run's measured median
-step time (run_dir/metrics.jsonl). Everything else in the step (communication, bubble, optimizer)
-is modelled, so what is left is the compute rate."""
+step time (run_dir/metrics.jsonl). The other terms (communication, bubble, host, optimizer) keep
+their rates, so what is left is the GEMM rate of the device the run used."""
 from __future__ import annotations
 
 import json
@@ -82,5 +82,10 @@ def calibrate_efficiency(run_dir: str, cluster: Cluster) -> Calibration:
     for _ in range(60):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
+    if predicted(min(1.0, 2 * hi)) > 0.99 * measured:
+        raise UserError(f"--calibrate {run_dir}: the run's step ({measured:.4g} s) is bound by "
+                        f"its host (kernel launches), not its GEMMs, on {cluster.gpu.name}: its "
+                        f"GEMM rate cannot be read from it; calibrate from a run with a larger "
+                        f"model or micro-batch, or give the run's --gpu")
     return Calibration(efficiency=hi, measured_step_s=measured, world_size=world,
                        records=len(steady))

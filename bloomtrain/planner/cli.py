@@ -6,7 +6,9 @@ import json
 from bloomtrain.planner import make_inputs
 from bloomtrain.planner.evaluate import SYSTEMS, Plan, evaluate
 from bloomtrain.planner.hardware import GPUS
-from bloomtrain.planner.search import parse_layout, plan_or_explain
+from bloomtrain.planner.search import plan_or_explain
+from bloomtrain.planner.workload import parse_layout
+from bloomtrain.utils import ProgressLine
 
 GIB = 2 ** 30
 
@@ -15,14 +17,35 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def seconds(t: float) -> str:
+    """A duration in the unit that keeps it readable: 104.6 s, 12.3 ms, 190.7 us."""
+    if t >= 1:
+        return f"{t:.4g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.4g} ms"
+    return f"{t * 1e6:.4g} us"
+
+
+def count(n: float) -> str:
+    """A parameter count: 176.25B, 1.21M, 23.4K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_table(plans: list[Plan], with_days: bool) -> str:
-    head = (f"{'#':>2}  {'layout':<72} {'GiB/GPU':>7} {'step s':>8} {'TFLOP/s':>7} {'MFU':>5} "
-            f"{'tok/s':>9}" + (f" {'days':>7}" if with_days else ""))
+    head = (f"{'#':>2}  {'layout':<72} {'GiB/GPU':>7} {'step':>10} {'band':>6} {'TFLOP/s':>7} "
+            f"{'MFU':>5} {'tok/s':>9}" + (f" {'days':>7}" if with_days else "") + "  within band")
     rows = [head]
     for i, p in enumerate(plans, 1):
-        rows.append(f"{i:>2}  {p.label:<72} {_gib(p.memory_per_gpu):>7} {p.step_time_s:>8.4g} "
-                    f"{p.tflops_per_gpu:>7.1f} {p.mfu * 100:>4.1f}% {p.tokens_per_s:>9,.0f}"
-                    + (f" {p.days:>7.1f}" if with_days and p.days is not None else ""))
+        band = p.step_time_band_s[1] / p.step_time_s - 1 if p.step_time_s else 0.0
+        ties = ",".join(map(str, p.ties[:6])) + ("..." if len(p.ties) > 6 else "")
+        rows.append(f"{i:>2}  {p.label:<72} {_gib(p.memory_per_gpu):>7} "
+                    f"{seconds(p.step_time_s):>10} {'±' + format(band, '.0%'):>6} "
+                    f"{p.tflops_per_gpu:>7.3g} {p.mfu * 100:>4.1f}% {p.tokens_per_s:>9,.0f}"
+                    + (f" {p.days:>7.1f}" if with_days and p.days is not None else "")
+                    + (f"  {ties}" if ties else ""))
     return "\n".join(rows)
 
 
@@ -42,16 +65,19 @@ def format_breakdown(p: Plan) -> str:
     lines += [f"    activations   {k:<24} {_gib(v):>8}" for k, v in s["activations"].items()]
     lines += [f"    transient     {k:<24} {_gib(v):>8}" for k, v in s["transients"].items() if v]
     lines.append(f"    allocator     {'fragmentation allowance':<24} {_gib(s['allocator']):>8}")
-    lines.append(f"    context       {'CUDA, cuBLAS, NCCL':<24} {_gib(s['context']):>8}")
+    if s["context"]:
+        lines.append(f"    context       {'CUDA, cuBLAS, NCCL':<24} {_gib(s['context']):>8}")
     if s["host"]:
         lines.append(f"    host (offload) {_gib(sum(s['host'].values()))} GiB per GPU")
     lines.append("  per stage, GiB: " + " ".join(_gib(x["total"]) for x in p.stages))
     t = p.time
-    lines.append(f"  step {t['step_s']:.2f} s over {t['micro_batches']} micro-batches "
-                 f"(compute efficiency {t['efficiency']:.3g} of peak at 2048-token GEMMs):")
-    for k in ("compute_s", "tp_comm_s", "pp_p2p_s", "bubble_s", "dp_comm_exposed_s",
+    lo, hi = p.step_time_band_s
+    lines.append(f"  step {seconds(t['step_s'])} ({seconds(lo)} to {seconds(hi)}, the fit's band) "
+                 f"over {t['micro_batches']} micro-batches (large GEMMs at "
+                 f"{t['efficiency']:.3g} of peak):")
+    for k in ("compute_s", "host_s", "tp_comm_s", "pp_p2p_s", "bubble_s", "dp_comm_exposed_s",
               "optimizer_s"):
-        lines.append(f"    {k[:-2]:<20} {t[k]:>9.3f} s  {100 * t[k] / t['step_s']:5.1f}%")
+        lines.append(f"    {k[:-2]:<20} {seconds(t[k]):>10}  {100 * t[k] / t['step_s']:5.1f}%")
     lines.append(f"  {p.tflops_per_gpu:.1f} TFLOP/s per GPU (Megatron's formula), MFU "
                  f"{p.mfu * 100:.1f}%, {p.tokens_per_s:,.0f} tokens/s"
                  + (f", {p.days:.1f} days" if p.days is not None else ""))
@@ -68,7 +94,7 @@ def cmd_plan(args) -> int:
         global_batch=args.global_batch, seq=args.seq, system=args.system,
         efficiency=args.efficiency, calibrate=args.calibrate)
     shape = work.shape
-    what = (f"{shape.num_parameters() / 1e9:.2f}B parameters (L={shape.num_layers}, "
+    what = (f"{count(shape.num_parameters())} parameters (L={shape.num_layers}, "
             f"h={shape.hidden_size}, heads={shape.num_heads}, vocab={shape.vocab_size}), global "
             f"batch {work.global_batch} x seq {work.seq} on {cluster.num_gpus} x "
             f"{cluster.gpu.name} ({cluster.node_size} per node), system {work.system}")
@@ -76,14 +102,19 @@ def cmd_plan(args) -> int:
         what += (f"; compute efficiency {cluster.compute_efficiency:.4g} fitted to "
                  f"{args.calibrate}")
     if args.layout:
-        p = evaluate(parse_layout(args.layout, args.gpus), work, cluster, args.tokens)
+        p = evaluate(parse_layout(args.layout, args.gpus, work.partition), work, cluster,
+                     args.tokens)
         if args.json:
             print(json.dumps(p.to_dict()))
         else:
             print(f"plan: {what}")
             print(format_breakdown(p))
         return 0 if p.fits else 1
-    result = plan_or_explain(work, cluster, args.tokens, only=args.only)
+    progress = ProgressLine()
+    try:
+        result = plan_or_explain(work, cluster, args.tokens, only=args.only, progress=progress)
+    finally:
+        progress.close()
     top = result.plans[:args.top]
     if args.json:
         print(json.dumps({"workload": what, "evaluated": result.evaluated,
@@ -95,6 +126,8 @@ def cmd_plan(args) -> int:
     print(f"{result.evaluated} layouts evaluated, {len(result.plans)} fit; rejected: "
           + ", ".join(f"{k} {v}" for k, v in result.reasons.items()))
     print(format_table(top, args.tokens is not None))
+    print(f"(band: the step time's 1-sigma error, from the fit's leave-one-out spread; "
+          f"'within band' lists the ranks the planner cannot tell apart from that row)")
     print("\nbest layout:")
     print(format_breakdown(top[0]))
     near = [p for p in result.rejected if p.memory_per_gpu][:3]
@@ -122,16 +155,18 @@ def register(sub) -> None:
     p.add_argument("--global-batch", type=int, help="samples per step (default: the config's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's)")
     p.add_argument("--tokens", type=float, help="tokens to train: report days")
-    p.add_argument("--layout", help="evaluate one layout: tp=4,pp=12,dp=8,mbs=2,zero=1,"
-                                    "recompute=full[,schedule=,v=,sp=,offload=]")
+    p.add_argument("--layout", help="evaluate one layout: 'tp=4 pp=12 dp=8 mbs=2 zero=1 "
+                                    "recompute=full' (or comma-separated; schedule=, v=, sp, "
+                                    "offload optional)")
     p.add_argument("--only", help="search only layouts with these values, e.g. recompute=full")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--system", choices=SYSTEMS, default="bloomtrain",
                    help="whose memory and communication to model: this engine, or the "
                         "Megatron-DeepSpeed stack BLOOM-176B ran (to check against its figures)")
     p.add_argument("--efficiency", type=float,
-                   help="fraction of peak the compute sustains (default: per GPU type)")
+                   help="fraction of peak a large GEMM sustains (default: fitted to BLOOM's "
+                        "runs, docs/planner_fit.md)")
     p.add_argument("--calibrate", metavar="RUN_DIR",
-                   help="fit the compute efficiency to a real run's metrics.jsonl")
+                   help="fit the GEMM efficiency to a real run's metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the records as JSON")
     p.set_defaults(func=cmd_plan)

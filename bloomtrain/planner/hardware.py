@@ -1,43 +1,33 @@
-"""The machines a plan is for: per-GPU figures, the cluster's links, and the time of a collective
+"""The machines a plan is for: per-device figures, the cluster's links, and the time of a collective
 on them (the ring alpha-beta model NCCL's ring algorithm follows).
 
-Figures are the vendors' dense bf16 tensor-core peaks and HBM bandwidths, the memory the device
-reports to torch (nvidia-smi's MiB), NVLink bandwidth one way per GPU, and a typical DGX node's
-network (8 NICs). `efficiency` is the one calibrated number: the fraction of peak the model's
-matmul-bound compute sustains, before any communication or pipeline bubble. Its defaults are
-assumptions stated here, not measurements of ours:
-- A100: 0.60. Korthikanti et al. (arXiv 2205.05198, Table 5) report 56-57% hardware FLOPs
-  utilization end to end for 175B-1T GPT models on A100 with Megatron-LM, bubble and
-  communication included, so the compute itself runs a little above that.
-- H100/H200: 0.50. Megatron-Core's published GPT-3 175B figure on H100 is 47% MFU end to end
-  (about 390 of 989 TFLOP/s).
-`bloomtrain plan --calibrate RUN_DIR` replaces it with the value that reproduces a real run.
-
-The default holds at GEMMs of `REFERENCE_TOKENS` rows (b·s = 2048, the micro-batch 1 of those
-runs). Fewer rows leave part of the GPU's tiles and waves idle (wave quantization; Anthony et
-al., arXiv 2401.14489), more fill them: the rate scales as n/(n + HALF_RATE_TOKENS). That constant
-is our assumption, chosen to reproduce the size of the effect BLOOM-176B's operators saw when a
-micro-batch of 2 outran a micro-batch of 1 despite twice the pipeline bubble (bloom_facts.md §1,
-the 2022-03-14 switch): 4096 rows run 6% faster than 2048, 1024 rows 11% slower.
+GPU figures are the vendors' dense bf16 tensor-core peaks, SM counts and HBM bandwidths, the
+memory the device reports to torch (nvidia-smi's MiB), NVLink bandwidth one way per GPU, and a
+typical DGX node's network (8 NICs). What fraction of each the work reaches is the fitted
+efficiency (bloomtrain.planner.efficiency), the A100 fit for every GPU. `cpu` is one core of a
+host per rank, its figures nominal until `--calibrate` fits its GEMM rate to a run.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from bloomtrain.errors import UserError
+from bloomtrain.planner.efficiency import A100, CPU, Efficiency
 
 MIB = 2 ** 20
 GIB = 2 ** 30
 # Per-collective latency (the ring's alpha term per hop), NCCL's order of magnitude over NVLink and
-# InfiniBand; it matters only for the many small collectives of small models.
+# InfiniBand; gloo's over loopback for the cpu device.
 INTRA_LATENCY_S = 10e-6
 INTER_LATENCY_S = 30e-6
 # Host side of ZeRO-Offload: PCIe 4 x16 one way, and the host memory bandwidth one GPU's share of
 # a CPU Adam step streams at.
 PCIE_GBS = 25.0
 HOST_ADAM_GBS = 20.0
-REFERENCE_TOKENS = 2048
-HALF_RATE_TOKENS = 256
+# CUDA context, cuBLAS workspaces and NCCL's buffers: outside torch's allocator, present on every
+# GPU of a job (~0.5-1 GiB measured on A100/H100); a CPU process has none of them.
+CUDA_CONTEXT_BYTES = GIB
 
 
 @dataclass(frozen=True)
@@ -48,14 +38,37 @@ class GPU:
     hbm_gbs: float           # device memory bandwidth, GB/s
     nvlink_gbps: float       # NVLink one way per GPU, Gbit/s
     node_network_gbps: float  # a node's network bandwidth, Gbit/s (all NICs)
-    efficiency: float        # default fraction of peak the compute sustains (see module doc)
+    sms: int                 # streaming multiprocessors: the width of a GEMM's wave
+    efficiency: Efficiency = A100
+    latency_s: float = INTRA_LATENCY_S
+    kind: str = "cuda"
+    tile_elements: int = 256 * 128  # cuBLAS's largest bf16 tile on A100/H100
+
+    @property
+    def wave(self) -> int:
+        """Output elements one wave of tiles covers: a tile per SM (per core on a CPU)."""
+        return self.sms * self.tile_elements
+
+    @property
+    def context_bytes(self) -> int:
+        return CUDA_CONTEXT_BYTES if self.kind == "cuda" else 0
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 64 * GIB
 
 
 GPUS: dict[str, GPU] = {
-    "a100-40g": GPU("a100-40g", 40960 * MIB, 312.0, 1555.0, 2400.0, 1600.0, 0.60),
-    "a100-80g": GPU("a100-80g", 81920 * MIB, 312.0, 2039.0, 2400.0, 1600.0, 0.60),
-    "h100": GPU("h100", 81559 * MIB, 989.0, 3350.0, 3600.0, 3200.0, 0.50),
-    "h200": GPU("h200", 143771 * MIB, 989.0, 4800.0, 3600.0, 3200.0, 0.50),
+    "a100-40g": GPU("a100-40g", 40960 * MIB, 312.0, 1555.0, 2400.0, 1600.0, 108),
+    "a100-80g": GPU("a100-80g", 81920 * MIB, 312.0, 2039.0, 2400.0, 1600.0, 108),
+    "h100": GPU("h100", 81559 * MIB, 989.0, 3350.0, 3600.0, 3200.0, 132),
+    "h200": GPU("h200", 143771 * MIB, 989.0, 4800.0, 3600.0, 3200.0, 132),
+    # One core per rank: ~90 GFLOP/s fp32 GEMMs (AVX2 FMA), ~20 GB/s of memory, gloo over
+    # loopback; the GEMM's tile is the core's register block (6 x 16).
+    "cpu": GPU("cpu", _host_memory(), 0.1, 20.0, 16.0, 16.0, 1, CPU, 100e-6, "cpu", 96),
 }
 
 
@@ -72,7 +85,7 @@ class Cluster:
     gpus_per_node: int = 8
     intra_node_gbps: float | None = None  # None: the GPU's NVLink figure
     inter_node_gbps: float | None = None  # None: the GPU's typical node network
-    efficiency: float | None = None       # None: the GPU's default
+    efficiency: float | None = None       # None: the fitted GEMM fraction of the GPU type
 
     def __post_init__(self):
         if self.num_gpus < 1:
@@ -96,26 +109,30 @@ class Cluster:
         return min(self.gpus_per_node, self.num_gpus)
 
     @property
+    def rates(self) -> Efficiency:
+        """The fitted efficiency, with the GEMM fraction replaced where given."""
+        eff = self.gpu.efficiency
+        return eff if self.efficiency is None else eff.with_gemm(self.efficiency)
+
+    @property
     def compute_efficiency(self) -> float:
-        return self.efficiency if self.efficiency is not None else self.gpu.efficiency
+        return self.rates.gemm
 
     @property
     def intra_bytes_per_s(self) -> float:
-        return (self.intra_node_gbps or self.gpu.nvlink_gbps) * 1e9 / 8
+        return (self.intra_node_gbps or self.gpu.nvlink_gbps) * 1e9 / 8 * self.rates.nvlink
 
     @property
     def node_network_bytes_per_s(self) -> float:
-        return (self.inter_node_gbps or self.gpu.node_network_gbps) * 1e9 / 8
+        gbps = self.inter_node_gbps or self.gpu.node_network_gbps
+        return gbps * 1e9 / 8 * self.rates.network
+
+    @property
+    def peak_flops(self) -> float:
+        return self.gpu.peak_tflops * 1e12
 
     def with_efficiency(self, efficiency: float) -> "Cluster":
         return replace(self, efficiency=efficiency)
-
-    def flops_per_s(self, tokens: int) -> float:
-        """The compute rate of GEMMs over `tokens` rows (see the module doc)."""
-        def shape(n):
-            return n / (n + HALF_RATE_TOKENS)
-        scale = shape(tokens) / shape(REFERENCE_TOKENS)
-        return self.gpu.peak_tflops * 1e12 * min(1.0, self.compute_efficiency * scale)
 
     # ---- links of a rank group --------------------------------------------------------------
     def group_link(self, size: int, stride: int) -> tuple[float, float]:
@@ -128,15 +145,19 @@ class Cluster:
             return float("inf"), 0.0
         node = self.node_size
         if size * stride <= node:  # the group's span fits in one (aligned) node
-            return self.intra_bytes_per_s, INTRA_LATENCY_S
+            return self.intra_bytes_per_s, self.gpu.latency_s
         per_node = max(1, node // stride) if stride < node else 1
         return self.node_network_bytes_per_s * per_node / node, INTER_LATENCY_S
 
-    def p2p_link(self, stride: int) -> tuple[float, float]:
-        """Point to point between ranks `stride` apart, every GPU sending at once."""
-        if stride < self.node_size:
-            return self.intra_bytes_per_s, INTRA_LATENCY_S
-        return self.node_network_bytes_per_s / self.node_size, INTER_LATENCY_S
+    def p2p_link(self, stride: int, count: int = 2) -> tuple[float, float]:
+        """Point to point along a chain of `count` ranks `stride` apart (a pipeline), every GPU
+        sending at once. Within one node: NVLink. Across nodes the ranks at a node's edge share
+        its network one way: all of the node's GPUs when a stage fills nodes (stride >= a node),
+        else the `stride` ranks of the node's last stage."""
+        node = self.node_size
+        if stride * count <= node:
+            return self.intra_bytes_per_s, self.gpu.latency_s
+        return self.node_network_bytes_per_s / min(stride, node), INTER_LATENCY_S
 
 
 def ring_time(kind: str, nbytes: float, size: int, link: tuple[float, float]) -> float:

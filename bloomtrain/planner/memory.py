@@ -1,10 +1,10 @@
 """Memory of one pipeline rank, from the model shape and the layout alone (no tensors, no
 process group), itemized the way the engine allocates it.
 
-Model states: the parameters a rank holds are counted per module (group) as the ZeRO engine
-groups them, laid out in runs that restart around a tied embedding copy and, under stage 3, at
-every group, each run padded to a multiple of dp (bloomtrain.parallel.zero.segments). That gives
-the exact sizes of the flat buffers (bloomtrain.parallel.zero.buffers), not an approximation.
+Model states: the parameters a rank holds, per module (group) as the ZeRO engine groups them,
+sized by the engine's own layout function (bloomtrain.parallel.zero.segments.flat_sizes): the
+exact sizes of its flat buffers. The megatron-deepspeed system keeps DeepSpeed's buffers instead
+(BF16_Optimizer, or its fp16 ZeRO stages 0-1; docs/bloom_facts.md §6).
 
 Activations per micro-batch follow Korthikanti et al. ("Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, §4): per layer sbh(34 + 5as/h) bytes at 16 bits
@@ -31,6 +31,7 @@ from functools import lru_cache
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.pipeline.schedules import SCHEDULES
+from bloomtrain.parallel.zero.segments import flat_sizes
 
 # The engine keeps at most this many reduce-scatters in flight, each with its fp32 staging bucket,
 # plus the one being filled (bloomtrain.parallel.zero.reduce.MAX_IN_FLIGHT + 1).
@@ -46,6 +47,7 @@ class Group:
     largest: int          # its largest parameter
     tied: bool = False    # a copy of the tied embedding (pp > 1): a run of its own
     shared: bool = False  # pp = 1: the embedding, used again by the LM head
+    params: int = 1       # parameter tensors
 
 
 def block_numel(shape: BloomShape, tp: int) -> tuple[int, int]:
@@ -69,10 +71,10 @@ def chunk_groups(shape: BloomShape, layout: ParallelLayout, virtual_stage: int) 
     groups = []
     if first:
         groups += [Group("embedding", emb, emb, tied=tied, shared=not tied),
-                   Group("embedding_ln", 2 * h, h)]
-    groups += [Group(f"block{i}", blk, blk_largest) for i in range(start, end)]
+                   Group("embedding_ln", 2 * h, h, params=2)]
+    groups += [Group(f"block{i}", blk, blk_largest, params=12) for i in range(start, end)]
     if last:
-        groups.append(Group("ln_f", 2 * h, h))
+        groups.append(Group("ln_f", 2 * h, h, params=2))
         if tied:
             groups.append(Group("lm_head", emb, emb, tied=True))
     return groups
@@ -82,22 +84,13 @@ def rank_groups(shape: BloomShape, layout: ParallelLayout, pp_rank: int) -> list
     return [g for vs in layout.virtual_stages(pp_rank) for g in chunk_groups(shape, layout, vs)]
 
 
-def _pad(n: int, dp: int) -> int:
-    return -(-n // dp) * dp
+def flat_numel(groups: list[Group], dp: int, per_group: bool, bucket: int = 1 << 62) -> int:
+    """Elements of the full-size flat buffers, as the engine lays them out."""
+    return flat_sizes([[(g.numel, g.tied)] for g in groups], dp, bucket, per_group)
 
 
-def flat_numel(groups: list[Group], dp: int, per_group: bool) -> int:
-    """Elements of the full-size flat buffers: runs in backward order, cut around every tied copy
-    and (stage 3) at every group, each padded to a multiple of dp."""
-    runs, current = [], 0
-    for g in reversed(groups):
-        if g.tied or per_group:
-            runs += [current, g.numel]
-            current = 0
-        else:
-            current += g.numel
-    runs.append(current)
-    return sum(_pad(r, dp) for r in runs if r)
+def padded(numel: int, dp: int) -> int:
+    return flat_sizes([[(numel, False)]], dp, 1 << 62, True)
 
 
 def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: int,
@@ -121,6 +114,19 @@ def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: i
     return {"device": device, "host": host, "flat_numel": full, "own_numel": state}
 
 
+def megatron_states(groups: list[Group], zero_stage: int, dp: int, precision: str) -> dict:
+    """DeepSpeed's buffers under Megatron-DeepSpeed: BF16_Optimizer (bf16: the stage's whole
+    fp32 gradient, master and Adam sharded over dp) or its fp16 ZeRO-1 (fp32 gradients of the
+    own shard only) or ZeRO-0 (FP16_Optimizer: everything whole, fp32 gradients made at the
+    step)."""
+    full = flat_numel(groups, dp, per_group=False)
+    state = full // dp if zero_stage >= 1 else full
+    grads = full if precision != "fp16" else state if zero_stage >= 1 else 0
+    device = {"compute_params": 2 * full, "fp32_master": 4 * state, "fp32_grads": 4 * grads,
+              "adam_m": 4 * state, "adam_v": 4 * state}
+    return {"device": device, "host": {}, "flat_numel": full, "own_numel": state}
+
+
 def compute_grads_held(groups: list[Group], compute_bytes: int) -> int:
     """The engine takes each 16-bit gradient as autograd makes it: one parameter's at a time,
     except that a tied head and embedding on one stage keep three embedding-sized gradients alive
@@ -133,8 +139,8 @@ def compute_grads_held(groups: list[Group], compute_bytes: int) -> int:
 def stage3_working_set(groups: list[Group], dp: int, compute_bytes: int) -> int:
     """Stage 3 gathers a unit per use: the current and the prefetched one, plus the embedding the
     head uses again (ZeroEngine.working_set_bound)."""
-    sizes = sorted((_pad(g.numel, dp) for g in groups), reverse=True)
-    shared = sum(_pad(g.numel, dp) for g in groups if g.shared)
+    sizes = sorted((padded(g.numel, dp) for g in groups), reverse=True)
+    shared = sum(padded(g.numel, dp) for g in groups if g.shared)
     return compute_bytes * (sum(sizes[:2]) + shared)
 
 
@@ -244,3 +250,153 @@ def in_flight(schedule: str, pp: int, pp_rank: int, num_micro: int,
         if op.kind == "F" and sum(live) > best_total:
             best_total, best = sum(live), tuple(live)
     return best
+
+
+def peak_in_flight(schedule: str, pp: int, pp_rank: int, num_micro: int,
+                   num_chunks: int) -> tuple[int, ...]:
+    """`in_flight`, in closed form where the schedule has one (1F1B: min(pp - rank, m); GPipe:
+    m), so that a 72-stage search does not replay op lists."""
+    if pp == 1 or schedule == "1f1b":
+        return (min(pp - pp_rank, num_micro),)
+    if schedule == "gpipe":
+        return (num_micro,)
+    return in_flight(schedule, pp, pp_rank, num_micro, num_chunks)
+
+
+# ---- a pipeline rank's peak ------------------------------------------------------------------
+# The caching allocator's fragmentation over what is live: torch's reserved/allocated ratio in
+# large-model training is typically 1.05-1.15; the planner adds this fraction of the peak.
+ALLOCATOR_FRACTION = 0.08
+# DeepSpeed's `buffered_allreduce_fallback(elements_per_buffer=500000000)` and its ZeRO buckets
+# (reduce_bucket_size 5e8): a flat copy of up to this many gradient elements exists at the step.
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+
+
+@dataclass
+class StageMemory:
+    pp_rank: int
+    num_blocks: int
+    in_flight: tuple[int, ...]
+    model_states: dict
+    host: dict
+    activations: dict            # bytes held at the backward peak, by item
+    transients: dict             # step-phase and backward-phase extras, by item
+    allocator: float = 0.0
+    context: float = 0.0
+    total: float = 0.0
+
+
+def activation_spec(cand, work) -> ActivationSpec:
+    d = work.shape
+    return ActivationSpec(seq=work.seq, micro_batch=cand.micro_batch, tp=cand.tp,
+                          sequence_parallel=cand.layout.sequence_parallel,
+                          compute_bytes=work.compute_bytes, attention=work.attention,
+                          hidden_dropout=d.hidden_dropout > 0,
+                          attention_dropout=d.attention_dropout > 0,
+                          mask_bytes=work.mask_bytes)
+
+
+@lru_cache(maxsize=65536)
+def rank_states(shape: BloomShape, layout: ParallelLayout, pp_rank: int, system: str,
+                precision: str, offload: bool) -> tuple[list[Group], dict]:
+    """A rank's parameter groups and model-state bytes (cached: a search asks for the same
+    ranks of many candidates)."""
+    groups = rank_groups(shape, layout, pp_rank)
+    if system == "megatron-deepspeed":
+        return groups, megatron_states(groups, layout.zero_stage, layout.dp, precision)
+    c = 4 if precision == "fp32" else 2
+    return groups, model_states(groups, layout.zero_stage, layout.dp, c, offload)
+
+
+def stage_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, float]:
+    """(micro-batches in flight per chunk, activation bytes by item, the recompute and loss
+    working sets) of one pipeline rank."""
+    layout, shape, a = cand.layout, work.shape, activation_spec(cand, work)
+    ranges, vstages = layout.stage_ranges(shape.num_layers), layout.virtual_stages(pp_rank)
+    flight = peak_in_flight(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, pp_rank, m,
+                            layout.num_virtual_stages)
+    acts: dict[str, float] = {}
+    for vs, count in zip(vstages, flight):
+        items = _chunk_items(shape, a, ranges[vs][1] - ranges[vs][0], vs == 0,
+                             vs == layout.num_stages - 1, cand.recompute)
+        for k, v in items.items():
+            acts[k] = acts.get(k, 0.0) + v * count
+    last_here = layout.num_stages - 1 in vstages
+    working = (recompute_working_set(shape, a, cand.recompute)
+               + (loss_working_set(shape, a) if last_here else 0.0))
+    return flight, acts, working
+
+
+@lru_cache(maxsize=65536)
+def _chunk_items(shape, a, blocks, first, last, recompute):
+    return chunk_activation_items(shape, a, blocks, first, last, recompute)
+
+
+def stage_memory(cand, work, pp_rank: int, m: int, context_bytes: int) -> StageMemory:
+    """One pipeline rank at its peak: model states, the activations of its micro-batches in
+    flight, the backward's and the step's transients, the allocator's allowance and the device
+    context. The caching allocator keeps the backward's blocks, so the step's flat buffers
+    (other sizes) come on top of them rather than reusing them."""
+    layout, c = cand.layout, work.compute_bytes
+    groups, states = rank_states(work.shape, layout, pp_rank, work.system, work.precision,
+                                 cand.offload)
+    flight, acts, working = stage_activations(cand, work, pp_rank, m)
+    backward, step = _transients(cand, work, groups, states["flat_numel"], c)
+    backward["working_sets"] = working
+    live = (sum(states["device"].values()) + sum(acts.values()) + sum(backward.values())
+            + sum(step.values()))
+    ranges = layout.stage_ranges(work.shape.num_layers)
+    out = StageMemory(pp_rank=pp_rank, num_blocks=sum(ranges[v][1] - ranges[v][0]
+                                                       for v in layout.virtual_stages(pp_rank)),
+                      in_flight=flight, model_states=states["device"], host=states["host"],
+                      activations=acts, transients={**backward, **step})
+    out.allocator = ALLOCATOR_FRACTION * live
+    out.context = context_bytes
+    out.total = live + out.allocator + out.context
+    return out
+
+
+def _transients(cand, work, groups, psi: int, c: int) -> tuple[dict, dict]:
+    """(backward-phase, step-phase) extras by item."""
+    backward, step = {}, {}
+    if work.megatron:
+        backward["compute_grads"] = c * psi  # every 16-bit grad of the stage lives to the step
+        if work.precision == "fp16" and cand.zero_stage == 0:
+            step["fp32_grad_copies"] = 8 * psi  # FP16_Optimizer: per-param fp32 copies + flat
+        else:
+            step["reduce_buffer"] = (4 if work.precision != "fp16" else 2) * min(
+                psi, DEEPSPEED_BUCKET_ELEMENTS)
+        return backward, step
+    backward["compute_grads"] = compute_grads_held(groups, c)
+    bucket = work.bucket_size_mb * 2 ** 20  # fp32 bytes of one reduction bucket
+    if cand.zero_stage >= 2:
+        backward["grad_staging"] = STAGING_BUCKETS * bucket
+    if cand.zero_stage == 3:
+        backward["stage3_gathered"] = stage3_working_set(groups, cand.dp, c)
+    if cand.zero_stage == 1 and cand.dp > 1:
+        step["reduce_scatter_out"] = 4 * min(psi, bucket / 4) / cand.dp
+    return backward, step
+
+
+def static_bytes(cand, work) -> float:
+    """The most model-state bytes any rank of `cand` holds: a lower bound of its peak that needs
+    neither activations nor a schedule (the search prunes with it)."""
+    return max(sum(rank_states(work.shape, cand.layout, r, work.system, work.precision,
+                               cand.offload)[1]["device"].values())
+               for r in representative_ranks(cand.layout, work.shape.num_layers))
+
+
+def representative_ranks(layout: ParallelLayout, num_layers: int) -> list[int]:
+    """The ranks whose memory or time can be the largest: the first and the last, and the first
+    of each block count between them (1F1B holds the most in flight on the earliest). Every rank
+    under the interleaved schedule."""
+    if layout.num_virtual_stages > 1:
+        return list(range(layout.pp))
+    ranges = layout.stage_ranges(num_layers)
+    seen, out = set(), [0, layout.pp - 1]
+    for r in range(1, layout.pp - 1):
+        blocks = ranges[r][1] - ranges[r][0]
+        if blocks not in seen:
+            seen.add(blocks)
+            out.append(r)
+    return sorted(set(out))

@@ -1,6 +1,8 @@
-"""Layout search: every layout of a cluster, evaluated, the fitting ones ranked by step time, the
-others kept with the reason they cannot run. When nothing fits, the error names the smallest
-change that would (more GPUs, a larger GPU), found by planning again with it."""
+"""Layout search: every layout of a cluster, the fitting ones ranked by step time (with which are
+within each other's error band), the others kept with the reason they cannot run. A layout whose
+model states alone do not fit is rejected with all its micro-batch and recompute variants before
+any of them is evaluated, so that a search where nothing fits costs what one that fits does.
+When nothing fits, the error names the smallest change that would (more GPUs, a larger GPU)."""
 from __future__ import annotations
 
 import math
@@ -11,12 +13,16 @@ from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import resolve_model_config
-from bloomtrain.planner.evaluate import Candidate, Plan, Workload, evaluate
+from bloomtrain.planner import memory as mem
+from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of,
+                                         rejected)
 from bloomtrain.planner.hardware import GPUS, Cluster
+from bloomtrain.planner.workload import (RECOMPUTE, Candidate, Workload, matches,
+                                         parse_pairs)
+from bloomtrain.utils import ProgressLine
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 4)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass
@@ -49,47 +55,44 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
         # SDPA with the ALiBi bias tensor (CUDA: its efficient kernel; CPU without dropout:
         # fused too; CPU with attention dropout: the math path, not modelled).
         attention = "sdpa"
-    c = {"bf16": 2, "fp16": 2, "fp32": 4}[t.precision]
+    c = 4 if t.precision == "fp32" else 2
     return Workload(shape=shape, seq=seq or cfg.data.seq_length,
-                    global_batch=global_batch or t.global_batch_size, compute_bytes=c,
+                    global_batch=global_batch or t.global_batch_size, precision=t.precision,
                     attention=attention, bucket_size_mb=cfg.parallel.bucket_size_mb,
                     mask_bytes=1 if device == "cuda" else c, system=system,
                     partition=cfg.parallel.pp_partition)
 
 
 def candidate_from_config(cfg: Config, world_size: int) -> Candidate:
-    p, t = cfg.parallel, cfg.train
-    layout = ParallelLayout.from_config(p, world_size)
-    return Candidate(tp=layout.tp, pp=layout.pp, dp=layout.dp, micro_batch=t.micro_batch_size,
-                     zero_stage=p.zero_stage, recompute=t.activation_checkpointing,
-                     schedule=p.pp_schedule, virtual_stages=p.num_virtual_stages,
-                     sequence_parallel=p.sequence_parallel, offload=p.offload_optimizer)
+    t = cfg.train
+    return Candidate(ParallelLayout.from_config(cfg.parallel, world_size), t.micro_batch_size,
+                     t.activation_checkpointing, cfg.parallel.offload_optimizer)
 
 
-def candidates(work: Workload, num_gpus: int):
-    """Every layout of `num_gpus` GPUs worth evaluating for `work`."""
-    shape = work.shape
-    mds = work.system == "megatron-deepspeed"
+def layouts(work: Workload, num_gpus: int):
+    """Every ParallelLayout of `num_gpus` GPUs worth evaluating for `work`, with offload."""
+    shape, mds = work.shape, work.megatron
     tps = [t for t in _powers_of_two(min(num_gpus, shape.num_heads)) if num_gpus % t == 0]
     for tp in tps:
-        for pp in _divisors(num_gpus // tp):
-            if pp > shape.num_layers:
-                break
+        for pp in (p for p in _divisors(num_gpus // tp) if p <= shape.num_layers):
             dp = num_gpus // (tp * pp)
-            for mbs in MICRO_BATCHES:
-                # An indivisible batch is still yielded: evaluate() rejects it with the reason.
-                m = work.global_batch // (mbs * dp)
-                divisible = work.global_batch % (mbs * dp) == 0
-                schedules = [("1f1b", 1)]
-                if pp > 1 and not mds and divisible:
-                    schedules += [("interleaved", v) for v in VIRTUAL_STAGES
-                                  if m % pp == 0 and pp * v <= shape.num_layers]
-                for zero in ((1,) if mds else (0, 1, 2, 3)):
-                    for rc in (("none", "full") if mds else RECOMPUTE):
-                        for sched, v in schedules:
-                            for sp in ((False,) if tp == 1 or mds else (False, True)):
-                                for off in ((False,) if mds or zero == 0 else (False, True)):
-                                    yield Candidate(tp, pp, dp, mbs, zero, rc, sched, v, sp, off)
+            scheds = [("1f1b", 1)] + ([] if pp == 1 or mds else [
+                ("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.num_layers])
+            zeros = ((0, 1) if work.precision == "fp16" else (1,)) if mds else (0, 1, 2, 3)
+            for zero in zeros:
+                for sched, v in scheds:
+                    for sp in ((False,) if tp == 1 or mds else (False, True)):
+                        for off in ((False,) if mds or zero == 0 else (False, True)):
+                            yield ParallelLayout(tp, pp, dp, v, sp, zero, sched,
+                                                 work.partition), off
+
+
+def candidates(work: Workload, layout: ParallelLayout, offload: bool):
+    """The micro-batch and recompute variants of one layout."""
+    recompute = ("none", "full") if work.megatron else RECOMPUTE
+    for mbs in MICRO_BATCHES:
+        for rc in recompute:
+            yield Candidate(layout, mbs, rc, offload)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -101,24 +104,71 @@ def _divisors(n: int) -> list[int]:
 
 
 def search(work: Workload, cluster: Cluster, tokens: float | None = None,
-           memory_limit: float | None = None, only: str | None = None) -> SearchResult:
-    """Every layout (those matching `only`, "key=value,..." as in --layout), evaluated."""
+           memory_limit: float | None = None, only: str | None = None,
+           first_fit: bool = False, progress: ProgressLine | None = None) -> SearchResult:
+    """Every layout (those matching `only`, "key=value,..." as in --layout), evaluated;
+    `first_fit` stops at the first that fits."""
     pinned = parse_pairs(only, "--only") if only else {}
-    plans, rejected, reasons = [], [], Counter()
-    n = 0
-    for cand in candidates(work, cluster.num_gpus):
-        if any(getattr(cand, k) != v for k, v in pinned.items()):
-            continue
-        n += 1
-        p = evaluate(cand, work, cluster, tokens, memory_limit)
+    limit = limit_of(cluster, memory_limit)
+    result = SearchResult([], [], cluster, work)
+    reasons = Counter()
+    groups = list(layouts(work, cluster.num_gpus))
+    for i, (layout, offload) in enumerate(groups):
+        cands = [c for c in candidates(work, layout, offload) if matches(c, pinned)]
+        _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_fit)
+        if progress is not None:
+            _draw(progress, i + 1, len(groups), result)
+        if first_fit and result.plans:
+            break
+    result.reasons = dict(reasons)
+    result.plans.sort(key=lambda p: (p.step_time_s, p.memory_per_gpu))
+    result.rejected.sort(key=lambda p: (p.memory_per_gpu == 0, p.memory_per_gpu - p.memory_limit))
+    mark_ties(result.plans, cluster.rates.band)
+    return result
+
+
+def _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_fit) -> None:
+    """One layout's variants: all rejected at once when its model states alone are over."""
+    if not cands:
+        return
+    result.evaluated += len(cands)
+    reason = layout_reason(cands[0], work, cluster)
+    if reason:
+        result.rejected += [rejected(c, reason) for c in cands]
+        reasons[_reason_kind(reason)] += len(cands)
+        return
+    static = mem.static_bytes(cands[0], work) + cluster.gpu.context_bytes
+    if static > limit:
+        reason = (f"out of memory: the model states alone need {static / 2 ** 30:.1f} GiB of "
+                  f"{limit / 2 ** 30:.1f} GiB ({(static - limit) / 2 ** 30:.1f} GiB over)")
+        result.rejected += [rejected(c, reason, static, limit) for c in cands]
+        reasons["out of memory"] += len(cands)
+        return
+    for cand in cands:
+        p = evaluate(cand, work, cluster, tokens, limit, all_stages=False)
         if p.fits:
-            plans.append(p)
+            result.plans.append(p)
+            if first_fit:
+                return
         else:
-            rejected.append(p)
+            result.rejected.append(p)
             reasons[_reason_kind(p.reason)] += 1
-    plans.sort(key=lambda p: (p.step_time_s, p.memory_per_gpu))
-    rejected.sort(key=lambda p: (p.memory_per_gpu == 0, p.memory_per_gpu - p.memory_limit))
-    return SearchResult(plans, rejected, cluster, work, n, dict(reasons))
+
+
+def _draw(progress: ProgressLine, done: int, total: int, result: SearchResult) -> None:
+    best = min(result.plans, key=lambda p: p.step_time_s) if result.plans else None
+    progress.update(f"plan | layout {done:,} of {total:,}", f"{result.evaluated:,} evaluated",
+                    f"{len(result.plans):,} fit",
+                    f"best {best.step_time_s:.4g} s/step {best.label}" if best else "none fits",
+                    progress.elapsed())
+
+
+def mark_ties(plans: list[Plan], band: float) -> None:
+    """Give each plan the ranks (1-based) whose step time lies within its error band: layouts
+    the planner cannot tell apart."""
+    for plan in plans:
+        plan.ties = [j + 1 for j, q in enumerate(plans) if q is not plan
+                     and abs(math.log(q.step_time_s / plan.step_time_s)) <= band]
 
 
 def _reason_kind(reason: str) -> str:
@@ -130,9 +180,10 @@ def _reason_kind(reason: str) -> str:
 
 
 def plan_or_explain(work: Workload, cluster: Cluster, tokens: float | None = None,
-                    memory_limit: float | None = None, only: str | None = None) -> SearchResult:
+                    memory_limit: float | None = None, only: str | None = None,
+                    progress: ProgressLine | None = None) -> SearchResult:
     """`search`, raising UserError with the smallest change that would fit when nothing does."""
-    result = search(work, cluster, tokens, memory_limit, only)
+    result = search(work, cluster, tokens, memory_limit, only, progress=progress)
     if result.plans:
         return result
     if not result.evaluated and only:
@@ -155,104 +206,59 @@ def explain_no_fit(result: SearchResult, work: Workload, cluster: Cluster,
         head = (f"no layout of {cluster.num_gpus} GPUs can run global batch {work.global_batch} "
                 f"of {work.shape.num_layers} layers / {work.shape.num_heads} heads: {kinds}; "
                 f"e.g. {example}")
-    fix = _smallest_fix(work, cluster, memory_limit, bool(oom), only)
-    return f"{head}. {fix}"
+    return f"{head}. {_smallest_fix(work, cluster, memory_limit, bool(oom), only)}"
+
+
+def _fits(work, cluster, memory_limit, only) -> bool:
+    return bool(search(work, cluster, memory_limit=memory_limit, only=only,
+                       first_fit=True).plans)
 
 
 def _smallest_fix(work: Workload, cluster: Cluster, memory_limit, oom: bool,
                   only: str | None) -> str:
-    def fits(count: int) -> Plan | None:
-        r = search(work, replace(cluster, num_gpus=count), memory_limit=memory_limit, only=only)
-        return r.best if r.plans else None
-
-    found = None
-    if oom:
-        # More GPUs: double until a layout fits, then bisect over whole nodes (memory per GPU
-        # falls as GPUs are added, so the first count that fits is the smallest).
-        unit = cluster.gpus_per_node if cluster.num_gpus >= cluster.gpus_per_node else 1
-        lo, hi = cluster.num_gpus // unit, None
-        for k in range(1, 11):
-            if fits(lo * 2 ** k * unit):
-                hi = lo * 2 ** k
-                lo = hi // 2
-                break
-        if hi is not None:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid * unit) is None else (lo, mid)
-            found = (hi * unit, fits(hi * unit))
-    else:  # nearby GPU counts, nearest first
-        for d in range(1, 65):
-            for count in (cluster.num_gpus - d, cluster.num_gpus + d):
-                if count < 1 or (count > cluster.gpus_per_node
-                                 and count % cluster.gpus_per_node):
-                    continue
-                best = fits(count)
-                if best is not None:
-                    found = (count, best)
-                    break
-            if found:
-                break
+    count = (_more_gpus(work, cluster, memory_limit, only) if oom
+             else _nearby_count(work, cluster, memory_limit, only))
     fixes = []
-    if found:
-        count, best = found
+    if count:
+        best = search(work, replace(cluster, num_gpus=count), memory_limit=memory_limit,
+                      only=only).best
         fixes.append(f"the smallest change that fits: --gpus {count} ({best.label}, "
                      f"{best.memory_per_gpu / 2 ** 30:.1f} GiB per GPU)")
     if oom:
         for name, g in sorted(GPUS.items(), key=lambda kv: kv[1].memory_bytes):
-            if g.memory_bytes > cluster.gpu.memory_bytes and search(
-                    work, replace(cluster, gpu=g), memory_limit=memory_limit, only=only).plans:
+            if g.kind == cluster.gpu.kind and g.memory_bytes > cluster.gpu.memory_bytes and _fits(
+                    work, replace(cluster, gpu=g), memory_limit, only):
                 fixes.append(f"or the same {cluster.num_gpus} GPUs as --gpu {name}")
                 break
         fixes.append("or a smaller global batch, sequence or model")
     return "; ".join(fixes) if fixes else "no nearby GPU count runs it either"
 
 
-_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch", "micro_batch": "micro_batch",
-         "zero": "zero_stage", "zero_stage": "zero_stage", "recompute": "recompute",
-         "schedule": "schedule", "v": "virtual_stages", "virtual_stages": "virtual_stages",
-         "sp": "sequence_parallel", "sequence_parallel": "sequence_parallel",
-         "offload": "offload"}
+def _more_gpus(work, cluster, memory_limit, only) -> int | None:
+    """Double until a layout fits, then bisect over whole nodes (memory per GPU falls as GPUs
+    are added, so the first count that fits is the smallest)."""
+    unit = cluster.gpus_per_node if cluster.num_gpus >= cluster.gpus_per_node else 1
+    lo, hi = cluster.num_gpus // unit, None
+    for k in range(1, 11):
+        if _fits(work, replace(cluster, num_gpus=lo * 2 ** k * unit), memory_limit, only):
+            hi = lo * 2 ** k
+            lo = hi // 2
+            break
+    if hi is None:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        fits = _fits(work, replace(cluster, num_gpus=mid * unit), memory_limit, only)
+        lo, hi = (lo, mid) if fits else (mid, hi)
+    return hi * unit
 
 
-def parse_pairs(spec: str, what: str) -> dict:
-    """`key=value,...` over the layout keys (tp, pp, dp, mbs, zero, recompute, schedule, v, sp,
-    offload) as Candidate fields."""
-    values: dict = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        key, eq, val = item.partition("=")
-        key, val = key.strip(), val.strip()
-        if not eq or key not in _KEYS:
-            raise UserError(f"{what}: cannot read {item!r}; give key=value pairs with keys "
-                            f"{', '.join(sorted(set(_KEYS)))}")
-        name = _KEYS[key]
-        if name in ("recompute", "schedule"):
-            values[name] = val
-        elif name in ("sequence_parallel", "offload"):
-            if val.lower() not in ("0", "1", "true", "false"):
-                raise UserError(f"{what} {key}: use 0/1 or true/false, not {val!r}")
-            values[name] = val.lower() in ("1", "true")
-        else:
-            try:
-                values[name] = int(val)
-            except ValueError:
-                raise UserError(f"{what} {key}: {val!r} is not an integer") from None
-    if values.get("recompute", "none") not in RECOMPUTE:
-        raise UserError(f"{what} recompute must be one of {', '.join(RECOMPUTE)}")
-    if values.get("schedule", "1f1b") not in ("1f1b", "gpipe", "interleaved"):
-        raise UserError(f"{what} schedule must be 1f1b, gpipe or interleaved")
-    return values
-
-
-def parse_layout(spec: str, num_gpus: int) -> Candidate:
-    """`tp=4,pp=12,dp=8,mbs=2,zero=1,recompute=full[,schedule=1f1b,v=1,sp=0,offload=0]`; dp may
-    be left out (what the GPUs leave)."""
-    values = parse_pairs(spec, "--layout")
-    tp, pp = values.get("tp", 1), values.get("pp", 1)
-    if "dp" not in values:
-        if tp < 1 or pp < 1 or num_gpus % (tp * pp):
-            raise UserError(f"--gpus ({num_gpus}) is not divisible by tp*pp ({tp}*{pp})")
-        values["dp"] = num_gpus // (tp * pp)
-    if values.get("schedule") == "interleaved" and "virtual_stages" not in values:
-        values["virtual_stages"] = 2
-    return Candidate(**values)
+def _nearby_count(work, cluster, memory_limit, only) -> int | None:
+    """The nearest GPU count (whole nodes past one) that runs the workload."""
+    for d in range(1, 65):
+        for count in (cluster.num_gpus - d, cluster.num_gpus + d):
+            if count < 1 or (count > cluster.gpus_per_node and count % cluster.gpus_per_node):
+                continue
+            if _fits(work, replace(cluster, num_gpus=count), memory_limit, only):
+                return count
+    return None

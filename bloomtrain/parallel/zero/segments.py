@@ -19,10 +19,12 @@ parameters a module owns (a BloomBlock, the embedding, a LayerNorm, ...), gather
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
-from torch import nn
+if TYPE_CHECKING:  # annotations only: the planner sizes layouts without torch
+    from torch import nn
 
-from bloomtrain.model.params import ParamSpec
+    from bloomtrain.model.params import ParamSpec
 
 
 @dataclass
@@ -104,37 +106,55 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def _runs(groups: list[Group], per_group: bool) -> list[list[Slot]]:
-    """Slots in backward order, cut into runs: at every group when `per_group`, and around
-    every tied-embedding copy."""
-    runs: list[list[Slot]] = [[]]
+def _runs(groups: list[list], per_group: bool, tied: Callable) -> list[list]:
+    """Items (slots) in backward order, cut into runs: at every group when `per_group`, and
+    around every item that is a tied-embedding copy (`tied(item)`)."""
+    runs: list[list] = [[]]
     for group in reversed(groups):
         if per_group and runs[-1]:
             runs.append([])
-        for slot in reversed(group.slots):
-            if slot.spec.tied:
-                runs += [[slot], []]
+        for item in reversed(group):
+            if tied(item):
+                runs += [[item], []]
             else:
-                runs[-1].append(slot)
+                runs[-1].append(item)
     return [r for r in runs if r]
+
+
+def _segment_sizes(total: int, cap: int, dp: int) -> list[tuple[int, int, int]]:
+    """(start, numel, padded) of the segments a run of `total` elements is cut into."""
+    return [(start, min(cap, total - start), -(-min(cap, total - start) // dp) * dp)
+            for start in range(0, total, cap)]
+
+
+def _cap(dp: int, bucket: int) -> int:
+    return max(dp, bucket // dp * dp)
+
+
+def flat_sizes(groups: list[list[tuple[int, bool]]], dp: int, bucket: int,
+               per_group: bool) -> int:
+    """Elements of the full-size flat buffers `build_layout` makes for `groups` (each a module's
+    parameters as (numel, is a tied-embedding copy), in forward order), without the parameters:
+    what the planner sizes a rank with. The shards are this / dp."""
+    runs = _runs(groups, per_group, tied=lambda item: item[1])
+    return sum(padded for run in runs
+               for _, _, padded in _segment_sizes(sum(n for n, _ in run), _cap(dp, bucket), dp))
 
 
 def build_layout(groups: list[list[tuple[str, nn.Parameter, ParamSpec]]], dp: int, tp_rank: int,
                  bucket: int, per_group: bool) -> SegmentLayout:
     """Lay out `groups` (each a module's (name, param, spec) in forward order; the groups in
     forward order) for `dp` ranks in segments of at most `bucket` elements."""
-    cap = max(dp, bucket // dp * dp)
+    cap = _cap(dp, bucket)
     slot_groups = [Group(g, [Slot(n, p, s, -1, p.numel(), tuple(p.shape), g) for n, p, s in ps])
                    for g, ps in enumerate(groups)]
     segments: list[Segment] = []
     full_off = shard_off = 0
-    for run in _runs(slot_groups, per_group):
+    for run in _runs([g.slots for g in slot_groups], per_group, tied=lambda s: s.spec.tied):
         total = sum(s.numel for s in run)
         for slot, start in zip(run, _prefix_sums(run)):
             slot.full_off = full_off + start
-        for seg_start in range(0, total, cap):
-            numel = min(cap, total - seg_start)
-            padded = -(-numel // dp) * dp
+        for seg_start, numel, padded in _segment_sizes(total, cap, dp):
             seg = _segment(len(segments), run, seg_start, numel, padded, dp, tp_rank)
             seg.full_off, seg.shard_off = full_off, shard_off
             full_off += padded

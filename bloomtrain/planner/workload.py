@@ -1,0 +1,170 @@
+"""What a plan is made of: the workload (model, batch, numerics, kernels, the system that runs it)
+and a candidate layout, which is the run's own `ParallelLayout` plus the per-run choices that
+change memory or time (micro-batch, recompute, optimizer offload). A candidate prints as a run's
+records print their layout (`tp=4 pp=12 dp=8 zero=1 schedule=1f1b mbs=2 recompute=full`), and
+`--layout` reads that text back.
+
+Systems: `bloomtrain` is this engine. `megatron-deepspeed` is the stack BLOOM-176B ran
+(docs/bloom_facts.md §6): BF16_Optimizer (bf16) or DeepSpeed's fp16 ZeRO, blocking sends, the
+unfused attention, no sequence parallelism or selective recompute, and kernel launches made
+synchronous by the run's CUDA_LAUNCH_BLOCKING=1. They share the efficiency model.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, fields
+
+from bloomtrain.config import PipelineSchedule, Recompute
+from bloomtrain.errors import UserError
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.presets import BloomShape
+
+SYSTEMS = ("bloomtrain", "megatron-deepspeed")
+# The config's domains, declared once there.
+RECOMPUTE = typing.get_args(Recompute)
+SCHEDULES = typing.get_args(PipelineSchedule)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained and how: the model, the batch, the numerics and kernels that size it."""
+
+    shape: BloomShape
+    seq: int
+    global_batch: int
+    precision: str = "bf16"
+    attention: str = "fused"       # fused | sdpa | unfused
+    bucket_size_mb: float = 25.0
+    mask_bytes: int = 1
+    system: str = "bloomtrain"
+    partition: str = "type:transformer|embedding"
+    # Bytes on the wire per byte of the dp reduction and gathers the step time prices (1: as
+    # the engine counts them; a compressed reduction, e.g. int8, less).
+    dp_bytes_ratio: float = 1.0
+
+    def __post_init__(self):
+        if self.system not in SYSTEMS:
+            raise UserError(f"system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
+        if self.seq < 1 or self.global_batch < 1:
+            raise UserError("--seq and --global-batch must be positive")
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def megatron(self) -> bool:
+        return self.system == "megatron-deepspeed"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout: the run's ParallelLayout and the choices outside it that change memory or
+    time."""
+
+    layout: ParallelLayout
+    micro_batch: int = 1
+    recompute: str = "none"
+    offload: bool = False
+
+    @classmethod
+    def of(cls, *, tp=1, pp=1, dp=1, micro_batch=1, recompute="none", offload=False,
+           partition="type:transformer|embedding", **layout) -> "Candidate":
+        """From the layout's field names (zero_stage, schedule, num_virtual_stages,
+        sequence_parallel) and the candidate's own."""
+        return cls(ParallelLayout(tp=tp, pp=pp, dp=dp, partition=partition, **layout),
+                   micro_batch, recompute, offload)
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def zero_stage(self) -> int:
+        return self.layout.zero_stage
+
+    @property
+    def num_gpus(self) -> int:
+        return self.layout.world_size
+
+    def label(self) -> str:
+        return (f"{self.layout.label()} mbs={self.micro_batch}"
+                + (f" recompute={self.recompute}" if self.recompute != "none" else "")
+                + (" offload" if self.offload else ""))
+
+    def record(self) -> dict:
+        """The layout's fields (less the partition, the workload's) and the candidate's."""
+        out = {f.name: getattr(self.layout, f.name) for f in fields(ParallelLayout)
+               if f.name != "partition"}
+        return {**out, "micro_batch": self.micro_batch, "recompute": self.recompute,
+                "offload": self.offload}
+
+
+# The keys --layout and --only read: the layout's field names, the label's short ones.
+_KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch", "micro_batch": "micro_batch",
+         "zero": "zero_stage", "zero_stage": "zero_stage", "recompute": "recompute",
+         "schedule": "schedule", "v": "num_virtual_stages",
+         "num_virtual_stages": "num_virtual_stages", "sp": "sequence_parallel",
+         "sequence_parallel": "sequence_parallel", "offload": "offload"}
+_FLAGS = ("sequence_parallel", "offload")
+
+
+def parse_pairs(spec: str, what: str) -> dict:
+    """`key=value` items, separated by commas or spaces, over the layout keys (tp, pp, dp, mbs,
+    zero, recompute, schedule, v, sp, offload, or the layout's field names); a bare `sp` or
+    `offload` is true, so that a printed label reads back."""
+    values: dict = {}
+    for item in spec.replace(",", " ").split():
+        key, eq, val = item.partition("=")
+        name = _KEYS.get(key)
+        if name is None or (not eq and name not in _FLAGS):
+            raise UserError(f"{what}: cannot read {item!r}; give key=value pairs with keys "
+                            f"{', '.join(sorted(set(_KEYS)))}")
+        values[name] = _value(name, val if eq else "1", key, what)
+    if values.get("recompute", "none") not in RECOMPUTE:
+        raise UserError(f"{what} recompute must be one of {', '.join(RECOMPUTE)}")
+    if values.get("schedule", "1f1b") not in SCHEDULES:
+        raise UserError(f"{what} schedule must be one of {', '.join(SCHEDULES)}")
+    return values
+
+
+def _value(name: str, val: str, key: str, what: str):
+    if name in ("recompute", "schedule"):
+        return val
+    if name in _FLAGS:
+        if val.lower() not in ("0", "1", "true", "false"):
+            raise UserError(f"{what} {key}: use 0/1 or true/false, not {val!r}")
+        return val.lower() in ("1", "true")
+    try:
+        return int(val)
+    except ValueError:
+        raise UserError(f"{what} {key}: {val!r} is not an integer") from None
+
+
+def parse_layout(spec: str, num_gpus: int, partition: str) -> Candidate:
+    """`tp=4 pp=12 dp=8 zero=1 mbs=2 recompute=full` (or comma-separated; schedule, v, sp,
+    offload optional); dp may be left out (what the GPUs leave)."""
+    values = parse_pairs(spec, "--layout")
+    tp, pp = values.get("tp", 1), values.get("pp", 1)
+    if "dp" not in values:
+        if tp < 1 or pp < 1 or num_gpus % (tp * pp):
+            raise UserError(f"--gpus ({num_gpus}) is not divisible by tp*pp ({tp}*{pp})")
+        values["dp"] = num_gpus // (tp * pp)
+    if values.get("schedule") == "interleaved" and "num_virtual_stages" not in values:
+        values["num_virtual_stages"] = 2
+    values.setdefault("zero_stage", 1)
+    return Candidate.of(partition=partition, **values)
+
+
+def matches(cand: Candidate, pinned: dict) -> bool:
+    """Whether `cand` has every value `pinned` (parse_pairs' names) asks for."""
+    return all((getattr(cand, k) if hasattr(cand, k) else getattr(cand.layout, k)) == v
+               for k, v in pinned.items())
