@@ -8,12 +8,14 @@ dropout, 8 micro-batches), and tests/test_train_reference.py's plain loop and it
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bloomtrain import cli
 from bloomtrain.config import Config
 from bloomtrain.layout import ParallelLayout, validate
 from bloomtrain.model import BloomShape, build_model
@@ -27,6 +29,7 @@ from bloomtrain.parallel.pipeline import (
     op_p2p,
     peak_in_flight,
     schedule_grid,
+    summarize,
     theoretical_bubble,
 )
 from bloomtrain.train import Trainer
@@ -167,7 +170,7 @@ def test_accepted_combinations(zero):
 STEPS = 3
 WORLDS = {
     2: {"pp2-zb": tp._case(2, 1, "zb-h1", "type:transformer|embedding", recompute=True,
-                           steps=STEPS),
+                           steps=STEPS, timeline=True),
         "pp2-1f1b": tp._case(2, 1, "1f1b", "type:transformer|embedding", recompute=True,
                              steps=STEPS)},
     4: {"pp4-zb": tp._case(4, 1, "zb-h1", "2,2,2,2", steps=STEPS),
@@ -179,15 +182,38 @@ WORLDS = {
 
 
 @pytest.fixture(scope="module")
-def spawn(tmp_path_factory):
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zb")
+
+
+@pytest.fixture(scope="module")
+def spawn(run_dir):
     runs = {}
 
     def get(world):
         if world not in runs:
-            runs[world] = run_ranks(world, tp._rank_main, WORLDS[world],
-                                    str(tmp_path_factory.mktemp("zb")), False)
+            runs[world] = run_ranks(world, tp._rank_main, WORLDS[world], str(run_dir / str(world)),
+                                    False)
         return runs[world]
     return get
+
+
+def test_zb_h1_timeline_file_and_cli(spawn, run_dir, capsys):
+    """The timeline records W as compute, in the op list's order, and the CLI draws it."""
+    spawn(2)
+    folder = run_dir / "2"
+    data = json.loads((folder / "pipeline_timeline" / f"step_{STEPS - 1}_rank_0.json").read_text())
+    assert data["schedule"] == "zb-h1"
+    kinds = [(e["kind"], e["micro_batch"]) for e in data["events"] if e["kind"] in "FBW"]
+    assert kinds == [(op.kind, op.micro_batch) for op in SCHEDULES["zb-h1"](2, 0, 8)]
+    summary = summarize(data)
+    busy = sum(e["end"] - e["start"] for e in data["events"] if e["kind"] in "FBW")
+    assert summary["compute"] == pytest.approx(busy) and summary["theory"] == pytest.approx(1 / 24)
+    assert cli.main(["pipeline-timeline", str(folder), "--width", "160"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("stage ") and "|" in line]
+    assert len(rows) == 2 and "W0" in rows[0] and "W7" in rows[1]
+    assert "W<mb> of the weights" in out and "theory (p-1)/(3m) = 0.042" in out
 
 
 @pytest.mark.parametrize("world", sorted(WORLDS), ids=lambda w: f"world{w}")
