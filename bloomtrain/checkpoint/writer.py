@@ -1,7 +1,7 @@
-"""Writing checkpoints: every rank writes its own fragments, rank 0 commits the step.
-
-The commit (manifest, renames, `latest`) is what makes a step visible, and it happens only once
-every rank's files are complete; see the package docstring for the atomicity and async rules.
+"""Writing checkpoints: every rank writes its own fragments into `.step_N.tmp/`; rank 0 gathers
+the file checksums and the fragment index, writes the manifest, renames the directory into place
+and only then updates `latest`. A crash, a kill or a full disk at any moment leaves the previous
+checkpoint valid, and `find_latest_valid` skips anything incomplete or corrupt.
 
 A failed save (a full disk on any rank, most often) is collective: every rank ends in the same
 broadcast of rank 0's verdict and raises the same CheckpointSaveError, the temporary directory
@@ -85,7 +85,9 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
 class CheckpointWriter:
     """Writes checkpoints from every rank of a job. Collective: all ranks call `save` together.
 
-    `group` is used for the commit (gather of file info, broadcasts of the outcome). Created
+    `async_save`: the state is copied to CPU memory on the training thread, then a background
+    thread writes the files and commits; a later save, or `wait`, waits for the previous one and
+    re-raises its error. `group` is used for the commit (gather of file info, broadcasts of the outcome). Created
     here as a separate gloo group when torch.distributed is initialized, so async commits never
     share a process group with training collectives.
 

@@ -1,31 +1,14 @@
-"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of three kernels.
-
+"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of three
+kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_attention turns
+`train.attention` into sdpa or flex):
 - "sdpa": `F.scaled_dot_product_attention` with ALiBi (Press et al., arXiv 2108.12409) and the
-  causal mask as one float bias [1, heads, q, k], built once per forward and shared by the layers.
-  It runs the fused CPU kernel or CUDA's memory-efficient kernel; flash kernels take no bias.
-- "flex": FlexAttention (Dong et al., arXiv 2412.05496), compiled with torch.compile. ALiBi is a
-  `score_mod` (slope[h] * (k - q), applied in fp32 inside the kernel) and causality a `BlockMask`,
-  so no bias is materialized and the blocks above the diagonal are skipped. It has no dropout,
-  and in torch 2.13 no backward on CPU, so training uses it on CUDA only.
-
-- "paged", for serving: keys and values live in the serving engine's block-paged KV cache
-  (PagedAttention, Kwon et al., arXiv 2309.06180) and a step packs many sequences' new tokens
-  into one row of tokens. `PagedAttention` is a step's metadata (where each token's keys and
-  values go, which blocks each sequence reads, its ALiBi bias); the model takes it in place of
-  the bias (`BloomModel.forward(ids, paged=...)`) and each layer writes its keys and values,
-  then attends per sequence with HF BloomAttention's math (baddbmm, fp32 softmax, bmm). Not
-  SDPA: on CPU its fused kernel rounds a head differently depending on the thread its work
-  lands on, and so on the batch, which would break the engine's batch invariance
-  (bloomtrain.serve.runner says how the rest of a step keeps it).
-
-bloomtrain.layout.resolve_attention turns `train.attention` (auto|sdpa|flex) into sdpa or flex.
-The model holds the choice as `transformer.attention_impl`; `BloomModel.attention_bias` builds the bias in the
-form that kernel takes (a tensor for sdpa, a `FlexAlibi` for flex) and `attention_core` runs it.
-
-The core is also the unit of selective activation recomputation (Korthikanti et al., arXiv
-2205.05198): checkpointing it keeps q, k and v and recomputes the O(s²) scores, softmax and
-dropout mask in backward. torch.utils.checkpoint restores the RNG state it saw in forward, so
-attention dropout replays the same mask.
+  causal mask as one float bias [1, heads, q, k], built once per forward and shared by the
+  layers: the fused CPU kernel or CUDA's memory-efficient one (flash kernels take no bias);
+- "flex": FlexAttention (Dong et al., arXiv 2412.05496), ALiBi as a `score_mod` in fp32 and
+  causality a `BlockMask`, so no bias is materialized; no dropout, and in torch 2.13 no
+  backward on CPU, so training uses it on CUDA only;
+- "paged", for serving: keys and values in the engine's block-paged KV cache (PagedAttention,
+  Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math.
 """
 from __future__ import annotations
 
@@ -86,7 +69,10 @@ def flex_alibi(slopes: torch.Tensor, q_len: int, k_len: int) -> FlexAlibi:
 
 def attention_core(q, k, v, bias, dropout_p: float = 0.0):
     """q [b, nh, q_len, hd], k and v [b, nh, k_len, hd] -> context [b, nh, q_len, hd]. `bias` is
-    an additive float bias [1, nh, q_len, k_len] (SDPA) or a FlexAlibi (FlexAttention)."""
+    an additive float bias [1, nh, q_len, k_len] (SDPA) or a FlexAlibi (FlexAttention). The
+    unit of selective recomputation (arXiv 2205.05198): checkpointing it keeps q, k and v and
+    recomputes the O(s²) scores, softmax and dropout mask, the same mask since
+    torch.utils.checkpoint restores the RNG state it saw in forward."""
     if not isinstance(bias, FlexAlibi):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
     if dropout_p > 0:
@@ -116,7 +102,10 @@ class PagedKV(Protocol):
 
 def eager_attention(q, k, v, bias):
     """q [n, q_len, hd], k and v [n, L, hd], bias [n, q_len, L] -> [n, q_len, hd] for n
-    independent (head, sequence) pairs, as HF's BloomAttention computes it."""
+    independent (head, sequence) pairs, as HF's BloomAttention computes it (baddbmm, fp32
+    softmax, bmm). Not SDPA, for serving: on CPU its fused kernel rounds a head differently
+    depending on the thread its work lands on, and so on the batch, which would break the
+    engine's batch invariance (bloomtrain.serve.runner)."""
     scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0,
                            alpha=1.0 / math.sqrt(q.shape[-1]))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -125,8 +114,10 @@ def eager_attention(q, k, v, bias):
 
 @dataclass
 class PagedAttention:
-    """One serving step's attention: the step's rows are `num_tokens` new tokens (then padding
-    rows, which attend to nothing), whose keys and values go to `write_slots` of `cache`.
+    """One serving step's attention metadata, which the model takes in place of the bias
+    (`BloomModel.forward(ids, paged=...)`); each layer writes its keys and values, then attends
+    per sequence. The step's rows are `num_tokens` new tokens packed into one row of tokens
+    (then padding rows, which attend to nothing), whose keys and values go to `write_slots`.
     - `prefills`: (start, end, table [1, W], read buffer, context length L, bias [nh, q, L])
       per prompt chunk: rows [start, end) attend to the first L positions of their blocks;
     - `decodes`: (rows [D], tables [D, W], read buffer, bias [nh * D, 1, W * block_size]) for

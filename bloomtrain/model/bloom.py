@@ -1,34 +1,13 @@
 """BLOOM (arXiv 2211.05100) as a single-device PyTorch module, with the parameter names of HF
-transformers' `BloomForCausalLM` so that checkpoints map one to one.
-
-What makes it BLOOM rather than GPT-2:
+transformers' `BloomForCausalLM` so that checkpoints map one to one. What makes it BLOOM rather
+than GPT-2:
 - ALiBi (arXiv 2108.12409) instead of position embeddings, with HF's / Megatron's slope formula
   (including head counts that are not a power of 2);
 - a LayerNorm right after the word embedding (`word_embeddings_layernorm`);
 - a fused `query_key_value` whose output is laid out per head: [b, s, heads, (q, k, v), head_dim];
 - pre-LN blocks, tanh-approximation GeLU, LayerNorm eps 1e-5 and an LM head tied to the embedding.
-
-The module has no distributed code. Tensor, sequence and pipeline parallelism are applied to it
-from outside (bloomtrain.parallel), which is why a few things are derived at run time instead of
-being fixed at construction: the number of local heads comes from the width of `query_key_value`,
-and the ALiBi slopes live in a buffer that a tensor-parallel plan slices to its own heads.
-
-Attention runs through bloomtrain.model.attention: SDPA with the ALiBi+causal bias as a float mask
-(the default, and the fastest correct kernel on CPU), or FlexAttention with ALiBi as a score_mod
-(`transformer.attention_impl = "flex"`, set from `train.attention`), or, when a serving step
-passes its paged-KV metadata (`paged`), the paged backend over the serving engine's KV cache. Softmax precision: in fp32 it
-is fp32; in bf16/fp16 the fused kernels accumulate the softmax (max, exp-sum) in fp32 and round the
-probabilities to the input dtype, which is what HF's `softmax(..., dtype=float32).to(dtype)` does
-too. The SDPA bias is built in fp32 from *relative* key positions (k - q <= 0), so the entries
-nearest the diagonal, which carry most of the weight, are exact even after rounding to bf16; HF
-uses absolute key positions, which is mathematically the same (softmax is shift-invariant) but
-rounds the larger values more coarsely.
-
-Activation checkpointing (`set_activation_checkpointing`): "full" recomputes every block in
-backward, as BLOOM did; "selective" recomputes only the attention core (Korthikanti et al.,
-arXiv 2205.05198), whose activations grow with s² but whose FLOPs are a small share of a block's.
-Fused attention kernels already keep no s² tensors (only the output and the log-sum-exp), so
-selective saves most where the core runs unfused: SDPA with dropout on CPU.
+The attention core's kernels are in bloomtrain.model.attention; the module has no distributed
+code (bloomtrain.parallel applies tensor, sequence and pipeline parallelism from outside).
 """
 from __future__ import annotations
 
@@ -68,9 +47,12 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_len: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The ALiBi + causal bias of n query sets at once: `q_pos` [n, q] (fp32 positions) against
-    keys 0..k_len-1 -> [heads, n, q, k_len], slope * (k - q) where k <= q, -inf after. Built in
-    fp32 from relative positions, then cast. Every ALiBi bias of the package is made here (the
-    training forward's, and each serving step's prefill chunks and padded decodes)."""
+    keys 0..k_len-1 -> [heads, n, q, k_len], slope * (k - q) where k <= q, -inf after. Every
+    ALiBi bias of the package is made here (the training forward's, and each serving step's
+    prefill chunks and padded decodes)."""
+    # In fp32 from *relative* positions (k - q <= 0), then cast: the entries nearest the
+    # diagonal, which carry most of the weight, stay exact in bf16. HF's absolute key positions
+    # are the same after softmax (it is shift-invariant) but round the larger values coarser.
     k_pos = torch.arange(k_len, device=q_pos.device, dtype=torch.float32)
     rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, q, k]
     bias = slopes.to(device=q_pos.device, dtype=torch.float32)[:, None, None, None] * rel
@@ -160,7 +142,9 @@ class BloomBlock(nn.Module):
 
 
 class BloomModel(nn.Module):
-    """HF's `transformer` submodule: embedding + embedding LN, blocks `h`, final `ln_f`."""
+    """HF's `transformer` submodule: embedding + embedding LN, blocks `h`, final `ln_f`. What a
+    parallel plan changes is derived at run time, not fixed here: the local head count from the
+    width of `query_key_value`, the ALiBi slopes from a buffer the plan slices to its heads."""
 
     def __init__(self, shape: BloomShape):
         super().__init__()
@@ -252,7 +236,11 @@ class BloomForCausalLM(nn.Module):
         return logits
 
     def set_activation_checkpointing(self, mode: str) -> None:
-        """none, selective (the attention core) or full (every block)."""
+        """none, selective or full. "full" recomputes every block in backward, as BLOOM did;
+        "selective" only the attention core (Korthikanti et al., arXiv 2205.05198), whose
+        activations grow with s² but whose FLOPs are a small share of a block's. Fused kernels
+        keep no s² tensors anyway, so selective saves most where the core runs unfused (SDPA
+        with dropout on CPU)."""
         self.transformer.set_activation_checkpointing(mode)
 
 

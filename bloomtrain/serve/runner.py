@@ -1,37 +1,15 @@
 """One forward step of the serving engine: the new tokens of every scheduled sequence packed into
 one padding-free row of tokens, run through the model's own forward (BloomModel.forward with
 `paged`: bloomtrain.model.attention's paged backend), attention per sequence over its blocks of
-the paged KV cache.
+the paged KV cache. A step holds, per sequence, `q_len` new tokens (a prefill chunk, or one
+token when decoding) at positions [ctx_len - q_len, ctx_len): row-wise work (embedding,
+LayerNorms, every matmul, GeLU) runs on all rows at once, attention per sequence (prefill chunks
+one call each, decodes in one batched call over keys padded to a common length).
 
-A step holds, per sequence, `q_len` new tokens (a prefill chunk, or one token when decoding) at
-positions [ctx_len - q_len, ctx_len). Row-wise work (embedding, LayerNorms, every matmul, GeLU)
-runs on all rows at once; attention runs per sequence, since each has its own context. This
-module only plans a step (`_plan`: where each token's keys and values go, which blocks each
-sequence reads, and the ALiBi bias of each, made by the model's `alibi_bias` from the
-sequence's own positions, so its scores never depend on where it sits in the batch):
-- prefill chunks: one attention call each;
-- decodes (q_len = 1): all in one batched call, each sequence's keys gathered from its blocks
-  and padded to the longest context of the step, rounded up to whole blocks and a multiple of
-  `DECODE_BUCKET`; padding keys are masked with -inf.
-
-Batch invariance. A request must produce the same tokens whatever else is being served, so no
-sequence's numbers may depend on the batch. On CPU its logits are bitwise the same, because:
-1. the rows of a matmul are padded to at least `min_rows`. CPU GEMMs (MKL) take a different
-   kernel, with a different summation order, for a handful of rows than for many, and from
-   some row count on compute each output row the same way whatever the count. Where that
-   count lies depends on the CPU and the library, so it is measured when the runner is built
-   (`batch_invariant_rows`: every distinct matmul of the model, probed at row counts up to a
-   step's largest); too many rows of padding cost a small step dearly (a lone decode padded
-   to 16 rows instead of 4 took over 40% longer on this project's 2-core CPU);
-2. prompts are cut into chunks at fixed positions (multiples of the chunk size), so a prefill's
-   shapes depend on its own sequence only;
-3. batched matmuls (bmm) compute each matrix of the batch alone, and a decode's attention does
-   not change when its keys are padded by whole multiples of 32 masked positions: the padding
-   only adds exact zeros, after the real positions, to the sums of the softmax and of p·V, whose
-   vector lanes stay where they were. tests/test_serve.py checks this, and the end-to-end
-   result, on the machine it runs on.
-On CUDA, cuBLAS picks kernels (split-K among them) by problem size, so there batched and alone
-agree to float rounding, not bitwise.
+Batch invariance: a request produces the same tokens whatever else is served. On CPU its logits
+are bitwise the same (matmul rows padded to `min_rows`, prompts cut at fixed positions, decode
+keys padded by whole DECODE_BUCKETs; each at its line); on CUDA, cuBLAS picks kernels (split-K
+among them) by problem size, so batched and alone agree to float rounding, not bitwise.
 """
 from __future__ import annotations
 
@@ -45,7 +23,18 @@ from bloomtrain.model.attention import PagedAttention
 from bloomtrain.model.bloom import alibi_bias
 from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
 
+# CPU GEMMs (MKL) take a different kernel, with a different summation order, for a handful of
+# rows than for many, and from some row count on compute each output row the same way whatever
+# the count: every matmul's rows are padded to at least that count (`min_rows`), measured when
+# the runner is built (batch_invariant_rows), since it depends on the CPU and the library. Too
+# many rows of padding cost a small step dearly (a lone decode padded to 16 rows, not 4, ran 40%
+# longer on a 2-core CPU).
 MIN_ROWS = 16       # rows of padding where none is measured (CUDA), or none was found to hold
+# A decode's keys are padded to the longest context of the step, rounded up to whole blocks and
+# a multiple of this, and masked with -inf: batched matmuls compute each matrix alone, and
+# padding by whole multiples of 32 masked positions only adds exact zeros after the real
+# positions to the sums of the softmax and of p·V, whose vector lanes stay where they were
+# (tests/test_serve.py checks it on the machine it runs on).
 DECODE_BUCKET = 32
 ROW_CANDIDATES = (1, 2, 4, 8, 16)
 # Row counts the probe tries: every count up to 33 (kernels switch at small counts), then
@@ -152,8 +141,8 @@ class ModelRunner:
     """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
     keeping keys and values in `cache`. `tp_group` is None or the group the model is split
     over; every rank of it runs the same batches, and `forward` returns the logits over the
-    whole vocabulary on each. `min_rows`: the rows every matmul is padded to (see the
-    module's doc; build_runner measures it, the same on every rank of `tp_group`)."""
+    whole vocabulary on each. `min_rows`: the rows every matmul is padded to (see MIN_ROWS;
+    build_runner measures it, the same on every rank of `tp_group`)."""
 
     def __init__(self, model, cache: PagedKVCache, tp_group=None, min_rows: int = MIN_ROWS):
         self.model = model
@@ -192,7 +181,7 @@ class ModelRunner:
         decodes = []
         if decoding:
             longest = max(s.ctx_len for s in decoding)
-            # Whole blocks, and a multiple of DECODE_BUCKET keys (see the module's doc).
+            # Whole blocks, and a multiple of DECODE_BUCKET keys (why: at DECODE_BUCKET).
             bucket = math.lcm(DECODE_BUCKET, bs)
             padded = -(-longest // bucket) * bucket
             width = padded // bs

@@ -1,35 +1,10 @@
-"""What the trainer watches besides the loss (issue 14): each rank's peak memory, stragglers, and
-the gradient analyser's vanishing and exploding blocks. Off the hot path: per step, a memory
-sample (only where no peak counter exists) and, every `train.grad_stats_interval` steps, the
-analyser inside the engine's step; per record, one all-gather of four numbers per rank.
-
-Memory, per rank, over the steps a record covers ("mem_peak_bytes" is the largest over ranks,
-"mem_peak_rank" whose it is, "mem_kind" what was measured):
-- CUDA ("cuda"): torch.cuda.max_memory_allocated, and max_memory_reserved ("mem_reserved_bytes"),
-  both reset after each read.
-- CPU ("rss_peak"): the kernel's peak resident set, VmHWM of /proc/self/status, reset after each
-  read by writing 5 to /proc/self/clear_refs (Linux >= 4.0): the true peak, transients
-  inside a step included.
-- CPU where that reset is refused ("rss_sampled"): the current RSS (/proc/self/statm) sampled at
-  the end of each step, the interval's largest sample. It misses peaks inside a step (the
-  activations are freed by its end).
-- Neither /proc ("rss_lifetime", e.g. macOS): ru_maxrss, the process's peak since it started.
-Nothing is reset before the first step, so the first record's peak also covers start-up
-(building the model, resuming).
-
-Stragglers. Each rank's mean step time over the record's steps is gathered with its "busy"
-time: step time less the time it stalled on its dp peers (the engine's WaitClock; why the step
-time alone cannot tell, and what the clock sees, is in bloomtrain/parallel/zero/waits.py). The
-record always carries "step_time_max_s" and "step_time_median_s" (wall time) and
-"busy_time_median_s"; when the busiest rank exceeds train.straggler_factor times the median busy
-time, it is named in the log and as "straggler_rank" with "straggler_ratio".
-
-Gradient analyser (bloomtrain/optim/grad_stats.py): on every `grad_stats_interval`-th step
-the step's per-entry gradient norms and update/weight ratios. An entry is flagged vanishing
-below 1e-8, exploding when its norm is non-finite or above 100 times the median entry norm;
-flags are logged at their step. The statistics go into the next record written (the same step's
-when it is a log step, as with the defaults 100 and 10) as "grad_stats", with the step they are
-from; when several analysed steps fall between two records, the record keeps the last.
+"""What the trainer watches besides the loss: each rank's peak memory, stragglers, and the
+gradient analyser's vanishing and exploding blocks. Off the hot path: per step, a memory sample
+(only where no peak counter exists) and, every `train.grad_stats_interval` steps, the analyser
+inside the optimizer's step; per record, one all-gather of four numbers per rank. A record
+carries "mem_peak_bytes" (the largest over ranks), "mem_peak_rank", "mem_kind",
+"step_time_max_s", "step_time_median_s", "busy_time_median_s", a straggler's "straggler_rank"
+and "straggler_ratio", and the last analysed step's "grad_stats".
 """
 from __future__ import annotations
 
@@ -44,6 +19,9 @@ import torch
 from bloomtrain.parallel import comm
 from bloomtrain.optim.grad_stats import GradStats
 
+# The gradient analyser's flags (bloomtrain/optim/grad_stats.py: per-entry gradient norms and
+# update/weight ratios): an entry is vanishing below this norm, exploding when its norm is not
+# finite or above EXPLODING times the median entry norm.
 VANISHING = 1e-8
 EXPLODING = 100.0  # times the median entry norm
 SHOWN_FLAGS = 6  # flags spelled out in one log line
@@ -85,7 +63,14 @@ def _lifetime_peak() -> int:
 
 
 class PeakMemory:
-    """This rank's peak memory since the last `take()`."""
+    """This rank's peak memory since the last `take()`, by the best measure the platform has:
+    - "cuda": torch.cuda.max_memory_allocated and max_memory_reserved, reset after each read;
+    - "rss_peak": the kernel's peak resident set (VmHWM of /proc/self/status), reset after each
+      read by writing 5 to /proc/self/clear_refs (Linux >= 4.0): transients inside a step too;
+    - "rss_sampled", where that reset is refused: the current RSS sampled at the end of each
+      step, which misses the peaks inside one (the activations are freed by its end);
+    - "rss_lifetime", without /proc (macOS): ru_maxrss, the peak since the process started.
+    Nothing is reset before the first step: the first record's peak covers start-up too."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -125,7 +110,9 @@ class PeakMemory:
 # ---- stragglers ----------------------------------------------------------------------------------
 
 def find_straggler(busy: list[float], factor: float) -> tuple[int, float] | None:
-    """(rank, its busy time over the median) of the busiest rank when that exceeds `factor`."""
+    """(rank, its busy time over the median) of the busiest rank when that exceeds `factor`.
+    Busy time is step time less the time a rank stalled on its dp peers (the engine's
+    WaitClock, bloomtrain/parallel/zero/waits.py: why step time alone cannot tell)."""
     median = statistics.median(busy)
     rank = max(range(len(busy)), key=busy.__getitem__)
     if median <= 0:
@@ -165,7 +152,8 @@ class Monitors:
     def __init__(self, train_cfg, topo, device: torch.device, engine):
         self.t, self.topo, self.device, self.engine = train_cfg, topo, device, engine
         self.memory = PeakMemory(device)
-        # The last analysed step's figures and its flags line, until a record takes them.
+        # The last analysed step's figures and its flags line, until a record takes them (the
+        # same step's when it is a log step; of several analysed steps, the last).
         self._grad_stats: dict | None = None
         self._flags_line: str | None = None
 
