@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -559,6 +560,46 @@ def test_cli_json_and_table(tmp_path):
     assert data["plans"][0]["label"] in table and "model states" in table
 
 
+def test_plan_config_reads_the_tokenizers_vocabulary_in_readable_units(tmp_path,
+                                                                       tiny_tokenizer_dir):
+    # issue 31: `plan --config` planned vocab 256 where training used the tokenizer's, printed
+    # "0.00B parameters" and a step of 0.0001907 in the step column.
+    from tokenizers import Tokenizer
+    n = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    padded = -(-n // 128) * 128               # model.make_vocab_size_divisible_by's default
+    assert padded != 256
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text(f"model: {{preset: tiny}}\ndata: {{tokenizer: {tiny_tokenizer_dir}, "
+                   f"seq_length: 64}}\ntrain: {{global_batch_size: 8, micro_batch_size: 1}}\n")
+    out = subprocess.run([sys.executable, "-m", "bloomtrain", "plan", "--config", str(cfg),
+                          "--gpus", "2", "--gpu", "cpu", "--top", "3"],
+                         capture_output=True, text=True, check=True).stdout
+    shape = BloomShape(vocab_size=padded, hidden_size=64, num_layers=4, num_heads=4,
+                       ffn_hidden_size=256)
+    params = shape.num_parameters()
+    assert f"{params / 1e3:.2f}K parameters (L=4, h=64, heads=4, vocab={padded})" in out, out
+    rows = [line for line in out.splitlines() if re.match(r" ?\d+  tp=", line)]
+    assert len(rows) == 3 and all(re.search(r" \d+(\.\d+)? (ms|us) ", r) for r in rows), rows
+    assert "CUDA, cuBLAS, NCCL" not in out    # a CPU process has no CUDA context
+    assert " 0.0 TFLOP/s" not in out
+
+
+def test_a_search_where_nothing_fits_sizes_no_variant(monkeypatch):
+    # issue 31: the no-fit search took minutes. A layout whose model states alone are over is
+    # rejected with all its micro-batch and recompute variants before any is sized.
+    memory = importlib.import_module("bloomtrain.planner.memory")
+    sized = []
+    real = memory.stage_memory
+    monkeypatch.setattr(memory, "stage_memory", lambda *a: sized.append(a) or real(*a))
+    evaluate_module = importlib.import_module("bloomtrain.planner.evaluate")
+    monkeypatch.setattr(evaluate_module.mem, "stage_memory", memory.stage_memory)
+    _, work, cluster = bloomtrain.planner.make_inputs(
+        model="bloom-176b", gpus=8, gpu_name="a100-40g", global_batch=64, seq=2048)
+    result = search(work, cluster)
+    assert not result.plans and result.evaluated > 100 and not sized
+    assert result.reasons["out of memory"] > 0
+
+
 # ---- calibration -----------------------------------------------------------------------------
 def test_calibrate_recovers_the_efficiency_of_a_run(tmp_path):
     # A run dir written as a real run writes it, with the step time the planner predicts at a
@@ -614,6 +655,8 @@ def test_trainer_logs_the_prediction_and_cuda_refuses_a_layout_that_does_not_fit
         total_memory = 2 ** 20  # a 1 MiB "GPU"
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     shape = resolve_model_config(cfg.model)
+    on_cpu, _ = plan_for_run(cfg, shape, 1, "cpu")   # issue 31: no CUDA context on a CPU
+    assert on_cpu.stages and all(s["context"] == 0 for s in on_cpu.stages)
     with pytest.raises(UserError, match=r"more than the 0.00 GiB this GPU has.*"
                                         r"train.ignore_plan=true"):
         plan_for_run(cfg, shape, 1, "cuda")
@@ -624,3 +667,4 @@ def test_trainer_logs_the_prediction_and_cuda_refuses_a_layout_that_does_not_fit
     cfg.train.ignore_plan = False
     plan, text = plan_for_run(cfg, shape, 1, "cuda")
     assert plan.fits and "the device has 1024.00 GiB" in text
+    assert all(s["context"] == 2 ** 30 for s in plan.stages)

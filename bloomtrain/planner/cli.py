@@ -78,7 +78,7 @@ def format_breakdown(p: Plan) -> str:
     for k in ("compute_s", "host_s", "tp_comm_s", "pp_p2p_s", "bubble_s", "dp_comm_exposed_s",
               "optimizer_s"):
         lines.append(f"    {k[:-2]:<20} {seconds(t[k]):>10}  {100 * t[k] / t['step_s']:5.1f}%")
-    lines.append(f"  {p.tflops_per_gpu:.1f} TFLOP/s per GPU (Megatron's formula), MFU "
+    lines.append(f"  {p.tflops_per_gpu:.4g} TFLOP/s per GPU (Megatron's formula), MFU "
                  f"{p.mfu * 100:.1f}%, {p.tokens_per_s:,.0f} tokens/s"
                  + (f", {p.days:.1f} days" if p.days is not None else ""))
     lines.append("  communication per step on rank 0, MiB: " + ", ".join(
