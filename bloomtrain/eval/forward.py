@@ -1,27 +1,8 @@
 """The forward passes of an evaluation, run by every rank of the job in lockstep on the same
-inputs (rank 0 broadcasts them: bloomtrain.eval.protocol).
-
-Scoring (`score`): the log-probability of given target tokens at given positions, and whether
-each is the greedy choice, for right-padded rows (a causal model never sees the padding of
-the positions that matter). Data-parallel replicas take equal slices of the rows (under ZeRO-3,
-whose weight gathers need every replica to run the same forwards, each takes all); a replica
-streams its slice through its pipeline in micro-batches (stage by stage, each stage sending
-its output on without waiting: the smallest unfinished (virtual stage, micro-batch) can always
-run, so nothing deadlocks); the last stage computes logits only at the queried positions
-(the LM head is the largest matmul of a short continuation's scoring) and reduces them over
-the vocabulary shards without ever gathering them (Megatron's vocab-parallel cross-entropy:
-max, sum of exponentials and the target's logit, each all-reduced over tp). Each query's
-(log-probability, greedy) then goes to rank 0: summed over dp (each query has one owner),
-broadcast from the last pipeline stage.
-
-Generation (`next_logits`): every replica runs the whole batch, keeping each chunk's keys and
-values (`KVCache`); the last stage gathers the last position's logits over tp and broadcasts
-them to the first stage, where rank 0 chooses the next tokens. Under sequence parallelism
-hidden states are sequence shards, which a one-token step cannot be: there the cache is off
-and each step runs the whole sequence, padded to a multiple of tp.
-
-The vocabulary is the model's whole (padded) output, as HF's BloomForCausalLM scores it and
-the harness's HF backend reads it.
+inputs (rank 0 broadcasts them: bloomtrain.eval.protocol): `score` (the log-probability of
+given target tokens and whether each is the greedy choice) and `next_logits` (generation). The
+vocabulary is the model's whole (padded) output, as HF's BloomForCausalLM scores it and the
+harness's HF backend reads it.
 """
 from __future__ import annotations
 
@@ -172,7 +153,18 @@ def _micro_rows(model: EvalModel, rows: int, seq: int, micro_rows: int | None) -
 @torch.no_grad()
 def score(model: EvalModel, batch: ScoreBatch, micro_rows: int | None = None) -> torch.Tensor:
     """[2, Q] fp32 on the CPU: each query's log-probability and greedy flag (0 or 1), complete
-    on the first pipeline stage of every replica (rank 0 among them)."""
+    on the first pipeline stage of every replica (rank 0 among them), for right-padded rows (a
+    causal model never sees the padding of the positions that matter).
+
+    Data-parallel replicas take equal slices of the rows (under ZeRO-3, whose weight gathers
+    need every replica to run the same forwards, each takes all). A replica streams its slice
+    through its pipeline in micro-batches, each stage sending its output on without waiting:
+    the smallest unfinished (virtual stage, micro-batch) can always run, so nothing deadlocks.
+    The last stage computes logits only at the queried positions (the LM head is the largest
+    matmul of a short continuation's scoring) and reduces them over the vocabulary shards
+    without gathering them (Megatron's vocab-parallel cross-entropy: max, sum of exponentials
+    and the target's logit, each all-reduced over tp). Each query's figures then go to rank 0:
+    summed over dp (each query has one owner), broadcast from the last pipeline stage."""
     topo = model.topo
     first, count, split = _replica_rows(model, batch.inputs.shape[0])
     out = torch.zeros((2, batch.q_row.numel()), dtype=torch.float32, device=model.device)
@@ -234,7 +226,11 @@ def next_logits(model: EvalModel, inputs: torch.Tensor, last: int,
                 cache: KVCache | None) -> torch.Tensor:
     """fp32 logits [b, V] at position `last` of `inputs` [b, S] (the new tokens, after the
     cache's), complete on the first pipeline stage; the chunks' keys and values go into
-    `cache` (None: not kept)."""
+    `cache` (None: not kept). Every replica runs the whole batch; the last stage gathers the
+    last position's logits over tp and broadcasts them to the first stage, where rank 0 chooses
+    the next tokens. Under sequence parallelism hidden states are sequence shards, which a
+    one-token step cannot be: there the cache is off and each step runs the whole sequence,
+    padded to a multiple of tp."""
     topo = model.topo
     b = inputs.shape[0]
     out = torch.empty((b, model.shape.vocab_size), dtype=torch.float32, device=model.device)

@@ -1,9 +1,7 @@
 """What every BLOOM parameter is, keyed by its HF name: how tensor parallelism splits it, whether
-it gets weight decay, how it is initialized, and which names are the tied embedding.
-
-These facts used to travel as attributes set on Parameter objects and as name lists repeated in
-several modules; here they are one table and a typed `ParamSpec` per parameter, held next to the
-parameters (in `ModelParts.specs`), never on them.
+it gets weight decay, how it is initialized, and which names are the tied embedding; one table
+and a typed `ParamSpec` per parameter, held next to the parameters (`ModelParts.specs`), never
+on them.
 
 The split dims follow Megatron-LM (arXiv 1909.08053): column-parallel matmuls (the fused
 query_key_value, whose per-head layout makes a block of rows a set of whole heads, and
@@ -13,13 +11,6 @@ whole; the embedding and the tied LM head split the vocabulary, dim 0. LayerNorm
 Weight decay: none for biases and LayerNorms (Megatron's `_get_params_for_weight_decay_
 optimization`). Initialization: Megatron's, normal(0, std) for weights, std / sqrt(2 * layers)
 for the two output projections of a block, zero biases, unit LayerNorm weights.
-
-Initial values are drawn per parameter from a generator seeded by the run seed and the
-parameter's logical name, in row blocks of at most `INIT_BLOCK_ELEMENTS` elements, block b from
-its own seed derived from the name's. Any rank can therefore produce exactly its piece of any
-parameter (a tp shard, a ZeRO range of it) without materializing the full tensor, and the values
-do not depend on the layout. Tensors of one block (every parameter of the test models) get the
-values a single `normal_` of the whole tensor gives.
 """
 from __future__ import annotations
 
@@ -128,7 +119,13 @@ def init_into(out: torch.Tensor, spec: ParamSpec, full_shape: tuple[int, ...], s
     """Write elements [start, start + out.numel()) of the flattened tp shard `tp_rank` of
     `tp_size` (along spec.tp_dim) of the parameter's initial value into the flat tensor `out`,
     generating only the row blocks that overlap them. `std` is the normal's, already scaled for
-    "scaled_normal". Returns `out`."""
+    "scaled_normal". Returns `out`.
+
+    Values are drawn per parameter from a generator seeded by the run seed and the logical name,
+    in row blocks of at most INIT_BLOCK_ELEMENTS, block b from its own seed derived from the
+    name's: any rank produces exactly its piece of any parameter (a tp shard, a ZeRO range)
+    without materializing the whole, and the values do not depend on the layout. A tensor of
+    one block (every parameter of the test models) gets what one `normal_` of it gives."""
     end = start + out.numel()
     if spec.init in ("zeros", "ones"):
         return out.fill_(1.0 if spec.init == "ones" else 0.0)

@@ -1,33 +1,11 @@
-"""The HTTP front end and the engine in two processes, as `bloomtrain serve` runs them.
-
-Why two processes. In one, the engine's thread and the event loop share the GIL: every torch
-op of a step hands the GIL over and takes it back, and while the loop is writing a step's
-server-sent events (one JSON event per sequence per token) the engine waits for it at each op,
-so that the two serialize, and worse, convoy. Split, the engine process does nothing but
-schedule and run steps, and the front end parses requests, tokenizes prompts and writes events
-on another core, at the same time (vLLM's API server and engine core split the same way).
-
-The engine process is the launching one (under tensor parallelism: rank 0, the rank that
-schedules and broadcasts), so the model, the process group and the engine stay where they were;
-it starts the front end as a child (multiprocessing, spawn) and runs `serve_engine` on its main
-thread. They talk over one multiprocessing Pipe:
+"""The HTTP front end and the engine in two processes, as `bloomtrain serve` runs them (vLLM's
+API server and engine core split the same way). The engine process is the launching one (under
+tensor parallelism rank 0, which schedules and broadcasts); it starts the front end as a
+spawned child and runs `serve_engine` on its main thread. They talk over one Pipe:
 - front end -> engine: ("submit", id, prompt ids, SamplingParams), ("abort", id),
   ("metrics", token), ("stop_accepting",), ("bye",);
 - engine -> front end: ("out", [(id, SeqOutput)], gauges) once per step, ("metrics", token,
   snapshot), ("error", text) when a step failed.
-
-`RemoteEngine` stands in for the Engine in the front end: both implement
-bloomtrain.serve.interface.EngineClient, so the HTTP handlers call the same `check_request`,
-`submit`, `abort` and `stop_accepting`, and get the same SeqOutputs through `dispatch`, and the
-in-process engine the tests drive and the split one behave alike. Requests are checked in the front end (the same
-`check_request`) so a bad one never crosses; the queue limit is checked there against the
-engine's last reported queue depth plus what was sent since, and the engine still enforces it
-exactly (a request it refuses after all ends with an overload error, a 503).
-
-Stopping. SIGTERM or SIGINT reaching the engine process is passed on to the front end, which
-drains (stops listening, lets the requests in flight finish, the engine still stepping), says
-"bye" and exits; the engine process then stops. If either process dies, the other sees the pipe
-close: the engine process stops, and the front end fails what is in flight and drains out.
 """
 from __future__ import annotations
 
@@ -106,7 +84,10 @@ def _handle(engine, msg, ids: dict[int, int], send) -> bool:
 def serve_engine(engine, conn, frontend=None, log=print) -> None:
     """Run `engine` for the front end at the other end of `conn` until it says bye or goes
     away. `frontend` (a multiprocessing Process) gets the SIGTERM/SIGINT this process
-    receives. Call on the main thread (signal handlers); `engine` must not be started."""
+    receives: it drains (stops listening, lets the requests in flight finish, the engine still
+    stepping), says "bye" and exits, and this process then stops. If either process dies, the
+    other sees the pipe close: this one stops, the front end fails what is in flight and drains
+    out. Call on the main thread (signal handlers); `engine` must not be started."""
     ids: dict[int, int] = {}  # front-end id -> engine sequence id
 
     def send(msg) -> None:
@@ -147,6 +128,11 @@ def serve_engine(engine, conn, frontend=None, log=print) -> None:
 
 def start_frontend(opts: dict, info: dict):
     """Start the HTTP front end (a spawned process); returns (process, connection)."""
+    # Two processes, because in one the engine's thread and the event loop share the GIL: every
+    # torch op of a step hands it over and takes it back, and while the loop writes a step's
+    # server-sent events (one per sequence per token) the engine waits at each op, so the two
+    # serialize, and worse, convoy. Split, the engine only schedules and runs steps while the
+    # front end parses, tokenizes and writes events on another core.
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -163,7 +149,12 @@ def start_frontend(opts: dict, info: dict):
 class RemoteEngine:
     """The engine as the HTTP handlers see it, in the front-end process: requests go down the
     pipe, and each step's outputs come back on a reader thread, which hands them to
-    `dispatch` (set by the server: onto its event loop) with each id's sink."""
+    `dispatch` (set by the server: onto its event loop) with each id's sink. Like the Engine it
+    is an EngineClient (bloomtrain.serve.interface), so the handlers, and the tests that drive
+    the in-process engine, see both alike. Requests are checked here (the same `check_request`)
+    so a bad one never crosses; the queue limit is checked against the engine's last reported
+    depth plus what was sent since, and the engine still enforces it exactly (a request it
+    refuses after all ends with an overload error, a 503)."""
 
     def __init__(self, conn, config, *, vocab_limit: int, has_tokenizer: bool):
         self.conn, self.config = conn, config

@@ -3,21 +3,8 @@
 `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, `GET /health` and
 `GET /metrics` (Prometheus text). What a request may hold and what a response looks like is
 bloomtrain.serve.protocol's; this module runs the requests on the engine (any
-bloomtrain.serve.interface.EngineClient) and shuts down in order.
-
-Why aiohttp rather than FastAPI + uvicorn: one dependency gives the server, the test client and
-the HTTP client the load benchmark drives it with, on one event loop; the handler reads the raw
-body, so bad UTF-8, malformed JSON and bad fields get our own OpenAI-style 400 messages rather
-than a framework's validation errors; `handler_cancellation` cancels a handler whose client
-hangs up, even one that is not streaming, which is how a disconnect frees its sequences' slots
-and KV blocks at once; and the listening socket, the in-flight count and shutdown are plain
-objects we can drain in order on SIGTERM.
-
-Errors: every 4xx/5xx answer is JSON, {"error": {"message", "type", "param", "code"}}, as
-OpenAI's. A full queue is 503 with `Retry-After`, and so is a request that arrives while the
-server drains: the listener stays open during the drain, so probes and clients read the 503
-rather than a refused connection. A stream still running when `--drain-timeout` ends gets an
-error event and `data: [DONE]`.
+bloomtrain.serve.interface.EngineClient) and shuts down in order. Every 4xx/5xx answer is JSON,
+{"error": {"message", "type", "param", "code"}}, as OpenAI's.
 """
 from __future__ import annotations
 
@@ -28,6 +15,12 @@ import time
 import uuid
 from dataclasses import replace
 
+# aiohttp rather than FastAPI + uvicorn: one dependency gives the server, the test client and
+# the load benchmark's HTTP client, on one event loop; the handler reads the raw body, so bad
+# UTF-8, malformed JSON and bad fields get our own OpenAI-style 400s rather than a framework's
+# validation errors; `handler_cancellation` cancels a handler whose client hangs up, even one
+# not streaming, which frees its sequences' slots and KV blocks at once; and the listening
+# socket, the in-flight count and shutdown are plain objects we drain in order on SIGTERM.
 from aiohttp import web
 
 from bloomtrain.serve import protocol as proto
@@ -49,6 +42,8 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def _retry_later(message: str) -> web.Response:
+    """A full queue, or a request that arrives while the server drains: the listener stays open
+    during the drain, so probes and clients read this 503 rather than a refused connection."""
     return error_response(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

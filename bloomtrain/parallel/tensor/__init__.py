@@ -1,26 +1,10 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al., arXiv 1909.08053) and sequence parallelism
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-arXiv 2205.05198), applied to the single-device `BloomForCausalLM` by a plan.
-
-One module per concern, in reading order:
-1. `regions`: the communication ops as autograd functions: Megatron's `f` (identity forward,
-   all-reduce backward) and `g` (all-reduce forward, identity backward), and the sequence-parallel
-   pairs all-gather/reduce-scatter along the sequence;
-2. `layers`: the layers that hold one shard each: column-, row- and vocab-parallel, and the LM
-   head tied to the vocab-parallel embedding;
-3. `loss`: the vocab-parallel cross-entropy, which never materializes the full logits;
-4. `rng`: the dropout RNG of tensor-parallel regions;
-5. `plan`: the plan, `apply_tensor_parallel`, which swaps the model's modules in place.
-Everything public is re-exported here, so `from bloomtrain.parallel.tensor import X` works for
-every X of those modules.
-
-Layout: hidden states are [b, s, h], batch first, so sequence parallelism splits dim 1.
-Collectives work on dim 0, so the sequence dim is moved to the front around each of them.
-
-How each parameter splits (its dim, or replicated) and which gradients are partial sums over tp
-under sequence parallelism (the LayerNorms and row-parallel biases, which see only this rank's
-part of the sequence) are facts of the parameter specs in bloomtrain.model.params; the optimizer
-reads them there.
+(Korthikanti et al., arXiv 2205.05198), applied to the single-device `BloomForCausalLM` by a
+plan, one module per concern in reading order: `regions` (Megatron's f and g, the
+sequence-parallel all-gather/reduce-scatter pairs), `layers` (column-, row- and vocab-parallel,
+the tied LM head), `loss` (vocab-parallel cross-entropy), `rng` (dropout RNG of the regions) and
+`plan` (`apply_tensor_parallel`). Everything public is re-exported here. How each parameter
+splits, and which gradients are partial over tp, is in bloomtrain.model.params.
 """
 from bloomtrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding, VocabParallelLMHead)
