@@ -6,9 +6,12 @@ without the option, the bytes of a real training step (gloo, dp=4, ZeRO-1 and Ze
 error-feedback residual through a checkpoint, and the refused combinations."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from bloomtrain import checkpoint as ckpt
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import BloomShape
@@ -16,6 +19,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero import compress
 from tests import helpers
 from tests.dist import run_ranks
+from tests.test_train import dataset  # noqa: F401  (fixture)
 
 SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=256)
 SEQ = 16
@@ -195,3 +199,82 @@ def test_refused_combinations(parallel, message):
     cfg = Config.from_dict({"parallel": parallel, "train": {"train_iters": 1}})
     with pytest.raises(UserError, match=message):
         cfg.check()
+
+
+# ---- the error-feedback residual through a checkpoint --------------------------------------------
+
+EF = {"zero_stage": 1, "grad_reduce_dtype": "int8", "grad_error_feedback": True}
+
+
+def _ef_cfg(dataset, tmp, resume="auto", **parallel):
+    from tests.test_train import make_cfg
+    return make_cfg(dataset, Path(tmp), parallel={**EF, **parallel}, train__precision="bf16",
+                    train__micro_batch_size=1, train__train_iters=6,
+                    checkpoint={"dir": f"{tmp}/ck", "save_interval": 3, "async_save": False,
+                                "keep_last": None, "resume": resume})
+
+
+def _ef_resume_rank(rank, world, dataset, tmp, zero_stage):
+    from bloomtrain.train import Trainer
+    out = {}
+    full = Trainer(_ef_cfg(dataset, f"{tmp}/full", zero_stage=zero_stage), log=lambda *a: None)
+    out["full"] = full.run().losses
+    bufs = full.engine.bufs
+    out["full_state"] = {k: getattr(bufs, k).clone() for k in ("master", "exp_avg",
+                                                                "grad_residual")}
+    at3 = ckpt.list_checkpoints(Path(tmp) / "full" / "ck")[0][1]
+    resumed = Trainer(_ef_cfg(dataset, f"{tmp}/resumed", resume=str(at3), zero_stage=zero_stage),
+                      log=lambda *a: None)
+    out["start"] = resumed.state.step
+    out["resumed"] = resumed.run().losses
+    bufs = resumed.engine.bufs
+    out["resumed_state"] = {k: getattr(bufs, k).clone() for k in out["full_state"]}
+    return out
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_resume_with_error_feedback_is_bitwise(dataset, tmp_path, zero_stage):
+    outs = run_ranks(2, _ef_resume_rank, dataset, str(tmp_path), zero_stage)
+    for rank, out in enumerate(outs):
+        assert out["start"] == 3
+        assert out["resumed"] == out["full"][3:], rank
+        assert out["full_state"]["grad_residual"].abs().max() > 0  # it is in use
+        for key, t in out["full_state"].items():
+            assert torch.equal(out["resumed_state"][key], t), (rank, key)
+
+
+def _ef_reshard_rank(rank, world, dataset, tmp, saved):
+    from bloomtrain.train import Trainer
+    cfg = _ef_cfg(dataset, f"{tmp}/dp{world}", resume=saved)
+    cfg.train.train_iters = 3  # nothing left to train: run() only finishes the trainer
+    t = Trainer(cfg, log=lambda *a: None)
+    bufs = t.engine.bufs
+    # Back to full tensors by name, the padding left out.
+    out = ({s.name: bufs.grad_residual[s.full_off:s.full_off + s.numel].clone()
+            for s in bufs.layout.slots}, t.state.step)
+    t.run()
+    return out
+
+
+def _ef_save_rank(rank, world, dataset, tmp):
+    from bloomtrain.train import Trainer
+    cfg = _ef_cfg(dataset, f"{tmp}/dp2")
+    cfg.train.train_iters = 3
+    Trainer(cfg, log=lambda *a: None).run()
+
+
+def test_reshard_with_error_feedback_follows_the_rule(dataset, tmp_path):
+    """dp 2 -> 4: every new rank holds the saved residuals' sum / 4 (the total owed is kept);
+    dp 2 -> 2 on the other stage layout: each rank its own."""
+    run_ranks(2, _ef_save_rank, dataset, str(tmp_path))
+    saved = ckpt.list_checkpoints(tmp_path / "dp2" / "ck")[-1][1]
+    reader = ckpt.CheckpointReader(saved, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+    assert ckpt.residual_kinds(reader.manifest) == ["grad_residual_dp0", "grad_residual_dp1"]
+    e = [{n: reader.load(n, f"grad_residual_dp{s}").reshape(-1) for n in reader.names()}
+         for s in range(2)]
+    outs = run_ranks(4, _ef_reshard_rank, dataset, str(tmp_path), str(saved))
+    for residual, step in outs:
+        assert step == 3
+        for name, t in residual.items():
+            torch.testing.assert_close(t, (e[0][name] + e[1][name]) / 4, rtol=0, atol=0)
+    assert any(float(t.abs().max()) > 0 for t in outs[0][0].values())

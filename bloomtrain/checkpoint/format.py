@@ -24,6 +24,27 @@ FORMAT = "bloomtrain-checkpoint"
 FORMAT_VERSION = 2
 MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
+# parallel.grad_error_feedback's residuals, one kind per dp rank of the run that saved them, in the
+# optim files (bloomtrain/parallel/zero/state.py: what they are and how a resume reshards them).
+RESIDUAL_PREFIX = "grad_residual_dp"
+
+
+def residual_kind(dp_rank: int) -> str:
+    return f"{RESIDUAL_PREFIX}{dp_rank}"
+
+
+def is_residual_kind(kind) -> bool:
+    return (isinstance(kind, str) and kind.startswith(RESIDUAL_PREFIX)
+            and kind[len(RESIDUAL_PREFIX):].isdigit())
+
+
+def residual_kinds(manifest: dict) -> list[str]:
+    """The residual kinds a checkpoint holds, by saving dp rank (every fragment holds the same
+    kinds: check_manifest)."""
+    for t in manifest.get("tensors", {}).values():
+        found = [k for k in t["fragments"][0]["keys"] if is_residual_kind(k)]
+        return sorted(found, key=lambda k: int(k[len(RESIDUAL_PREFIX):]))
+    return []
 TIED_ALIAS = {LM_HEAD: EMBEDDING}  # the tied LM head is stored once, as the embedding
 _FRAGMENT_KEYS = ("files", "keys", "dtypes", "tp_dim", "tp_rank", "tp_size", "offset", "numel")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -123,7 +144,7 @@ def _check_fragments(bad, name: str, t, files: dict, file_bytes: dict[str, int])
             raise bad(f"{where}: files, keys and dtypes must be objects")
         here = set(fr["keys"])
         if here != set(fr["files"]) or here != set(fr["dtypes"]) or "model" not in here or \
-                not here <= set(MODEL_KINDS + OPTIM_KINDS):
+                not all(k in MODEL_KINDS + OPTIM_KINDS or is_residual_kind(k) for k in here):
             raise bad(f"{where}: files, keys and dtypes must name the same kinds, 'model' and "
                       f"optionally {list(OPTIM_KINDS)}; got {sorted(map(str, here))}")
         if kinds is not None and here != kinds:

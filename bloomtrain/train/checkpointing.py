@@ -337,7 +337,9 @@ class TrainCheckpoints:
         master = ckpt.LazyState(names, lambda n: shard(n, "model"))
         if not reader.has("exp_avg"):
             return master, None
-        keys = [f"{k}.{n}" for k in ckpt.OPTIM_KINDS for n in names]
+        # With the error-feedback residuals of every saving dp rank (zero/state.py's rule).
+        kinds = ckpt.OPTIM_KINDS + tuple(ckpt.residual_kinds(reader.manifest))
+        keys = [f"{k}.{n}" for k in kinds for n in names]
         return master, ckpt.LazyState(keys, moment)
 
     def _restore_rng(self, manifest: dict) -> None:
