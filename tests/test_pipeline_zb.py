@@ -321,3 +321,19 @@ def test_trainer_matches_plain_loop(trainer_runs, dataset, tmp_path, world, name
     assert _rel_l2(state["exp_avg"], ref.exp_avg) < tol["moments"]
     assert got["eval_loss"] == pytest.approx(reference_eval(cfg, state["model"]),
                                              rel=tol["eval"])
+
+
+def test_deferring_linear_outside_b_is_an_ordinary_backward():
+    """Under the mode but outside a B (the first stage's fused B and W), a backward leaves
+    nothing in the store and gives autograd's gradients."""
+    torch.manual_seed(0)
+    ref, lin = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    lin.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 5, 8)
+    ref(x).square().sum().backward()
+    store = WeightGradStore()
+    with DeferWeightGrads(store):
+        lin(x).square().sum().backward()
+    assert store.pending() == 0
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)

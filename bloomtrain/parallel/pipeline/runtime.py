@@ -215,7 +215,9 @@ class _Step:
             # The step's gradient is the mean over micro-batches, as one process averaging the
             # micro-batch losses gets it.
             out = self.scale_loss(out / self.num_micro)
-        if self.store is None:
+        # The first stage sends no input gradient, and under zb-h1 its W follows its B at once:
+        # one backward does both, holding what 1F1B holds (W then finds nothing left to do).
+        if self.store is None or chunk.is_first:
             _backward(out, grad)
             inp_grad = None if chunk.is_first else inp.grad
         else:

@@ -80,7 +80,8 @@ def zb_h1_schedule(pp_size: int, pp_rank: int, num_micro: int, num_chunks: int =
     F, B, W per micro-batch, but holds back its W passes by r micro-batches, so the last ranks'
     W fill their warm-up and cool-down waits. A micro-batch's activations live from its F to its
     W, so every rank holds at most min(pp, m) micro-batches: the peak of 1F1B (its first stage's),
-    which ZB-H1 keeps on every stage. Bubble with m >= pp: (p-1)(T_F + T_B - T_W), against
+    which ZB-H1 keeps on every stage. Rank 0 holds back nothing: its op list is 1F1B's with each
+    W right after its B. Bubble with m >= pp: (p-1)(T_F + T_B - T_W), against
     1F1B's (p-1)(T_F + T_B + T_W)."""
     num_warmup = min(pp_size - pp_rank - 1, num_micro)
     warmup = [Op("F", 0, i, "warmup") for i in range(num_warmup)]

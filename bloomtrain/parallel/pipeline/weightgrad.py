@@ -5,9 +5,10 @@ optimizer step, so the schedule (zb-h1) can run it later, in a bubble.
 
 The model is not changed. While `DeferWeightGrads` is active (a TorchFunctionMode, so it reaches
 every `F.linear`: nn.Linear, the tensor-parallel column and row layers and the LM head alike), a
-linear layer runs as `_LinearDeferredWeightGrad`, whose backward returns the input's gradient only
-and leaves (input, output gradient) in the store: a weight gradient is the matmul
-dy^T·x, the half of a linear layer's backward that W runs. `backward_input` (B) takes the
+linear layer runs as `_LinearDeferredWeightGrad`, whose backward inside a B returns the input's
+gradient only and leaves (input, output gradient) in the store: a weight gradient is the matmul
+dy^T·x, the half of a linear layer's backward that W runs. Outside a B (the first stage, which
+has no input gradient to send, runs B and W as one backward) it is an ordinary linear. `backward_input` (B) takes the
 gradients of the stage input and of the parameters outside linear layers (LayerNorm, the
 embedding) without accumulating them; `WeightGradStore.run` (W) adds the deferred matmuls and
 hands every parameter gradient of the micro-batch to autograd in one pass, so the parameters'
@@ -48,10 +49,10 @@ class WeightGradStore:
             sums[p] = g if p not in sums else sums[p] + g
 
         for weight, bias, x, dy in self.linears.pop(key, []):
-            dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out]
-            add(weight, dy2.t().mm(x.reshape(-1, x.shape[-1])))  # [out, in]
+            dw, db = _weight_grads(x, dy, bias is not None)
+            add(weight, dw)
             if bias is not None:
-                add(bias, dy2.sum(0))
+                add(bias, db)
         for p, g in self.grads.pop(key, []):
             add(p, g)
         if sums:
@@ -61,6 +62,12 @@ class WeightGradStore:
 
     def pending(self) -> int:
         return len(set(self.linears) | set(self.grads))
+
+
+def _weight_grads(x, dy, with_bias: bool):
+    """A linear layer's weight and bias gradients from its input and output gradient."""
+    dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out]
+    return dy2.t().mm(x.reshape(-1, x.shape[-1])), dy2.sum(0) if with_bias else None  # [out, in]
 
 
 class _LinearDeferredWeightGrad(torch.autograd.Function):
@@ -74,9 +81,14 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # dy: [..., out]
         (x,) = ctx.saved_tensors
-        ctx.store.put_linear(ctx.weight, ctx.bias if ctx.needs_input_grad[2] else None, x, dy)
+        bias = ctx.bias if ctx.needs_input_grad[2] else None
         dx = dy.matmul(ctx.weight) if ctx.needs_input_grad[0] else None  # [..., in]
-        return dx, None, None, None
+        if ctx.store.key is not None:  # inside a B: W comes later
+            ctx.store.put_linear(ctx.weight, bias, x, dy)
+            return dx, None, None, None
+        # An ordinary backward (the first stage's, which does B and W at once).
+        dw, db = _weight_grads(x, dy, bias is not None)
+        return dx, dw, db, None
 
 
 class DeferWeightGrads(TorchFunctionMode):
