@@ -1,22 +1,9 @@
 """EleutherAI's lm-evaluation-harness model interface (`lm_eval.api.model.TemplateLM`) over a
 bloomtrain model of any layout: this object lives on rank 0 and sends its batches through an
-Executor (bloomtrain.eval.protocol) to every rank.
-
-What the harness's own HF backend does, so that the numbers are the same:
-- tokenization: the harness's (TemplateLM splits context and continuation; an empty context is
-  the prefix token: BOS when the tokenizer names one, else end-of-text);
-- inputs longer than `max_length` lose tokens on the left, and rolling loglikelihoods use its
-  windows (lm_eval.utils.get_rolling_token_windows) of `max_length`;
-- log-probabilities over the model's whole output (its padded vocabulary), and is-greedy as
-  torch.argmax's first maximum;
-- requests sorted longest first and batched by length (lm_eval's Collator), with its cache of
-  prefix logits: requests whose context plus all but the last continuation token are the same
-  (the choices of a multiple-choice question that differ only in their last token) share one
-  row, each scored at the last position by its own token.
-
-Where it differs: the LM head runs only at the scored positions, and log-probabilities are
-computed in fp32 whatever the model's dtype. The results go through the harness's request
-cache hook like any backend's.
+Executor (bloomtrain.eval.protocol) to every rank. It does what the harness's own HF backend
+does, so that the numbers are the same (BloomtrainLM says what that is), except that the LM head
+runs only at the scored positions and log-probabilities are computed in fp32 whatever the
+model's dtype. The results go through the harness's request cache hook like any backend's.
 """
 from __future__ import annotations
 
@@ -57,7 +44,18 @@ def named_token_id(tokenizer, key: str) -> int | None:
 
 class BloomtrainLM(TemplateLM):
     """`batch_size`: rows per command (spread over the data-parallel replicas); `info`: what
-    the harness's results JSON records about the model (config.model_*)."""
+    the harness's results JSON records about the model (config.model_*). As the harness's HF
+    backend does:
+    - tokenization is the harness's (TemplateLM splits context and continuation; an empty
+      context is the prefix token: BOS when the tokenizer names one, else end-of-text);
+    - inputs longer than `max_length` lose tokens on the left, and rolling loglikelihoods use
+      its windows (lm_eval.utils.get_rolling_token_windows) of `max_length`;
+    - log-probabilities are over the model's whole (padded) output, and is-greedy is
+      torch.argmax's first maximum;
+    - requests are sorted longest first and batched by length (lm_eval's Collator), with its
+      cache of prefix logits: requests whose context plus all but the last continuation token
+      are the same (choices that differ only in their last token) share one row, each scored
+      at the last position by its own token."""
 
     def __init__(self, executor, tokenizer, *, max_length: int, batch_size: int,
                  info: dict | None = None, progress: bool = True):

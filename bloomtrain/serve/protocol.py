@@ -6,17 +6,10 @@ and send what comes out.
 
 Fields. A field sent with its neutral value is accepted everywhere (`n: 1`, `best_of: 1`,
 penalties 0, `repetition_penalty: 1`, `logit_bias: {}`, `suffix: null`, `seed: null`, `user`),
-as are OpenAI's sampling fields and vLLM's extras (`top_k`, `min_tokens`, `repetition_penalty`,
-`ignore_eos`). A field this server does not know is ignored and named (the handler puts the
-names in the `X-Ignored-Fields` header and the log), as vLLM ignores and logs them; with
-`--strict-fields` it is a 400 instead. A known field asking for what the server cannot do (a
-`suffix`, `tools`, a JSON `response_format`) is a 400 that says so.
-
-`n` and `best_of`: each prompt is sampled `best_of` times (default `n`); sample j of a request
-with `seed` s draws from a generator seeded s + j (vLLM's child requests), so `n: 4, seed: s`
-gives the samples of four requests with seeds s, s+1, s+2, s+3. With `best_of` > `n` the `n`
-samples of highest cumulative log-probability (the model's own, see
-bloomtrain.serve.sampling) are returned, best first; choice i*n + j is prompt i's j-th.
+as are OpenAI's sampling fields and vLLM's extras. A field this server does not know is ignored
+and named (in the `X-Ignored-Fields` header and the log), as vLLM does; with `--strict-fields`
+it is a 400. A known field asking for what the server cannot do (a `suffix`, `tools`, a JSON
+`response_format`) is a 400 that says so.
 """
 from __future__ import annotations
 
@@ -231,7 +224,12 @@ def sampling_params(body, max_tokens_key: str = "max_tokens",
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a request asks to be generated for each prompt, as the engine's sequences."""
+    """What a request asks to be generated for each prompt, as the engine's sequences. Each
+    prompt is sampled `best_of` times (default `n`); sample j of a request with `seed` s draws
+    from a generator seeded s + j (vLLM's child requests), so `n: 4, seed: s` gives the samples
+    of four requests with seeds s..s+3. With `best_of` > `n` the `n` samples of highest
+    cumulative log-probability (the model's own: bloomtrain.serve.sampling.logprob_entries)
+    are returned, best first; choice i*n + j is prompt i's j-th."""
 
     params: SamplingParams
     n: int

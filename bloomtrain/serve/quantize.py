@@ -1,22 +1,10 @@
 """INT8 weight-only quantization for inference: per-output-channel symmetric absmax, the
 vector-wise quantization of LLM.int8() (Dettmers et al., arXiv 2208.07339, the scheme BLOOM-176B
-was first served with in int8) without its fp16 outlier decomposition.
-
-Each output channel (row) of a weight W [out, in] gets one scale s = max|W_row| / 127 and is
-stored as round(W_row / s) in int8, so the matrix takes 1 byte per element instead of 4 (fp32)
-or 2 (bf16), plus one fp32 scale per row. The matmul dequantizes inside: x Wᵀ = (x Qᵀ) * s, the
-int8 weight cast to the activation dtype and the scale applied to the output columns.
-torch's int8 weight kernel (`aten._weight_int8pack_mm`) computes the same thing, but on AVX2
-CPUs it was 10-100x slower than this cast in our measurements, so it is not used.
-
-What is quantized: every linear layer of the blocks and the word embedding, which is also the
-tied LM head (a row of the embedding is an output channel of the head, so one int8 table with
-per-row scales serves both). LayerNorms and biases stay in floating point.
-
-Tensor parallelism: quantize after the split. Column- and vocab-parallel shards hold whole rows,
-so their scales are local; a row-parallel shard holds part of each row, and the absmax is
-all-reduced (max) over the tp group, so every rank uses the scales of the full row and a tp=2
-model holds exactly the int8 values of the tp=1 one.
+was first served with in int8) without its fp16 outlier decomposition. Each output channel (row)
+of a weight W [out, in] gets one scale s = max|W_row| / 127 and is stored as round(W_row / s) in
+int8; the matmul dequantizes inside: x Wᵀ = (x Qᵀ) * s. Every linear layer of the blocks and the
+word embedding (also the tied LM head: a row of the embedding is an output channel of the head)
+are quantized; LayerNorms and biases stay in floating point.
 """
 from __future__ import annotations
 
@@ -29,7 +17,9 @@ QUANTIZE_CHOICES = ("int8",)
 
 def quantize_rows(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 weight, fp32 per-row scale) of `weight` [out, in]. With `group`, the rows are
-    shards of longer rows split over it, and the scale is the full row's."""
+    shards of longer rows split over it (row-parallel), and the absmax is all-reduced (max)
+    over it, so a tp=2 model holds exactly the int8 values of the tp=1 one; column- and
+    vocab-parallel shards hold whole rows, so their scales are local."""
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
     if group is not None:
@@ -43,6 +33,8 @@ def quantize_rows(weight: torch.Tensor, group=None) -> tuple[torch.Tensor, torch
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., in] times the int8 weight q [out, in] with row scales [out] -> [..., out]."""
+    # torch's int8 weight kernel (aten._weight_int8pack_mm) computes the same, but on AVX2 CPUs
+    # it was 10-100x slower than this cast when measured, so it is not used.
     return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
 
 

@@ -1,22 +1,7 @@
 """The trainer's side of checkpoints: what a training checkpoint holds besides the engine's
 fragments (train state, optimizer scalars, the layout that wrote it, each rank's RNG), and how a
-run resumes from one written by any layout.
-
-Resuming reads, for every local parameter, this rank's tp shard of the full parameter (only the
-fragments of that shard when the checkpoint was written with the same tp split) and hands the
-engine full tp-local tensors one at a time; the engine keeps its own ranges. RNG states (the
-default generators, which tensor parallelism's dropout streams fork from) are restored per rank
-when the rank grid is unchanged, so dropout continues exactly; otherwise every rank takes rank
-0's. A loss-spike rollback (train.on_loss_spike=rollback) loads the run's last checkpoint through
-the same path.
-
-A save that fails (the writer has made every rank agree on that, and left nothing behind) is
-handled by `checkpoint.on_save_error`: `continue` logs it and the run tries again at its next save
-interval, `stop` ends the run with the error. The run's last save, at its end or on a stop signal,
-has no next interval: its failure ends the run with an error either way, so that a run never
-exits 0 without its final state on disk. An async save's failure is known only when the next
-save, a rollback or the end of the run waits for it; the run's `last` checkpoint moves to a save
-only once it has committed.
+run resumes from one written by any layout (a loss-spike rollback loads the run's last
+checkpoint through the same path).
 """
 from __future__ import annotations
 
@@ -205,12 +190,17 @@ class TrainCheckpoints:
 
     def save(self, state: TrainState) -> Path | None:
         """Save `state` (collective) at a save interval; its checkpoint's path, or None when the
-        save failed and training goes on (checkpoint.on_save_error=continue)."""
+        save failed and training goes on (checkpoint.on_save_error=continue: the next interval
+        tries again; `stop` ends the run with the error). The writer has made every rank agree
+        on a failure and left nothing behind. An async save's failure is known only when the
+        next save, a rollback or the end of the run waits for it; `last` moves to a save only
+        once it has committed."""
         return self._save(state, final=False)
 
     def save_final(self, state: TrainState) -> Path | None:
         """Save `state` (collective) as the run's last save: at its end or on a stop signal. A
-        failure raises whatever checkpoint.on_save_error says."""
+        failure raises whatever checkpoint.on_save_error says: there is no next interval, and a
+        run never exits 0 without its final state on disk."""
         return self._save(state, final=True)
 
     def _save(self, state: TrainState, final: bool) -> Path | None:
@@ -279,7 +269,10 @@ class TrainCheckpoints:
 
     def resume(self) -> TrainState | None:
         """Load the checkpoint `checkpoint.resume` names into the engine; the train state it
-        continues from, or None when the run starts fresh."""
+        continues from, or None when the run starts fresh. For every local parameter this
+        rank's tp shard of the full parameter is read (only that shard's fragments when the
+        checkpoint has the same tp split) and handed to the engine whole, one at a time; the
+        engine keeps its own ranges."""
         path = self._find()
         if path is None:
             return None
@@ -343,6 +336,8 @@ class TrainCheckpoints:
         return master, ckpt.LazyState(keys, moment)
 
     def _restore_rng(self, manifest: dict) -> None:
+        """Each rank's default generators (which tensor parallelism's dropout streams fork
+        from), when the rank grid is unchanged, so dropout continues exactly; else rank 0's."""
         ranks = manifest.get("ranks", {})
         saved = manifest.get("topology") or {}
         here = self.topology_meta()

@@ -15,9 +15,6 @@ model-states file) lists every group's parameters in buffer order. Three layouts
 - ZeRO-3 (`fp32_flat_groups`): every parameter is split on its own into dp parts of
   ceil(numel / dp) elements (the last padded); dp rank r's buffer holds part r of each
   parameter in order.
-
-Files are memory-mapped: `load(name, kind)` reads only that parameter's pages, so a converter
-holds one parameter at a time whatever the size of the model.
 """
 from __future__ import annotations
 
@@ -200,7 +197,9 @@ class ZeroShards:
         return self._base[r][g][kind]
 
     def load(self, name: str, kind: str) -> torch.Tensor:
-        """`name`'s full (tp-local) tensor of `kind` (fp32, exp_avg, exp_avg_sq), fp32."""
+        """`name`'s full (tp-local) tensor of `kind` (fp32, exp_avg, exp_avg_sq), fp32. The
+        files are memory-mapped: this reads only that parameter's pages, so a converter holds
+        one parameter at a time whatever the size of the model."""
         g, pieces = self._where[name]
         parts = [self._flat_of(r, g, kind).reshape(-1)[start:start + numel]
                  for r, start, numel in pieces]
