@@ -9,10 +9,15 @@ from the ds_config (Megatron's --clip-grad and --loss-scale are then unused).
 """
 from __future__ import annotations
 
+import typing
 from typing import Any, Mapping
 
+from bloomtrain.config import ZeroStage
 from bloomtrain.errors import UserError
 from bloomtrain.import_config.conversion import Conversion, Mapped, Skipped
+
+# DeepSpeed's stages are ours (bloomtrain.config.ZeroStage).
+ZERO_STAGES = typing.get_args(ZeroStage)
 
 _LOG = "logging and profiling; bloomtrain logs to run_dir/metrics.jsonl"
 _SPEED = "a memory or speed setting of DeepSpeed's engine that leaves the math as it is"
@@ -149,8 +154,9 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
     if not isinstance(zero, Mapping):
         raise UserError(f"ds_config zero_optimization must be an object, got {zero!r}")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f"ds_config zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage not in ZERO_STAGES:
+        raise UserError(f"ds_config zero_optimization.stage must be {_stages_text()}, got "
+                        f"{stage!r}")
     _mapped(c, "parallel.zero_stage", _bf16_stage(stage, precision),
             "zero_optimization.stage", _bf16_note(stage, precision))
     if c.has("zero_stage"):
@@ -168,9 +174,15 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
 
 def _zero_stage(c: Conversion) -> int:
     stage = c.float("zero_stage")  # Megatron's default is the float 1.0
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f"{c.given_text('zero_stage')}: a ZeRO stage is 0, 1, 2 or 3")
+    if stage not in ZERO_STAGES:
+        raise UserError(f"{c.given_text('zero_stage')}: a ZeRO stage is {_stages_text()}")
     return int(stage)
+
+
+def _stages_text() -> str:
+    """`0, 1, 2 or 3`."""
+    *rest, last = map(str, ZERO_STAGES)
+    return f"{', '.join(rest)} or {last}"
 
 
 def _bf16_stage(stage: int, precision: str) -> int:
