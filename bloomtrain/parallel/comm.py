@@ -7,9 +7,9 @@ group name) when asked (`stats_scope`, or BLOOMTRAIN_COMM_STATS=1):
 
 Bytes are the size of the full buffer of the operation, the convention of nccl-tests: the tensor
 for all-reduce and broadcast, the gathered output for all-gather, the unreduced input for
-reduce-scatter and all-to-all, the message for send/recv. `group=None` is a group of one (Topology's
-convention): a collective on it is a no-op and is not counted, where torch would read None as the
-whole world. Point-to-point calls name their peer by global rank.
+reduce-scatter and all-to-all, the message for send/recv. `group=None` is a group of one
+(Topology's convention): a collective on it is a no-op and is not counted, where torch would read
+None as the whole world. Point-to-point calls name their peer by global rank.
 """
 from __future__ import annotations
 
