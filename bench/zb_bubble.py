@@ -115,34 +115,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stage_peaks(topo, shape: BloomShape, seq: int, micro_batch: int,
+                num_micro: int) -> dict[str, int]:
+    """Per schedule, this pipeline rank's peak of live bytes other than parameters and their
+    gradients during a training step (the second: the first allocates the gradients), measured
+    by LiveMemory."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(num_micro):
+        ids = torch.randint(0, shape.vocab_size, (micro_batch, seq + 1), generator=g)
+        batches.append(dict(tokens=ids[:, :-1], labels=ids[:, 1:]))
+    result = {}
+    for name in SCHEDULE_NAMES:
+        chunks = build_pipeline_chunks(build_model(shape, 0),
+                                       ParallelLayout(pp=topo.pp_size, partition="uniform"),
+                                       topo.pp_rank)
+        for _ in range(2):
+            mem = LiveMemory()
+            mem.watch_parameters(chunks[0])
+            mem.close_grad_window(chunks[0])
+            with mem:
+                pipeline_train_step(name, chunks, batches, topo,
+                                    recv_shape=(micro_batch, seq, shape.hidden_size),
+                                    timeout=120.0)
+        # Parameters were made before the region and not registered: they count 0; their
+        # gradients are marked as such by watch_parameters; the rest is "temporaries".
+        result[name] = mem.report()["category_peaks"]["temporaries"]
+    return result
+
+
 def _memory_rank(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=timedelta(seconds=300))
     try:
-        topo = Topology.build(tp=1, pp=PP)
-        g = torch.Generator().manual_seed(0)
-        batches = []
-        for _ in range(NUM_MICRO):
-            ids = torch.randint(0, MEM_SHAPE.vocab_size, (MEM_MBS, MEM_SEQ + 1), generator=g)
-            batches.append(dict(tokens=ids[:, :-1], labels=ids[:, 1:]))
-        result = {}
-        for name in SCHEDULE_NAMES:
-            chunks = build_pipeline_chunks(build_model(MEM_SHAPE, 0),
-                                           ParallelLayout(pp=PP, partition="uniform"),
-                                           topo.pp_rank)
-            for step in range(2):  # the first step allocates the gradients
-                mem = LiveMemory()
-                mem.watch_parameters(chunks[0])
-                mem.close_grad_window(chunks[0])
-                with mem:
-                    pipeline_train_step(name, chunks, batches, topo,
-                                        recv_shape=(MEM_MBS, MEM_SEQ, MEM_SHAPE.hidden_size),
-                                        timeout=120.0)
-            # Parameters were made before the region and not registered: they count 0.
-            result[name] = mem.report()["category_peaks"]
+        peaks = stage_peaks(Topology.build(tp=1, pp=PP), MEM_SHAPE, MEM_SEQ, MEM_MBS, NUM_MICRO)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+            json.dump(peaks, f)
     finally:
         dist.destroy_process_group()
 
@@ -212,8 +221,8 @@ def main() -> None:
             cells = []
             for n in SCHEDULE_NAMES:
                 count = peak_in_flight(SCHEDULES[n](PP, r, NUM_MICRO))
-                cells.append(f"{peaks[n]['temporaries'] / 1024:>14.0f} ({count})")
-            ratio_mem = memory[r]["zb-h1"]["temporaries"] / memory[r]["1f1b"]["temporaries"]
+                cells.append(f"{peaks[n] / 1024:>14.0f} ({count})")
+            ratio_mem = memory[r]["zb-h1"] / memory[r]["1f1b"]
             print(f"{r:>5}" + "".join(f"{c:>22}" for c in cells) + f"{ratio_mem:>8.3f}")
     if args.picture:
         draw(replays, args.picture)
@@ -224,7 +233,7 @@ def main() -> None:
         bubble={n: round(replays[n]["bubble"], 4) for n in SCHEDULE_NAMES},
         zb_h1_over_1f1b=round(ratio, 4),
         peak_bytes_per_stage=None if memory is None else {
-            n: [m[n]["temporaries"] for m in memory] for n in SCHEDULE_NAMES},
+            n: [m[n] for m in memory] for n in SCHEDULE_NAMES},
         in_flight_per_stage={n: [peak_in_flight(SCHEDULES[n](PP, r, NUM_MICRO))
                                  for r in range(PP)] for n in SCHEDULE_NAMES})))
 
