@@ -87,9 +87,9 @@ class CheckpointWriter:
 
     `async_save`: the state is copied to CPU memory on the training thread, then a background
     thread writes the files and commits; a later save, or `wait`, waits for the previous one and
-    re-raises its error. `group` is used for the commit (gather of file info, broadcasts of the outcome). Created
-    here as a separate gloo group when torch.distributed is initialized, so async commits never
-    share a process group with training collectives.
+    re-raises its error. `group` is used for the commit (gather of file info, broadcasts of the
+    outcome). Created here as a separate gloo group when torch.distributed is initialized, so
+    async commits never share a process group with training collectives.
 
     `single_process`: write as rank 0 of 1 with no group even inside a distributed job, for a
     save one process makes alone (`save_checkpoint`); creating the group is itself collective

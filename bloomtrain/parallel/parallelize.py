@@ -1,25 +1,11 @@
-"""`parallelize(model, topo, cfg) -> ModelParts`: the one place where tensor, pipeline and ZeRO
-data parallelism compose.
-
-The model comes in single-device and readable, normally built on the meta device so that no
-rank ever holds it whole. In order:
-1. the parameter specs (bloomtrain.model.params) for this layout: split dims, partial-over-tp
-   gradients under sequence parallelism, the tied embedding's copies when pp > 1;
-2. the tensor-parallel plan swaps modules for their tp-sharded counterparts (meta shards);
-3. the pipeline keeps this rank's model chunks (pp = 1: one chunk, the whole model, which runs
-   through the same schedule runtime);
-4. the ZeRO engine lays the local parameters out in flat buffers on the device and
-   materializes them there: each rank generates only the ranges it keeps, from the same
-   per-name seeds a single process uses, so the values never depend on the layout.
-   Without the engine (`engine=False`, for tests that drive their own optimizer) each local
-   parameter is materialized as a tensor of its own.
-Non-persistent buffers (the ALiBi slopes, cut to the local heads) are made on the device last.
-With `train.compile`, each transformer block's forward is then compiled
-(bloomtrain.parallel.compile).
+"""`parallelize(model, topo, cfg, attention=...) -> ModelParts`: the one place where tensor,
+pipeline and ZeRO data parallelism compose, on the layout and attention kernel the caller
+resolved (the Trainer: bloomtrain.layout.validate and resolve_attention, once per run).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +84,28 @@ def _materialize_each(parts: ModelParts, seed: int, dtype: torch.dtype, device) 
     replace_parameters(parts.chunks, new)
 
 
+def _per_node(topo: Topology) -> int:
+    """Processes per node, as the launcher (torchrun, `--nproc-per-node`) says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", topo.layout.world_size))
+
+
 def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attention: str,
                 device=None, engine: bool = True) -> ModelParts:
     """This rank's parts of `model` under `topo`'s (validated) layout, running the `attention`
     kernel (bloomtrain.layout.resolve_attention's), set up as `cfg` says (precision, seed,
     activation checkpointing, optimizer and ZeRO settings). `device` defaults to the model's (or
     cpu for a meta model); with device "meta" nothing is materialized, which describes any rank
-    of any size cheaply."""
+    of any size cheaply.
+
+    The model comes in single-device, normally built on meta so that no rank ever holds it
+    whole. In order: the tensor-parallel plan swaps modules for their tp-sharded counterparts
+    (meta shards); the pipeline keeps this rank's chunks (pp = 1: one chunk, through the same
+    schedule runtime); the parameter specs (bloomtrain.model.params) for this layout; the ZeRO
+    engine lays the local parameters out in flat buffers and materializes there only the ranges
+    this rank keeps, from the per-name seeds a single process uses, so the values never depend
+    on the layout (`engine=False`, for tests that drive their own optimizer: each parameter a
+    tensor of its own); then the ALiBi slopes, cut to the local heads, and with
+    `train.compile` each block's compiled forward (bloomtrain.parallel.compile)."""
     layout, t = topo.layout, cfg.train
     if device is None:
         device = "cpu" if model.lm_head.weight.is_meta else model.lm_head.weight.device
@@ -126,7 +127,9 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
                                   offload=cfg.parallel.offload_optimizer,
                                   grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
                                   error_feedback=cfg.parallel.grad_error_feedback,
-                                  weight_gather_dtype=cfg.parallel.weight_gather_dtype)
+                                  weight_gather_dtype=cfg.parallel.weight_gather_dtype,
+                                  secondary_per_node=_per_node(topo)
+                                  if cfg.parallel.zero_secondary_shard else None)
         parts.optimizer = ZeroAdamW(parts.engine, cfg.optim, t.precision,
                                     num_blocks=model.shape.num_layers)
     elif device.type != "meta":

@@ -1,7 +1,6 @@
 """ZeRO's flat buffers on one rank, the parameters as views into them, and their first values.
-
-Buffers per rank (Ψ = parameters on this rank, i.e. tp-local and of this pipeline stage; N = dp;
-c = bytes of the compute dtype, 2 for bf16):
+Per rank (Ψ = parameters on this rank, tp-local and of this pipeline stage; N = dp; c = bytes of
+the compute dtype, 2 for bf16), against the ZeRO paper's (arXiv 1910.02054) fp16 counts:
 
     stage  compute  master  grad   Adam m+v  ours (bf16)       ZeRO paper (fp16 grads)
     0      cΨ       4Ψ      4Ψ     8Ψ        18Ψ               16Ψ
@@ -9,26 +8,9 @@ c = bytes of the compute dtype, 2 for bf16):
     2      cΨ       4Ψ/N    4Ψ/N   8Ψ/N      2Ψ + 16Ψ/N        2Ψ + 14Ψ/N
     3      -        4Ψ/N    4Ψ/N   8Ψ/N      16Ψ/N + W         16Ψ/N
 
-We keep gradients in fp32 where the paper counts fp16 (BLOOM's BF16Optimizer accumulates in fp32).
-Stage 3 keeps no compute copy: a unit's compute weights are cast from the fp32 master shards as
-they are gathered (W, the gathered working set, is transient).
-
-ZeRO-Offload (arXiv 2101.06840, `offload`): the master and Adam columns (12Ψ/N; 12Ψ at stage 0)
-live in host memory, pinned when the device is CUDA, where the step runs (offload.py). Host memory
-also gets a copy of the own fp32 gradient range (4Ψ/N), the step's input; after the step the same
-bytes hold the compute-dtype cast of the updated masters on their way back. On the device, stage 3
-then keeps the compute-dtype copy of its own shard (cΨ/N) that its gathers read, since the masters
-they would cast from are on the host:
-
-    stage  device (bf16)           host
-    0-2    as above, less 12Ψ/N    12Ψ/N + 4Ψ/N     (stage 0: 12Ψ + 4Ψ)
-    3      4Ψ/N + 2Ψ/N + W         12Ψ/N + 4Ψ/N
-
-Parameters start on the meta device (the model was built there) or hold real values (a model
-built on a device). Either way `materialize` writes each rank's values straight into its own
-buffers, piece by piece: the initial value of a meta parameter is generated only for the ranges
-this rank keeps (bloomtrain.model.params.init_into), a real parameter is copied. No rank ever
-holds a full-size copy of the model.
+Gradients are fp32 where the paper counts fp16 (BLOOM's BF16Optimizer accumulates in fp32).
+Stage 3 keeps no compute copy: a unit's weights are cast from the fp32 master shards as they are
+gathered (W, the gathered working set, is transient). Offload: FlatBuffers.
 """
 from __future__ import annotations
 
@@ -48,6 +30,19 @@ Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
 
 
 class FlatBuffers:
+    """One rank's flat buffers (the module's table). With ZeRO-Offload (arXiv 2101.06840,
+    `offload`) the master and Adam columns (12Ψ/N; 12Ψ at stage 0) live in host memory, pinned
+    when the device is CUDA, where the step runs (offload.py). The host also gets a copy of the
+    own fp32 gradient range (4Ψ/N), the step's input; after the step the same bytes carry the
+    compute-dtype cast of the updated masters back. Stage 3 then keeps on the device the
+    compute-dtype copy of its own shard (cΨ/N) that its gathers read, since the masters they
+    would cast from are on the host:
+
+        stage  device (bf16)           host
+        0-2    as above, less 12Ψ/N    12Ψ/N + 4Ψ/N     (stage 0: 12Ψ + 4Ψ)
+        3      4Ψ/N + 2Ψ/N + W         12Ψ/N + 4Ψ/N
+    """
+
     def __init__(self, layout: SegmentLayout, rules: StageRules, dp_size: int, dp_rank: int,
                  compute_dtype: torch.dtype, device, offload: bool = False,
                  error_feedback: bool = False):
@@ -120,7 +115,9 @@ class FlatBuffers:
     @torch.no_grad()
     def materialize(self, values: Values) -> None:
         """Fill the compute copy (stages 0-2) and this rank's own master range from `values`,
-        one piece at a time."""
+        one piece at a time, straight into this rank's buffers: a meta parameter's initial value
+        is generated only for the ranges this rank keeps (bloomtrain.model.params.init_into), a
+        real one is copied. No rank ever holds a full-size copy of the model."""
         for seg in self.layout.segments:
             lo, hi = self.own(seg)
             master = self.state_view(self.master, seg)

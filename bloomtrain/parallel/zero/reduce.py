@@ -1,27 +1,8 @@
 """Gradient reduction for ZeRO: fp32 accumulation across micro-batches (BLOOM's BF16Optimizer,
 DeepSpeed `runtime/bf16_optimizer.py`: `hp_grad.add_(lp.grad)`), then the sums over dp, tp and
-the embedding group.
-
-Stages 0-1 add every micro-batch's compute-dtype gradient into a full fp32 accumulator from the
-parameter's post-accumulate-grad hook, so only one micro-batch of 16-bit gradient is ever alive,
-and reduce once per step, at `step()`: which backward is a stage's last is known only to the
-caller (under a pipeline schedule it is interleaved with the neighbours' sends), so these stages
-cannot overlap the reduction with backward. Stages 2-3 keep no full accumulator: each segment's
-gradients are staged in fp32 as they arrive and reduce-scattered asynchronously as soon as the
-segment is complete, overlapping the rest of backward; a callback at the end of every backward
-flushes incomplete segments and waits. This works per backward call, so under any pipeline
-schedule.
-
-Every wait for a dp collective is timed by the engine's WaitClock (waits.py), the straggler
-check's input.
-
-`dtype` is the dp reduction's wire format (parallel.grad_reduce_dtype): fp32 takes comm's plain
-collectives, exactly as without the option; bf16 and int8 go through compress.py (quantize,
-all-to-all, dequantize, sum in fp32), with the error-feedback residual `bufs.grad_residual`
-when there is one. Without dp peers nothing is sent, so nothing is compressed.
-
-After the dp reduction the linear sums are taken on the shard (1/dp of the bytes): partial
-sequence-parallel gradients over tp, the two tied-embedding copies over the embedding group.
+the embedding group. After the dp reduction the linear sums are taken on the shard (1/dp of the
+bytes): partial sequence-parallel gradients over tp, the two tied-embedding copies over the
+embedding group. Every wait for a dp collective is timed by the engine's WaitClock (waits.py).
 """
 from __future__ import annotations
 
@@ -41,6 +22,21 @@ MAX_IN_FLIGHT = 2
 
 
 class GradReducer:
+    """Stages 0-1 add every micro-batch's compute-dtype gradient into a full fp32 accumulator
+    from the parameter's post-accumulate-grad hook, so only one micro-batch of 16-bit gradient
+    is ever alive, and reduce once per step (`reduce_for_step`): which backward is a stage's
+    last is known only to the caller (under a pipeline schedule it is interleaved with the
+    neighbours' sends), so these stages cannot overlap the reduction with backward. Stages 2-3
+    keep no full accumulator: each segment's gradients are staged in fp32 as they arrive and
+    reduce-scattered asynchronously once the segment is complete, overlapping the rest of
+    backward; a callback at the end of every backward flushes incomplete segments and waits.
+    That works per backward call, so under any pipeline schedule.
+
+    `dtype` is the dp reduction's wire format (parallel.grad_reduce_dtype): fp32 takes comm's
+    plain collectives, exactly as without the option; bf16 and int8 go through compress.py
+    (quantize, all-to-all, dequantize, sum in fp32), with the error-feedback residual
+    `bufs.grad_residual` when there is one. Without dp peers nothing is sent or compressed."""
+
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, on_group_done=None,
                  waits: WaitClock | None = None, dtype: str = "fp32"):
         self.bufs, self.topo, self.counters = bufs, topo, counters

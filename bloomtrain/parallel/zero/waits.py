@@ -1,24 +1,10 @@
 """How long this rank stalls on its dp peers: the input of the trainer's straggler check
-(bloomtrain.train.monitors).
-
-Why not the step time alone. Every step synchronizes all ranks several times, so their wall step
-times come out equal: a rank that is slow before a collective makes its peers wait inside it,
-and they all end the step together. What differs is where the time goes. The slow rank computes
-while its peers wait, so "step time less the time stalled on peers" is what singles it out.
-Which collective absorbs the wait depends on the stage: the per-step reduction (stages 0-1), the
-reduce-scatters waited for during backward (stages 2-3), the parameter gathers of forward and
-backward (stage 3). The engine runs all of them, so it times them here.
-
-Only dp collectives are timed. Ranks of one dp group play the same part in the model (same pp
-stage, same tp rank), so none of them waits by construction; a pipeline stage waiting for its
-neighbour (the bubble) or for the tied-embedding sum would look like a fast rank when it is not.
-The price: a slow rank's tp and pp peers wait for it inside layers and the schedule, where the
-engine cannot see, so with tp or pp > 1 the check singles out the slow rank's model replica (its
-ranks all look slow), and the rank it names is the slowest-looking of them.
-
-On the CPU a stall is host time spent in the blocking call. On CUDA the host does not block
-(NCCL queues the collective and makes the compute stream wait for it), so a stall is the time the
-compute stream waits: CUDA events before and after, read when they have completed.
+(bloomtrain.train.monitors). Every step synchronizes all ranks several times, so their wall step
+times come out equal: a rank slow before a collective makes its peers wait inside it, and they
+all end the step together. The slow rank computes while its peers wait, so "step time less the
+time stalled on peers" is what singles it out. The waits fall in the per-step reduction (stages
+0-1), the reduce-scatters waited for in backward (stages 2-3) and the parameter gathers (stage
+3): the engine runs all of them, so it times them here.
 """
 from __future__ import annotations
 
@@ -29,6 +15,17 @@ import torch
 
 
 class WaitClock:
+    """Only dp collectives are timed: ranks of one dp group play the same part in the model
+    (same pp stage, same tp rank), so none waits by construction, whereas a stage waiting for
+    its pipeline neighbour (the bubble) or for the tied-embedding sum would look like a fast
+    rank when it is not. The price: a slow rank's tp and pp peers wait for it inside layers and
+    the schedule, where the engine cannot see, so with tp or pp > 1 the check singles out the
+    slow rank's model replica, and names the slowest-looking rank of it.
+
+    On the CPU a stall is host time spent in the blocking call. On CUDA the host does not block
+    (NCCL queues the collective and makes the compute stream wait for it), so a stall is the
+    time the compute stream waits: CUDA events before and after, read once completed."""
+
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
         self._seconds = 0.0
