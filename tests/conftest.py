@@ -85,6 +85,11 @@ SLOW: list[str] = [
     # the rest of a matrix whose world-2 cases stay fast
     "tests/test_resume.py::test_crash_and_resume_is_bitwise_equal[[]tp2-sp[]]",
     "tests/test_compile.py::test_compiled_matches_eager_through_the_trainer*",
+    # child pytest runs (~4 s each): the fast tier keeps a missing transformers and hypothesis in
+    # CI and an unlisted skip
+    "tests/test_ci_rules.py::test_a_missing_test_dependency_fails_ci[[]aiohttp[]]",
+    "tests/test_ci_rules.py::test_outside_ci_a_missing_dependency_skips_its_modules_and_lists_them",
+    "tests/test_ci_rules.py::test_ci_fails_on_a_skip_not_on_the_allow_list[[]cuda-only-skip[]]",
 ]
 # Test modules whose only tests are whole multi-process jobs with kills (~100 s each on a loaded
 # 2-core machine): the fast tier reaches the same code (the launcher, SIGKILL and a bitwise
