@@ -1,19 +1,9 @@
 """Downstream evaluation during training: every `train.eval_harness_interval` steps, and once
 more at the end, the harness's `train.eval_harness_tasks` run on the live model. Every rank
 takes part with the shards it trains (no checkpoint round trip, the same ZeRO-3 gathers as an
-evaluation step); rank 0 runs the harness (bloomtrain.eval.protocol).
-
-Each task runs on its own, so one that fails (a malformed YAML, a dataset it cannot read) is
-logged, named in the record's `alerts`, and the others and training go on. A failure inside a
-batch the ranks are running together is not a task's: the ranks are then out of step, and the
-error ends the run as any collective's would.
-
-The record, `{"step", "consumed_samples", "eval/<task>/<metric>": value, ...,
-"eval_harness_s"}`, goes to metrics.jsonl and its sinks (TensorBoard, W&B). Stderrs are not
-computed (the harness's bootstrap starts a process pool, which has no place inside a
-training job). Every rank's Python, NumPy and torch generators are put back afterwards: the
-harness seeds rank 0's, tensor-parallel forwards draw from all of them, and training must not
-depend on whether the evaluation ran.
+evaluation step); rank 0 runs the harness (bloomtrain.eval.protocol). The record, `{"step",
+"consumed_samples", "eval/<task>/<metric>": value, ..., "eval_harness_s"}`, goes to
+metrics.jsonl and its sinks.
 """
 from __future__ import annotations
 
@@ -93,8 +83,11 @@ class HarnessHook:
                  f"{record['eval_harness_s']:.1f} s")
 
     def _tasks(self, executor: Executor, model: EvalModel) -> tuple[dict, list[str]]:
-        """Each task on its own; a failure is logged and named, unless it struck while the
-        ranks ran a batch together (then it is the run's)."""
+        """Each task on its own, so one that fails (a malformed YAML, a dataset it cannot
+        read) is logged, named in the record's `alerts`, and the others and training go on. A
+        failure inside a batch the ranks run together is not a task's: the ranks are then out
+        of step, and the error ends the run as any collective's would. Stderrs are not computed
+        (the harness's bootstrap starts a process pool, which has no place in a training job)."""
         from bloomtrain.eval.lm import BloomtrainLM, default_max_length
         from bloomtrain.eval.run import evaluate, find_tasks, metric_values
 
@@ -123,7 +116,9 @@ class HarnessHook:
 
 @contextlib.contextmanager
 def _kept_rng():
-    """Python's, NumPy's and torch's (CPU and CUDA) generator states as they were."""
+    """Python's, NumPy's and torch's (CPU and CUDA) generator states as they were, on every
+    rank: the harness seeds rank 0's, tensor-parallel forwards draw from all of them, and
+    training must not depend on whether the evaluation ran."""
     import numpy as np
 
     saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),

@@ -1,21 +1,10 @@
 """The scheduler of the serving engine: which tokens of which sequences the next step feeds.
-
 Every step is scheduled afresh (continuous, iteration-level batching, Orca: Yu et al., OSDI
 2022), with chunked prefill under a per-step token budget (Sarathi-Serve, Agrawal et al., arXiv
-2403.02310):
-1. the running sequences, oldest first: a decoding sequence adds its one new token, a
-   prefilling one its next prompt chunk if the step's token budget still has room for it.
-   Decodes always fit (the budget is at least a chunk plus one token per running sequence), so
-   a long prompt never stalls the decodes, and the oldest prefill always progresses;
-2. waiting sequences are admitted, first come first served, while the budget, the running-batch
-   limit and the free KV blocks allow (one free block per running sequence is kept in reserve,
-   so that an admission does not force the next decode step to preempt).
-Blocks are taken as a sequence grows. When the pool runs dry, the youngest running sequence is
-preempted: its blocks are freed and it goes back to the head of the queue with the tokens it has
-produced, to be recomputed later (vLLM's recompute preemption). A sequence's computation is a
-function of its own tokens: prompt chunks end at multiples of `prefill_chunk`, and every later
-token, produced or replayed after a preemption, is fed alone, so that with the runner's
-batch-invariant numerics its logits never depend on the batch, nor on a preemption.
+2403.02310), and vLLM's recompute preemption when the KV blocks run out. A sequence's
+computation is a function of its own tokens: prompt chunks end at multiples of `prefill_chunk`,
+and every later token, produced or replayed after a preemption, is fed alone, so that with the
+runner's batch-invariant numerics its logits never depend on the batch, nor on a preemption.
 """
 from __future__ import annotations
 
@@ -85,7 +74,15 @@ class Entry:
 class Scheduler:
     """The block pool, the waiting queue and the running batch. `on_admit(seq)` is called when
     a sequence is admitted (every time, preempted ones again), `on_preempt(seq)` when one is
-    preempted."""
+    preempted. A step takes, in order:
+    1. the running sequences, oldest first: a decoding sequence adds its one new token, a
+       prefilling one its next prompt chunk if the step's token budget still has room. Decodes
+       always fit (the budget is at least a chunk plus one token per running sequence), so a
+       long prompt never stalls them, and the oldest prefill always progresses;
+    2. waiting sequences, first come first served, while the budget, the running-batch limit
+       and the free KV blocks allow (one free block per running sequence is kept back, so that
+       an admission does not force the next decode step to preempt).
+    Blocks are taken as a sequence grows."""
 
     def __init__(self, config: EngineConfig, on_admit=lambda seq: None,
                  on_preempt=lambda seq: None):
@@ -104,6 +101,8 @@ class Scheduler:
             self.running.remove(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        """When the pool runs dry, the youngest running sequence: its blocks are freed and it
+        goes back to the head of the queue with the tokens it has produced, to be recomputed."""
         self.pool.release(seq.blocks)
         seq.blocks = []
         seq.num_computed = 0
@@ -112,7 +111,8 @@ class Scheduler:
         self.on_preempt(seq)
 
     def schedule(self) -> tuple[list[Entry], StepBatch | None]:
-        """The next step: which sequences feed which tokens, and the batch to run."""
+        """The next step: which sequences feed which tokens, and the batch to run (the order is
+        the class's)."""
         cfg = self.config
         budget = cfg.max_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
