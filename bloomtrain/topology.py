@@ -1,6 +1,7 @@
 """The process groups of one rank, built from a ParallelLayout (bloomtrain.layout).
 
-One Topology object is built per process and passed explicitly; there are no module globals.
+One Topology object is built per process and passed explicitly; no module globals hold
+groups (the package's module state is the allow-list in tests/structure.py).
 Sizes and coordinates come from the layout, so a Topology without process groups
 (`Topology.describe_rank`) still says exactly which pieces a rank holds: every group is None and
 every collective on it is a no-op, which is also what one process sees.

@@ -37,6 +37,8 @@ _MAX_REPORTS = 20
 
 # ----------------------------------------------------------------------------- tokenizing
 
+# Module state (allow-listed in tests/structure.py): a pool worker's tokenizer, set by the pool's
+# initializer, the one place multiprocessing gives a worker for state of its own.
 _worker_tokenizer = None
 
 
