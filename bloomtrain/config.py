@@ -94,6 +94,10 @@ class ParallelConfig:
     grad_error_feedback: bool = False
     # ZeRO-3's parameter all-gather: auto (the compute dtype), bf16, or int8 (ZeRO++'s qwZ).
     weight_gather_dtype: WeightGatherDtype = "auto"
+    # hpZ (ZeRO++): ZeRO-3 also keeps, after each forward gather, 1/s of the weights on each of
+    # the s ranks of its dp group on the node (LOCAL_WORLD_SIZE, torchrun's --nproc-per-node),
+    # so backward's gathers stay in the node. Bitwise the same results.
+    zero_secondary_shard: bool = False
 
 
 @dataclass
@@ -311,6 +315,7 @@ DOMAINS: dict[str, Domain] = {
     "parallel.grad_reduce_dtype": choice(GradReduceDtype),
     "parallel.grad_error_feedback": BOOL,
     "parallel.weight_gather_dtype": choice(WeightGatherDtype),
+    "parallel.zero_secondary_shard": BOOL,
     "data.paths": Domain("parsed", parse=lambda v: parse_data_paths(v),
                          note="'PREFIX', or 'WEIGHT PREFIX' entries with positive weights"),
     "data.tokenizer": free("a path, checked when it is loaded"),
@@ -461,6 +466,10 @@ class Config:
             raise UserError(f"parallel.weight_gather_dtype={p.weight_gather_dtype} needs "
                             f"parallel.zero_stage=3 (got {p.zero_stage}): only ZeRO-3 gathers "
                             f"weights before each use")
+        if p.zero_secondary_shard and p.zero_stage != 3:
+            raise UserError(f"parallel.zero_secondary_shard needs parallel.zero_stage=3 (got "
+                            f"{p.zero_stage}): the secondary shard holds ZeRO-3's gathered "
+                            f"weights for backward")
 
     def get(self, key: str):
         """The value of a dotted key ("train.seed", "run_dir")."""

@@ -92,10 +92,11 @@ def test_compressed_reduce_scatter_is_the_fp32_sum_of_the_decoded_chunks(dtype):
 
 # ---- the engine --------------------------------------------------------------------------------
 
-def _train(stage, precision, steps, **parallel):
+def _train(stage, precision, steps, train=None, **parallel):
     cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "bucket_size_mb": 0.05,
                                           **parallel},
-                         optim={"lr": LR, "clip_grad": 1.0}, precision=precision, seed=1)
+                         optim={"lr": LR, "clip_grad": 1.0}, precision=precision, seed=1,
+                         **(train or {}))
     parts = helpers.build(cfg)
     topo, chunk = parts.topo, parts.chunks[0]
     g = torch.Generator().manual_seed(7)
@@ -318,3 +319,56 @@ def test_int8_reduction_composes(dataset, tmp_path, layout):
         if out["fp32"]:  # the ranks that log losses
             for a, b in zip(out["fp32"], out["int8"]):
                 assert abs(a - b) <= 0.02 * a, (out["fp32"], out["int8"])
+
+
+# ---- hpZ: the secondary shard -------------------------------------------------------------------
+
+@pytest.mark.parametrize("parallel", [{}, {"activation_checkpointing": "full"},
+                                      {"weight_gather_dtype": "int8"}])
+def test_secondary_shard_is_bitwise_and_keeps_backward_gathers_in_the_node(parallel):
+    """dp=4 on two "nodes" of 2 processes (LOCAL_WORLD_SIZE=2): the same bits as without hpZ;
+    backward's gathers run on the node's 2 ranks, so the dp group's all-gather bytes drop."""
+    parallel = dict(parallel)
+    recompute = parallel.pop("activation_checkpointing", None)
+    extra = {"activation_checkpointing": recompute} if recompute else {}
+    base = run_ranks(4, _engine_rank_with, 3, {**parallel}, extra)
+    hpz = run_ranks(4, _engine_rank_with, 3, {**parallel, "zero_secondary_shard": True}, extra)
+    for (losses, masters, counts), (hl, hm, hc) in zip(base, hpz):
+        assert hl == losses
+        assert all(torch.equal(hm[k], masters[k]) for k in masters)
+        assert ("all_gather", "dp_node") not in counts and ("all_gather", "dp_node") in hc
+        node, dp = hc[("all_gather", "dp_node")]["bytes"], hc[("all_gather", "dp")]["bytes"]
+        assert dp < counts[("all_gather", "dp")]["bytes"]
+        if not parallel:
+            # Every unit is gathered once in forward and once in backward, the same bytes each
+            # time; backward's now in the node. (int8 gathers: the node keeps the decoded bf16.)
+            assert dp + node == counts[("all_gather", "dp")]["bytes"]
+            assert node >= 0.4 * counts[("all_gather", "dp")]["bytes"]
+
+
+def _engine_rank_with(rank, world, stage, parallel, train):
+    import os
+    # Two "nodes" of two processes (the rank pool's own environment says one node of `world`;
+    # the pool restores the environment after the call).
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    parts, losses, counts = _train(stage, "bf16", 2, train=train, **parallel)
+    return losses, parts.engine.master_state(), counts
+
+
+def test_secondary_shard_refusals():
+    cfg = Config.from_dict({"parallel": {"zero_secondary_shard": True, "zero_stage": 2},
+                            "train": {"train_iters": 1}})
+    with pytest.raises(UserError, match="zero_secondary_shard needs parallel.zero_stage=3"):
+        cfg.check()
+    outs = run_ranks(2, _hpz_one_per_node)
+    assert all("at least 2 ranks of every dp group on each node" in o for o in outs)
+
+
+def _hpz_one_per_node(rank, world):
+    import os
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # one process per node: no dp peer inside a node
+    try:
+        _train(3, "bf16", 1, zero_secondary_shard=True)
+    except UserError as e:
+        return str(e)
+    return "not refused"

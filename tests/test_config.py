@@ -178,6 +178,8 @@ def _companions(key: str, value) -> dict:
         return {"parallel.zero_stage": 3}
     if key == "parallel.grad_error_feedback":
         return {"parallel.grad_reduce_dtype": "int8"}
+    if key == "parallel.zero_secondary_shard":
+        return {"parallel.zero_stage": 3}
     return {}
 
 
@@ -286,6 +288,7 @@ PROBES: dict[str, tuple[list, list]] = {  # key -> (values accepted, values refu
 FREE_KEYS = {
     "model.preset", "parallel.pp_partition", "parallel.pp_timeline", "parallel.sequence_parallel",
     "parallel.comm_stats", "parallel.offload_optimizer", "parallel.grad_error_feedback",
+    "parallel.zero_secondary_shard",
     "data.tokenizer", "data.cache_dir", "data.eod_mask_loss", "train.rampup_batch_size",
     "train.compile", "train.ignore_plan", "train.kill_switch_path", "train.eval_harness_tasks",
     "train.eval_harness_include_path", "checkpoint.dir", "checkpoint.resume",

@@ -5,6 +5,7 @@ resolved (the Trainer: bloomtrain.layout.validate and resolve_attention, once pe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,11 @@ def _materialize_each(parts: ModelParts, seed: int, dtype: torch.dtype, device) 
     replace_parameters(parts.chunks, new)
 
 
+def _per_node(topo: Topology) -> int:
+    """Processes per node, as the launcher (torchrun, `--nproc-per-node`) says."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", topo.layout.world_size))
+
+
 def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attention: str,
                 device=None, engine: bool = True) -> ModelParts:
     """This rank's parts of `model` under `topo`'s (validated) layout, running the `attention`
@@ -121,7 +127,9 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
                                   offload=cfg.parallel.offload_optimizer,
                                   grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
                                   error_feedback=cfg.parallel.grad_error_feedback,
-                                  weight_gather_dtype=cfg.parallel.weight_gather_dtype)
+                                  weight_gather_dtype=cfg.parallel.weight_gather_dtype,
+                                  secondary_per_node=_per_node(topo)
+                                  if cfg.parallel.zero_secondary_shard else None)
         parts.optimizer = ZeroAdamW(parts.engine, cfg.optim, t.precision,
                                     num_blocks=model.shape.num_layers)
     elif device.type != "meta":

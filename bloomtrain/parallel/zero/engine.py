@@ -18,7 +18,7 @@ from bloomtrain.model.params import EMBEDDING
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero import state
 from bloomtrain.parallel.zero.buffers import FlatBuffers, Values
-from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit
+from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit, secondary_group
 from bloomtrain.parallel.zero.memory import Counters, formula
 from bloomtrain.parallel.zero.offload import HostCopies
 from bloomtrain.parallel.zero.reduce import GradReducer, global_grad_norm
@@ -78,7 +78,7 @@ class ZeroEngine:
                  values: Values | None = None, prefetch: bool = True,
                  unit_types: tuple = (BloomBlock,), offload: bool = False,
                  grad_reduce_dtype: str = "fp32", error_feedback: bool = False,
-                 weight_gather_dtype: str = "auto"):
+                 weight_gather_dtype: str = "auto", secondary_per_node: int | None = None):
         self.topo, self.precision = topo, precision
         self.rules = stage_rules(zero_stage)
         self.compute_dtype = torch_dtype(precision)
@@ -107,7 +107,9 @@ class ZeroEngine:
                                    dtype=grad_reduce_dtype)
         self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch,
                                         on_backward=self.reducer.queue_end_of_backward,
-                                        waits=self.waits, wire=weight_gather_dtype)
+                                        waits=self.waits, wire=weight_gather_dtype,
+                                        secondary=secondary_group(topo, secondary_per_node)
+                                        if secondary_per_node and topo.dp_group else None)
                          if self.rules.shard_params else None)
         if self.gatherer is not None:
             self.reducer.on_group_done = self.gatherer.free

@@ -32,6 +32,31 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def secondary_group(topo, per_node: int):
+    """hpZ's group: the ranks of this rank's dp group on its node (nodes of `per_node` ranks,
+    numbered as the launcher does: global rank // per_node). Collective: every rank makes every
+    group. Refused unless every dp group has the same number s >= 2 of ranks on each node."""
+    import torch.distributed as dist
+
+    from bloomtrain.errors import UserError
+    mine, sizes = None, set()
+    for ranks in topo.layout.dp_groups():
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(r // per_node, []).append(r)
+        for node_ranks in by_node.values():
+            sizes.add(len(node_ranks))
+            g = dist.new_group(node_ranks) if len(node_ranks) > 1 else None
+            if topo.rank in node_ranks:
+                mine = g
+    if len(sizes) != 1 or max(sizes) < 2:
+        raise UserError(f"parallel.zero_secondary_shard needs at least 2 ranks of every dp group "
+                        f"on each node, as many on every node: with {per_node} processes per node "
+                        f"and tp={topo.layout.tp}, pp={topo.layout.pp}, dp={topo.layout.dp}, "
+                        f"the dp groups have {sorted(sizes)} ranks per node")
+    return mine
+
+
 class Stage3Gatherer:
     """Before a unit runs forward, the groups of parameters it uses are all-gathered over dp into
     their buffers, cast from the fp32 master shards on the way (no compute-dtype copy is kept
@@ -50,8 +75,11 @@ class Stage3Gatherer:
 
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, units: list[Unit],
                  prefetch: bool = True, on_backward=None, waits: WaitClock | None = None,
-                 wire: str = "auto"):
+                 wire: str = "auto", secondary=None):
         self.bufs, self.topo, self.counters = bufs, topo, counters
+        # hpZ: the node-local part of the dp group, and this rank's copies by group index.
+        self.secondary = secondary
+        self._secondary: dict[int, torch.Tensor] = {}
         plain = (wire == "auto" or topo.dp_group is None
                  or (wire == "bf16" and bufs.compute_dtype == torch.bfloat16))
         self.wire = None if plain else wire
@@ -80,6 +108,9 @@ class Stage3Gatherer:
             if not async_op:
                 self._wait(g)
             return
+        if g in self._secondary and _in_backward():
+            self._gather_secondary(g, async_op)
+            return
         bufs = self.bufs
         group, buf = bufs.layout.groups[g], bufs.gathered[g]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
@@ -105,6 +136,42 @@ class Stage3Gatherer:
         self._gathered.add(g)
         if async_op:
             self._pending[g] = (handles, casts)
+
+    def _pieces(self, g: int):
+        """(segment's slice of the gathered buffer, its node-local 1/s, this rank's part of the
+        secondary copy) per segment of group `g`."""
+        group, buf = self.bufs.layout.groups[g], self.bufs.gathered[g]
+        s, k = comm.group_size(self.secondary), comm.group_rank(self.secondary)
+        off = 0
+        for seg in group.segments:
+            full = buf[seg.full_off - group.full_off:][:seg.padded]
+            c = seg.padded // s
+            yield full, full[k * c:(k + 1) * c], (off, c)
+            off += c
+
+    def _keep_secondary(self, g: int) -> None:
+        group = self.bufs.layout.groups[g]
+        copy = self._secondary.get(g)
+        if copy is None:
+            n = group.padded // comm.group_size(self.secondary)
+            copy = self._secondary[g] = torch.empty(n, dtype=self.bufs.compute_dtype,
+                                                    device=self.bufs.device)
+        for _, part, (off, c) in self._pieces(g):
+            copy[off:off + c].copy_(part)
+
+    def _gather_secondary(self, g: int, async_op: bool) -> None:
+        buf = self.bufs.gathered[g]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        self.counters.gathered(buf.numel() * buf.element_size())
+        handles = []
+        for full, _, (off, c) in self._pieces(g):
+            with contextlib.nullcontext() if async_op else self._stall():
+                handles.append(comm.all_gather_into_tensor(
+                    full, self._secondary[g][off:off + c], self.secondary, "dp_node",
+                    async_op=async_op))
+        self._gathered.add(g)
+        if async_op:
+            self._pending[g] = (handles, [])
 
     def _wait(self, g: int) -> None:
         handles, _ = self._pending.pop(g, ((), ()))
@@ -167,6 +234,10 @@ class Stage3Gatherer:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+            if self.secondary is not None:
+                for g in unit.groups:
+                    self._wait(g)
+                    self._keep_secondary(g)
         for g in unit.groups:
             self.free(g)
 
