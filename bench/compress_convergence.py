@@ -68,22 +68,36 @@ def compare(base: list[float], other: list[float], window: int) -> dict:
 
 
 def plot(curves: dict, window: int, path: Path, title: str) -> None:
+    """The curves (faint) with their running means, and below, each running mean's gap to
+    fp32's in percent (the curves themselves overlap at this scale)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, gap) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                  gridspec_kw={"height_ratios": [2, 1]})
+    base = running_mean(curves["fp32"], window)
     for name, losses in curves.items():
         steps = range(1, len(losses) + 1)
-        line, = ax.plot(steps, losses, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, running_mean(losses, window), color=line.get_color(),
-                label=f"{name} (running mean of {window})")
-    ax.set_xlabel("step")
+        line, = ax.plot(steps, losses, alpha=0.2, linewidth=0.8)
+        mean = running_mean(losses, window)
+        ax.plot(steps, mean, color=line.get_color(), label=f"{name} (running mean of {window})")
+        gap.plot(steps, [100 * (m - b) / b for m, b in zip(mean, base)],
+                 color=line.get_color(), label=name)
     ax.set_ylabel("training loss")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8)
     ax.legend()
+    gap.set_xlabel("step")
+    gap.set_ylabel("running mean vs fp32 (%)")
+    gap.axhline(0, color="grey", linewidth=0.5)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def _title(world: int) -> str:
+    m = yaml.safe_load(DEMO_CONFIG)["model"]
+    return (f"demo corpus, BLOOM h={m['hidden_size']} L={m['num_layers']}, {world} gloo ranks, "
+            f"ZeRO-1, bf16\ndp gradient reduction: fp32 / int8 / int8 + error feedback")
 
 
 def main():
@@ -95,7 +109,13 @@ def main():
     ap.add_argument("--data-dir", default=None, help="reuse the demo's data directory")
     ap.add_argument("--plot", default=str(Path(__file__).resolve().parents[1] / "docs" /
                                           "compress_convergence.png"))
+    ap.add_argument("--replot", metavar="OUTPUT", help="only draw the plot again from a run's "
+                    "saved output (its last line)")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text().strip().splitlines()[-1])
+        plot(saved["curves"], saved["window"], Path(args.plot), _title(saved["world"]))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(args.data_dir or tmp) / "data"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +126,6 @@ def main():
             curves[name] = spawn_ranks(args.world, _rank, cfg.to_dict(), timeout=7200)[0]
             print(f"{name}: first loss {curves[name][0]:.4f}, last {curves[name][-1]:.4f}",
                   flush=True)
-    m = yaml.safe_load(DEMO_CONFIG)["model"]
     results = {name: compare(curves["fp32"], curves[name], args.window)
                for name in VARIANTS if name != "fp32"}
     for name, r in results.items():
@@ -114,9 +133,7 @@ def main():
               f"({100 * r['final_loss_rel_diff']:+.2f}%), last-{args.window} mean "
               f"{100 * r['final_mean_rel_diff']:+.2f}%, largest running-mean gap "
               f"{100 * r['max_running_mean_rel_gap']:.2f}% at step {r['max_gap_step']}")
-    plot(curves, args.window, Path(args.plot),
-         f"demo corpus, BLOOM h={m['hidden_size']} L={m['num_layers']}, {args.world} gloo "
-         f"ranks, ZeRO-1, bf16: dp gradient reduction fp32 / int8 / int8 + error feedback")
+    plot(curves, args.window, Path(args.plot), _title(args.world))
     print(f"plot: {args.plot}")
     print(json.dumps({"bench": "compress_convergence", "steps": args.steps, "world": args.world,
                       "window": args.window, "results": results, "curves": curves}))
