@@ -143,6 +143,11 @@ class ParallelLayout:
         self.check_tensor_parallel(shape, cfg.data.seq_length,
                                     cfg.model.make_vocab_size_divisible_by)
         self.check_pipeline(shape.num_layers)
+        if self.schedule == "zb-h1" and cfg.train.compile:
+            raise UserError("parallel.pp_schedule=zb-h1 with train.compile=true would defer "
+                            "nothing: the compiled blocks compute their weight gradients inside "
+                            "the input-gradient pass (Dynamo does not trace zb-h1's deferring "
+                            "linear), so set one of them to its default")
 
     def check_tensor_parallel(self, shape: BloomShape, seq_length: int,
                                vocab_multiple: int) -> None:

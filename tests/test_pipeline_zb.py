@@ -155,6 +155,13 @@ def test_refused_combinations(parallel, world, message):
         validate(_cfg(parallel), world)
 
 
+def test_compile_refused():
+    cfg = _cfg({"pp": 2, "pp_schedule": "zb-h1"})
+    cfg.train.compile = True
+    with pytest.raises(UserError, match="zb-h1 with train.compile=true would defer nothing"):
+        validate(cfg, 2)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_accepted_combinations(zero):
     run = validate(_cfg({"pp": 2, "tp": 2, "pp_schedule": "zb-h1", "zero_stage": zero,
