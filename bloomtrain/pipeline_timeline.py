@@ -46,9 +46,10 @@ def _label(event: dict, num_chunks: int) -> str:
 
 
 def render_row(data: dict, offset: float, seconds_per_col: float) -> str:
-    """One stage as text: each event at its time column, forwards as `F3---`, backwards as
-    `B3===` (zb-h1: the input gradient), zb-h1's deferred weight gradients as `W3~~~`, waits for a message as dots, idle as blanks. A label is never cut: an event shorter
-    than its label pushes the following ones right, so order stays exact and timing approximate."""
+    """One stage as text: each event at its time column, forwards as `F3---`, backwards as `B3===`
+    (zb-h1: the input gradient), zb-h1's deferred weight gradients as `W3~~~`, waits for a message
+    as dots, idle as blanks. A label is never cut: an event shorter than its label pushes the
+    following ones right, so order stays exact and timing approximate."""
     row: list[str] = []
     for e in sorted(data["events"], key=lambda e: e["start"]):
         if e["kind"] not in _FILL:

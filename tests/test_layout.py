@@ -81,7 +81,8 @@ def test_validation():
     with pytest.raises(UserError, match=r"num_virtual_stages \(2\) > 1 needs "
                                         r"parallel.pp_schedule=interleaved"):
         layout(4, "1f1b", 2).check_pipeline(8)
-    with pytest.raises(UserError, match="parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1"):
+    with pytest.raises(UserError,
+                       match="parallel.pp_schedule must be gpipe, 1f1b, interleaved or zb-h1"):
         helpers.config(parallel={"pp_schedule": "zero-bubble"}).check()
     # Fewer micro-batches than stages works, but is mostly bubble: the config check warns.
     cfg = helpers.config(parallel={"pp": 4, "pp_partition": "uniform"}, global_batch_size=2)

@@ -346,7 +346,7 @@ def test_deferring_linear_outside_b_is_an_ordinary_backward():
     torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
 
 
-# ---- memory ---------------------------------------------------------------------------------------
+# ---- memory --------------------------------------------------------------------------------------
 
 def _memory_worker(rank, world):
     from bench.zb_bubble import stage_peaks

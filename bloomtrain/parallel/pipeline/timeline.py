@@ -16,9 +16,10 @@ COMPUTE = ("F", "B", "W")
 
 class Timeline:
     """Wall-clock events of one pipeline step on one rank, relative to the step's start: "F", "B"
-    and, under zb-h1, "W" (compute of a micro-batch on a model chunk), "recv" (waiting for a message), "send"
-    (posting messages) and "send_wait" (the end-of-step wait for outstanding sends). Idle time is
-    everything that is not F, B or W. A Timeline passed to a step is reset by it."""
+    and, under zb-h1, "W" (compute of a micro-batch on a model chunk), "recv" (waiting for a
+    message), "send" (posting messages) and "send_wait" (the end-of-step wait for outstanding
+    sends). Idle time is everything that is not F, B or W. A Timeline passed to a step is reset by
+    it."""
 
     def __init__(self):
         self.events: list[dict] = []

@@ -7,14 +7,14 @@ The model is not changed. While `DeferWeightGrads` is active (a TorchFunctionMod
 every `F.linear`: nn.Linear, the tensor-parallel column and row layers and the LM head alike), a
 linear layer runs as `_LinearDeferredWeightGrad`, whose backward inside a B returns the input's
 gradient only and leaves (input, output gradient) in the store: a weight gradient is the matmul
-dy^T·x, the half of a linear layer's backward that W runs. Outside a B (the first stage, which
-has no input gradient to send, runs B and W as one backward) it is an ordinary linear. `backward_input` (B) takes the
-gradients of the stage input and of the parameters outside linear layers (LayerNorm, the
-embedding) without accumulating them; `WeightGradStore.run` (W) adds the deferred matmuls and
-hands every parameter gradient of the micro-batch to autograd in one pass, so the parameters'
-hooks (ZeRO's accumulation and reduce-scatter) see one complete backward per micro-batch, as
-under 1F1B. The mode must also be active in B: activation checkpointing recomputes the forward
-there, and the recomputation must record the same ops.
+dy^T·x, the half of a linear layer's backward that W runs. Outside a B (the first stage, which has
+no input gradient to send, runs B and W as one backward) it is an ordinary linear. `backward_input`
+(B) takes the gradients of the stage input and of the parameters outside linear layers (LayerNorm,
+the embedding) without accumulating them; `WeightGradStore.run` (W) adds the deferred matmuls and
+hands every parameter gradient of the micro-batch to autograd in one pass, so the parameters' hooks
+(ZeRO's accumulation and reduce-scatter) see one complete backward per micro-batch, as under 1F1B.
+The mode must also be active in B: activation checkpointing recomputes the forward there, and the
+recomputation must record the same ops.
 """
 from __future__ import annotations
 
