@@ -372,3 +372,33 @@ def _hpz_one_per_node(rank, world):
     except UserError as e:
         return str(e)
     return "not refused"
+
+
+def _stage0_rank(rank, world, precision, overflow_at):
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": 0, "grad_reduce_dtype": "int8",
+                                          "grad_error_feedback": True},
+                         optim={"lr": LR, "clip_grad": 1.0}, precision=precision, seed=1)
+    parts = helpers.build(cfg)
+    chunk, eng = parts.chunks[0], parts.engine
+    g = torch.Generator().manual_seed(3 + rank)
+    skipped = []
+    for step in range(3):
+        ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)
+        loss = chunk(ids[:, :-1], labels=ids[:, 1:])
+        parts.optimizer.scale_loss(loss).backward()
+        if step == overflow_at and rank == 0:
+            eng.bufs.grad[0] = float("inf")  # an fp16 overflow on one rank
+        skipped.append(helpers.step(parts.optimizer, LR).skipped)
+        assert torch.isfinite(eng.bufs.grad_residual).all()
+    return eng.bufs.master.clone(), skipped
+
+
+def test_int8_stage0_keeps_the_replicas_equal_and_survives_an_overflow():
+    """Stage 0's int8 all-reduce: every rank holds the same (re-encoded) sums, so the replicated
+    masters stay bitwise equal; under fp16 an overflowing step is skipped and clears the error
+    feedback, which would otherwise carry the inf into every later reduction."""
+    outs = run_ranks(2, _stage0_rank, "bf16", None)
+    assert torch.equal(outs[0][0], outs[1][0])
+    outs = run_ranks(2, _stage0_rank, "fp16", 1)
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert [o[1] for o in outs] == [[False, True, False]] * 2

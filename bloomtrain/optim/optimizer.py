@@ -102,6 +102,11 @@ class ZeroAdamW:
         if clipped.found_inf:
             if self.engine.host:
                 self.engine.host.wait()  # the copies still read the gradients
+            residual = self.engine.bufs.grad_residual
+            if residual is not None:
+                # Error feedback carried a non-finite gradient (an fp16 overflow): what it owes
+                # is lost with the step, or it would poison every later reduction.
+                residual.zero_()
         else:
             self.step_count += 1
             self._update(lr, clip_coefficient(clipped.norm, self.cfg.clip_grad, clipped.scale),
