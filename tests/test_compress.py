@@ -402,3 +402,38 @@ def test_int8_stage0_keeps_the_replicas_equal_and_survives_an_overflow():
     outs = run_ranks(2, _stage0_rank, "fp16", 1)
     assert torch.equal(outs[0][0], outs[1][0])
     assert [o[1] for o in outs] == [[False, True, False]] * 2
+
+
+def _fp32_sum_rank(rank, world):
+    """Stage 0, fp32 reduction: this rank's reduced gradient by name, and its local one from an
+    engine of its own without dp peers, on the same micro-batches."""
+    from bloomtrain.layout import ParallelLayout
+    from bloomtrain.topology import Topology
+    g = torch.Generator().manual_seed(11 + rank)
+    batches = [torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g) for _ in range(2)]
+    out = []
+    for single in (False, True):
+        cfg = helpers.config(SHAPE, parallel={"zero_stage": 0, "grad_reduce_dtype": "fp32",
+                                              "bucket_size_mb": 0.05},
+                             optim={"lr": LR}, precision="bf16", seed=1)
+        topo = (Topology.describe_rank(ParallelLayout.from_config(cfg.parallel, 1), 0)
+                if single else None)
+        parts = helpers.build(cfg, topo)
+        for ids in batches:
+            parts.chunks[0](ids[:, :-1], labels=ids[:, 1:]).backward()
+        parts.engine.reduce_gradients()
+        bufs = parts.engine.bufs
+        out.append({s.name: bufs.grad[s.full_off:s.full_off + s.numel].clone()
+                    for s in bufs.layout.slots})
+    return out
+
+
+def test_fp32_reduction_is_the_exact_fp32_sum():
+    """Independent of the engine's own reduction: at dp=2 the fp32 reduction of stage 0 is, bit
+    for bit, (g0 + g1) / 2 of the two ranks' local fp32-accumulated gradients (two addends: no
+    order to differ in)."""
+    outs = run_ranks(2, _fp32_sum_rank)
+    (r0, g0), (r1, g1) = outs
+    for name in g0:
+        want = (g0[name] + g1[name]) / 2
+        assert torch.equal(r0[name], want) and torch.equal(r1[name], want), name
