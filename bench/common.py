@@ -92,3 +92,15 @@ def unseeded_init():
         yield
     finally:
         par.init_into = seeded
+
+
+def timed_on_all_ranks(step) -> float:
+    """Seconds `step()` takes on the slowest rank of the world group: a barrier before and after,
+    so every rank starts together and the time ends when the last one is done."""
+    from bloomtrain.parallel import comm
+
+    comm.barrier(comm.world_group(), "bench")
+    t0 = time.perf_counter()
+    step()
+    comm.barrier(comm.world_group(), "bench")
+    return time.perf_counter() - t0

@@ -43,7 +43,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import alternate_rounds  # noqa: E402
+from bench.common import alternate_rounds, timed_on_all_ranks  # noqa: E402
 
 from bloomtrain.parallel import comm  # noqa: E402
 from tests.dist import spawn_ranks  # noqa: E402
@@ -77,13 +76,6 @@ def _reset_hwm() -> None:
     """Reset the resident high-water mark to the current resident set (Linux >= 4.0)."""
     Path("/proc/self/clear_refs").write_text("5")
 
-
-def _timed(step) -> float:
-    comm.barrier(comm.world_group(), "bench")
-    t0 = time.perf_counter()
-    step()
-    comm.barrier(comm.world_group(), "bench")
-    return time.perf_counter() - t0
 
 
 def _hf_model(args):
@@ -203,7 +195,7 @@ def time_rank(rank, world, stage, args):
     _init_deepspeed()
     batches = _batches(rank, args)
     sides = {name: make(stage, batches, args) for name, make in SIDES.items()}
-    times = alternate_rounds({n: s[0] for n, s in sides.items()}, _timed, args.warmup,
+    times = alternate_rounds({n: s[0] for n, s in sides.items()}, timed_on_all_ranks, args.warmup,
                              args.rounds, args.steps)
     return {n: {"step_times_s": times[n], "losses": sides[n][1]} for n in sides}
 

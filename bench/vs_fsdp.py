@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -36,7 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, alternate_rounds, shape_from_args  # noqa: E402
+from bench.common import (add_shape_args, alternate_rounds, shape_from_args,  # noqa: E402
+                          timed_on_all_ranks)
 
 from bloomtrain.model import build_model  # noqa: E402
 from bloomtrain.model.params import base_spec  # noqa: E402
@@ -46,13 +46,6 @@ from tests.dist import run_ranks  # noqa: E402
 
 LR = 1e-4
 
-
-def _timed(step) -> float:
-    comm.barrier(comm.world_group(), "bench")
-    t0 = time.perf_counter()
-    step()
-    comm.barrier(comm.world_group(), "bench")
-    return time.perf_counter() - t0
 
 
 def _storage_bytes(tensors) -> int:
@@ -119,7 +112,7 @@ def fsdp2_side(shape, ids, args):
         try:
             opt = make_opt(kind)
             step_with(opt)()
-            timings[kind] = statistics.median(_timed(step_with(opt)) for _ in range(2))
+            timings[kind] = statistics.median(timed_on_all_ranks(step_with(opt)) for _ in range(2))
         except (RuntimeError, TypeError, NotImplementedError) as e:
             # torch has no such implementation for DTensors on this device: say so, use the other
             timings[kind] = float("inf")
@@ -146,7 +139,7 @@ def fsdp2_side(shape, ids, args):
 
 def run_sides(sides, args) -> dict:
     """Warm up every side, then alternate them over rounds; median step time per side."""
-    times = alternate_rounds({name: side[0] for name, side in sides.items()}, _timed,
+    times = alternate_rounds({name: side[0] for name, side in sides.items()}, timed_on_all_ranks,
                              args.warmup, args.rounds, args.steps)
     return {name: {"ran": ran, "step_time_s": statistics.median(times[name]),
                    "step_times_s": times[name], **memory()}
