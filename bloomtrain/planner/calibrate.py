@@ -74,15 +74,18 @@ def calibrate_efficiency(run_dir: str, cluster: Cluster) -> Calibration:
             raise UserError(f"--calibrate: the run's layout cannot be planned: {p.reason}")
         return p.step_time_s
 
-    if predicted(1.0) > measured:
+    # A GPU runs at most its peak; the cpu device's peak is one core's nominal figure, which a
+    # rank with several threads exceeds.
+    top = 1.0 if cluster.gpu.kind == "cuda" else 64.0
+    if predicted(top) > measured:
         raise UserError(f"the run's step ({measured:.3f} s) is faster than {cluster.gpu.name} at "
-                        f"its full peak would allow ({predicted(1.0):.3f} s); was it run on "
+                        f"its full peak would allow ({predicted(top):.3f} s); was it run on "
                         f"another GPU? Pass the run's --gpu")
-    lo, hi = 1e-6, 1.0   # predicted() falls as the efficiency rises
+    lo, hi = 1e-6, top   # predicted() falls as the efficiency rises
     for _ in range(60):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if predicted(mid) > measured else (lo, mid)
-    if predicted(min(1.0, 2 * hi)) > 0.99 * measured:
+    if predicted(min(top, 2 * hi)) > 0.99 * measured:
         raise UserError(f"--calibrate {run_dir}: the run's step ({measured:.4g} s) is bound by "
                         f"its host (kernel launches), not its GEMMs, on {cluster.gpu.name}: its "
                         f"GEMM rate cannot be read from it; calibrate from a run with a larger "

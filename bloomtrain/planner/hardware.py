@@ -101,8 +101,12 @@ class Cluster:
                         ("--inter-node-gbps", self.inter_node_gbps)):
             if v is not None and v <= 0:
                 raise UserError(f"{what} must be positive, got {v}")
-        if self.efficiency is not None and not 0 < self.efficiency <= 1:
-            raise UserError(f"the compute efficiency must be in (0, 1], got {self.efficiency}")
+        # a GPU's GEMMs reach at most its peak; the cpu device's peak is one core's, which a
+        # rank with several threads exceeds
+        top = 1.0 if self.gpu.kind == "cuda" else 64.0
+        if self.efficiency is not None and not 0 < self.efficiency <= top:
+            raise UserError(f"the compute efficiency must be in (0, {top:g}], got "
+                            f"{self.efficiency}")
 
     @property
     def node_size(self) -> int:
