@@ -516,6 +516,21 @@ def test_a_missing_term_breaks_the_fit(monkeypatch):
     assert max(errors) > TFLOPS_TOL, errors
 
 
+def test_a_compressed_dp_reduction_is_priced_by_its_wire_bytes():
+    # The hook a compressed (int8) reduction sets: the exposed dp time of a bandwidth-bound
+    # ZeRO-0 all-reduce scales with the bytes on the wire; gathers keep their own ratio. (pp=1:
+    # no tied-embedding sum between stages in the term; memory does not matter here.)
+    work, cluster = _bloom("bloomtrain")
+    work = replace(work, global_batch=1920)   # 10 micro-batches of 2 per replica
+    cand = Candidate.of(tp=4, pp=1, dp=96, micro_batch=2, zero_stage=0, recompute="full")
+    full = evaluate(cand, work, cluster).time["dp_comm_exposed_s"]
+    quarter = evaluate(cand, replace(work, dp_reduce_bytes_ratio=0.25), cluster).time
+    assert quarter["dp_comm_exposed_s"] == pytest.approx(full / 4, rel=0.01)
+    z1 = Candidate.of(tp=4, pp=1, dp=96, micro_batch=2, zero_stage=1, recompute="full")
+    gathers = evaluate(z1, replace(work, dp_gather_bytes_ratio=0.5), cluster).time
+    assert gathers["dp_comm_exposed_s"] < evaluate(z1, work, cluster).time["dp_comm_exposed_s"]
+
+
 # ---- errors, API, CLI ------------------------------------------------------------------------
 def test_no_fitting_layout_names_the_smallest_change():
     with pytest.raises(UserError) as e:

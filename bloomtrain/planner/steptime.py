@@ -209,7 +209,9 @@ def dp_exposed(cand, work, cluster: Cluster, full: int, slowest: RankTime, m: in
     link = cluster.group_link(cand.dp, cand.tp)
 
     def ring(kind, nbytes):
-        return ring_time(kind, nbytes * work.dp_bytes_ratio, cand.dp, link)
+        ratio = (work.dp_gather_bytes_ratio if kind == "all_gather"
+                 else work.dp_reduce_bytes_ratio)
+        return ring_time(kind, nbytes * ratio, cand.dp, link)
     if work.megatron:
         if work.precision == "fp16":   # DeepSpeed's fp16 ZeRO: 16-bit gradients
             return ring("all_reduce", 2 * full) if z == 0 else (

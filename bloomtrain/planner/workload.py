@@ -38,9 +38,10 @@ class Workload:
     mask_bytes: int = 1
     system: str = "bloomtrain"
     partition: str = "type:transformer|embedding"
-    # Bytes on the wire per byte of the dp reduction and gathers the step time prices (1: as
-    # the engine counts them; a compressed reduction, e.g. int8, less).
-    dp_bytes_ratio: float = 1.0
+    # Bytes on the wire per byte of the dp gradient reduction and of the parameter gathers that
+    # the step time prices (1: uncompressed; an int8 reduction of fp32 gradients about 1/4).
+    dp_reduce_bytes_ratio: float = 1.0
+    dp_gather_bytes_ratio: float = 1.0
 
     def __post_init__(self):
         if self.system not in SYSTEMS:
