@@ -25,7 +25,7 @@ Backend = Literal["auto", "gloo", "nccl"]
 DecayStyle = Literal["cosine", "linear", "constant"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Recompute = Literal["none", "selective", "full"]
-Attention = Literal["auto", "sdpa", "flex"]
+Attention = Literal["auto", "sdpa", "flex", "eager"]
 Device = Literal["auto", "cpu", "cuda"]
 OnLossSpike = Literal["log", "skip", "rollback"]
 OnSaveError = Literal["continue", "stop"]
@@ -156,8 +156,9 @@ class TrainConfig:
     # Regional torch.compile of each transformer block (inductor fuses LayerNorm, bias-GeLU and
     # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).
     compile: bool = False
-    # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available, else
-    # SDPA with the ALiBi bias as a float mask), sdpa or flex.
+    # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available; on
+    # CPU in bf16/fp16 at sequences up to layout.EAGER_MAX_SEQ HF's eager math; else SDPA with
+    # the ALiBi bias as a float mask), sdpa, flex or eager.
     attention: Attention = "auto"
     log_interval: int = 10
     eval_interval: int | None = None

@@ -397,19 +397,32 @@ def check_micro_batches(num_micro: int, pp_size: int, schedule: str) -> None:
 # ---- the attention kernel ------------------------------------------------------------------------
 
 def check_attention(requested: str, attention_dropout: float) -> None:
-    """What the config alone decides of `train.attention` (auto, sdpa or flex)."""
+    """What the config alone decides of `train.attention` (auto, sdpa, flex or eager)."""
     if requested == "flex" and attention_dropout > 0:
         raise UserError(f"train.attention=flex has no attention dropout; set "
                         f"model.attention_dropout=0 (it is {attention_dropout}) or "
                         f"train.attention=sdpa")
 
 
-def resolve_attention(requested: str, attention_dropout: float, device) -> str:
-    """The kernel for `train.attention` when training on `device`.
+# On CPU in bf16/fp16, auto takes the "eager" kernel (HF's baddbmm + fp32 softmax + bmm) up to
+# this sequence length and SDPA above it: SDPA's fused CPU kernel is slow in reduced precision at
+# short sequences (its backward above all). Measured fwd+bwd, bf16, one thread, the same ALiBi +
+# causal bias, median of 60 interleaved reps (15 from 512), eager/sdpa time:
+#   [b, heads, s, hd] = [2, 8, s, 32]:  s=64 0.33, 128 0.58, 256 0.91, 512 1.75, 1024 3.28
+#                       [1, 16, s, 64]: s=128 0.34, 256 0.42, 512 1.19, 1024 2.07
+# so the crossover lies between 256 and 512 (torch 2.13 CPU). fp32 keeps SDPA (its numerics).
+EAGER_MAX_SEQ = 256
+
+
+def resolve_attention(requested: str, attention_dropout: float, device,
+                      precision: str = "fp32", seq_length: int | None = None) -> str:
+    """The kernel for `train.attention` when training on `device` in `precision` at
+    `seq_length` tokens.
 
     auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
-    CPU sdpa is also the fastest correct kernel (bench/attention.py), and FlexAttention cannot
-    run backward there. Raises UserError for a combination that cannot train."""
+    CPU it is eager in bf16/fp16 when seq_length <= EAGER_MAX_SEQ (faster there, see above),
+    else sdpa (bench/attention.py); FlexAttention cannot run backward on CPU. Raises UserError
+    for a combination that cannot train."""
     import torch
 
     from bloomtrain.model.attention import flex_attention_available
@@ -417,9 +430,12 @@ def resolve_attention(requested: str, attention_dropout: float, device) -> str:
     DOMAINS["train.attention"].check("train.attention", requested)
     check_attention(requested, attention_dropout)
     device = torch.device(device)
-    if requested == "sdpa":
-        return "sdpa"
+    if requested in ("sdpa", "eager"):
+        return requested
     if requested == "auto":
+        if (device.type == "cpu" and precision in ("bf16", "fp16") and seq_length is not None
+                and seq_length <= EAGER_MAX_SEQ):
+            return "eager"
         if device.type != "cuda" or not flex_attention_available():
             return "sdpa"
         if attention_dropout > 0:

@@ -17,6 +17,7 @@ import torch
 
 from bloomtrain.config import Config
 from bloomtrain.data.loader import build_train_valid_test_datasets
+from bloomtrain.layout import resolve_attention
 from bloomtrain.model import build_model, resolve_model_config
 from bloomtrain.runtime import torch_dtype
 
@@ -91,6 +92,9 @@ def reference_train(cfg: Config) -> ReferenceRun:
     compute_dtype = torch_dtype(t.precision)
     model = build_model(shape, seed=t.seed, dtype=compute_dtype)
     model.train()
+    # The attention kernel the trainer resolves on the CPU for this precision and sequence.
+    model.transformer.attention_impl = resolve_attention(
+        t.attention, cfg.model.attention_dropout, "cpu", t.precision, cfg.data.seq_length)
     params = {n: p for n, p in model.named_parameters()}  # the tied head appears once
     masters = {n: torch.nn.Parameter(p.detach().float().clone()) for n, p in
                build_model(shape, seed=t.seed).named_parameters()}

@@ -19,7 +19,7 @@ import torch
 
 import bloomtrain
 from bloomtrain.model import BloomShape, build_model
-from bloomtrain.model.attention import FlexAlibi, attention_core
+from bloomtrain.model.attention import EagerBias, FlexAlibi, attention_core
 from bloomtrain.utils import UserError
 from tests import helpers
 
@@ -127,3 +127,70 @@ def test_parallelize_sets_kernel_and_recompute_mode():
     model.transformer.attention_impl = "flash"
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+# ---- the eager kernel (HF BloomAttention's math) ------------------------------------------------
+
+def _loss_and_grads(impl, mode, ids, dtype=torch.float32, dropout=0.0, seed=0):
+    shape = tiny(4).replace(attention_dropout=dropout)
+    model = build_model(shape, seed=1).to(dtype).train()
+    model.transformer.attention_impl = impl
+    model.set_activation_checkpointing(mode)
+    torch.manual_seed(seed)
+    loss = model(ids[:, :-1], labels=ids[:, 1:])
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def test_eager_matches_sdpa_logits_grads_and_kv_cache(ids):
+    model = build_model(tiny(6), seed=1).eval()
+    x = ids[:, :SEQ]
+    want = _logits(model, x, "sdpa")
+    got = _logits(model, x, "eager")
+    assert isinstance(model.transformer.attention_bias(SEQ, SEQ, torch.float32), EagerBias)
+    assert (got - want).abs().max().item() < LOGITS_ATOL
+    with torch.no_grad():  # queries at an offset: the last 8 of 32 positions
+        _, past = model(x[:, :24], return_presents=True)
+        step, _ = model(x[:, 24:], past_kvs=past, return_presents=True)
+    assert (step - want[:, 24:]).abs().max().item() < LOGITS_ATOL
+    want_loss, want_g = _loss_and_grads("sdpa", "none", ids)
+    for mode in ("none", "selective"):  # attention_core is the recompute unit
+        loss, grads = _loss_and_grads("eager", mode, ids)
+        assert loss == pytest.approx(want_loss, rel=1e-6), mode
+        for n, g in want_g.items():
+            torch.testing.assert_close(grads[n], g, rtol=GRAD_RTOL, atol=GRAD_ATOL)
+
+
+def test_eager_bf16_close_to_sdpa_and_fp32(ids):
+    ref_loss, ref = _loss_and_grads("sdpa", "none", ids)
+    for impl in ("sdpa", "eager"):
+        loss, grads = _loss_and_grads(impl, "none", ids, dtype=torch.bfloat16)
+        assert loss == pytest.approx(ref_loss, rel=2e-2), impl
+        for n, g in ref.items():  # bf16 rounding: a few percent of each tensor's scale
+            err = (grads[n] - g).abs().max().item()
+            assert err <= 0.05 * g.abs().max().item() + 1e-4, (impl, n, err)
+
+
+def test_eager_dropout_replays_under_selective_recompute(ids):
+    loss0, plain = _loss_and_grads("eager", "none", ids, dropout=0.0)
+    loss, want = _loss_and_grads("eager", "none", ids, dropout=0.3, seed=7)
+    assert loss != loss0  # the dropout acts (near-uniform logits: a small change)
+    assert max((want[n] - plain[n]).abs().max().item() for n in want) > 1e-4
+    got_loss, got = _loss_and_grads("eager", "selective", ids, dropout=0.3, seed=7)
+    assert got_loss == loss
+    for n, g in want.items():  # recompute restores the RNG: the same mask
+        torch.testing.assert_close(got[n], g, rtol=0, atol=0)
+
+
+def test_eager_matches_hf_logits(ids, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_hf import ATOL, make_hf_model
+
+    ref = make_hf_model({"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}, seed=4,
+                        perturb=True)
+    x = ids[:, :SEQ]
+    with torch.no_grad():
+        want = ref(x).logits
+    ref.save_pretrained(tmp_path / "hf")
+    model = bloomtrain.load_model(tmp_path / "hf")
+    assert (_logits(model, x, "eager") - want).abs().max().item() < ATOL

@@ -69,10 +69,12 @@ def reference(request, tmp_path_factory):
     return tmp / "bf16", ids, hf16, bound
 
 
-def our_logits(path, ids, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ours in bf16: the whole sequence at once, and the last SEQ - PREFILL positions again by
-    cached decoding one token at a time (queries at the end of a longer key range)."""
+def our_logits(path, ids, device, impl="sdpa") -> tuple[torch.Tensor, torch.Tensor]:
+    """Ours in bf16 with the `impl` kernel: the whole sequence at once, and the last
+    SEQ - PREFILL positions again by cached decoding one token at a time (queries at the end of a
+    longer key range)."""
     model = bloomtrain.load_model(path, dtype="bf16", device=device)
+    model.transformer.attention_impl = impl
     assert model.lm_head.weight.dtype == torch.bfloat16
     ids = ids.to(device)
     with torch.no_grad():
@@ -90,9 +92,10 @@ def excess(ours: torch.Tensor, hf16: torch.Tensor, bound: torch.Tensor) -> torch
     return (ours - hf16).abs().amax(-1) - bound
 
 
-def test_bf16_logits_match_hf_bf16_at_every_position(reference, device):
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_bf16_logits_match_hf_bf16_at_every_position(reference, device, impl):
     path, ids, hf16, bound = reference
-    full, cached = our_logits(path, ids, device)
+    full, cached = our_logits(path, ids, device, impl)
     over = excess(full, hf16, bound)
     assert (over <= 0).all(), f"positions over the bound (b, s): {(over > 0).nonzero().tolist()}"
     over = excess(cached, hf16[:, PREFILL:], bound[:, PREFILL:])

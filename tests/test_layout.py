@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bloomtrain.errors import UserError
-from bloomtrain.layout import ParallelLayout, partition_layers, resolve_attention, validate
+from bloomtrain.layout import (EAGER_MAX_SEQ, ParallelLayout, partition_layers, resolve_attention,
+                               validate)
 from bloomtrain.model import attention
 from tests import helpers
 
@@ -98,6 +99,14 @@ def test_resolve_attention(monkeypatch):
     assert resolve_attention("sdpa", 0.0, "cuda") == "sdpa"
     assert resolve_attention("flex", 0.0, "cuda") == "flex"
     assert resolve_attention("sdpa", 0.1, "cpu") == "sdpa"
+    # CPU in bf16/fp16 up to EAGER_MAX_SEQ: HF's eager math (faster than SDPA's CPU kernel there)
+    assert resolve_attention("auto", 0.0, "cpu", "bf16", EAGER_MAX_SEQ) == "eager"
+    assert resolve_attention("auto", 0.1, "cpu", "fp16", 64) == "eager"  # it has dropout
+    assert resolve_attention("auto", 0.0, "cpu", "bf16", EAGER_MAX_SEQ + 1) == "sdpa"
+    assert resolve_attention("auto", 0.0, "cpu", "fp32", 64) == "sdpa"  # fp32 numerics kept
+    assert resolve_attention("auto", 0.0, "cuda", "bf16", 64) == "flex"
+    assert resolve_attention("eager", 0.1, "cuda") == "eager"
+    assert resolve_attention("sdpa", 0.0, "cpu", "bf16", 64) == "sdpa"
     with pytest.warns(UserWarning, match="FlexAttention has no dropout"):
         assert resolve_attention("auto", 0.1, "cuda") == "sdpa"
     with pytest.raises(UserError, match=r"set model.attention_dropout=0 \(it is 0.1\) or "
@@ -105,7 +114,8 @@ def test_resolve_attention(monkeypatch):
         resolve_attention("flex", 0.1, "cuda")
     with pytest.raises(UserError, match="cannot train on cpu: FlexAttention has no backward"):
         resolve_attention("flex", 0.0, "cpu")
-    with pytest.raises(UserError, match="train.attention must be auto, sdpa or flex, got 'flash'"):
+    with pytest.raises(UserError, match="train.attention must be auto, sdpa, flex or eager, "
+                                        "got 'flash'"):
         resolve_attention("flash", 0.0, "cuda")
     monkeypatch.setattr(attention, "flex_attention_available", lambda: False)
     assert resolve_attention("auto", 0.0, "cuda") == "sdpa"

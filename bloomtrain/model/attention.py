@@ -1,12 +1,16 @@
-"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of three
+"""BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of four
 kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_attention turns
-`train.attention` into sdpa or flex):
+`train.attention` into sdpa, flex or eager):
 - "sdpa": `F.scaled_dot_product_attention` with ALiBi (Press et al., arXiv 2108.12409) and the
   causal mask as one float bias [1, heads, q, k], built once per forward and shared by the
   layers: the fused CPU kernel or CUDA's memory-efficient one (flash kernels take no bias);
 - "flex": FlexAttention (Dong et al., arXiv 2412.05496), ALiBi as a `score_mod` in fp32 and
   causality a `BlockMask`, so no bias is materialized; no dropout, and in torch 2.13 no
   backward on CPU, so training uses it on CUDA only;
+- "eager": HF BloomAttention's math (baddbmm with the same float bias, fp32 softmax, bmm), the
+  scores and probabilities materialized; on CPU in bf16/fp16 at short sequences faster than
+  SDPA's fused kernel, whose reduced-precision backward is slow there (see
+  bloomtrain.layout.EAGER_MAX_SEQ for the measured crossover);
 - "paged", for serving: keys and values in the engine's block-paged KV cache (PagedAttention,
   Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math.
 """
@@ -67,12 +71,36 @@ def flex_alibi(slopes: torch.Tensor, q_len: int, k_len: int) -> FlexAlibi:
     return FlexAlibi(slopes, causal_block_mask(q_len, k_len, slopes.device))
 
 
+class EagerBias(NamedTuple):
+    """The "eager" kernel's bias: the same additive float bias [1, nh, q_len, k_len] as SDPA's,
+    marked so that attention_core takes HF's math path."""
+    bias: torch.Tensor
+
+
+def _eager_core(q, k, v, bias: torch.Tensor, dropout_p: float):
+    """HF BloomAttention's training math on [b, nh, s, hd]: baddbmm(bias, q, kᵀ, alpha=1/sqrt(hd)),
+    softmax in fp32, cast back, dropout on the probabilities, bmm with v."""
+    b, nh, q_len, hd = q.shape
+    k_len = k.shape[2]
+    n = b * nh
+    scores = torch.baddbmm(bias.expand(b, nh, q_len, k_len).reshape(n, q_len, k_len),
+                           q.reshape(n, q_len, hd), k.reshape(n, k_len, hd).transpose(1, 2),
+                           beta=1.0, alpha=1.0 / math.sqrt(hd))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.bmm(probs, v.reshape(n, k_len, hd)).view(b, nh, q_len, hd)
+
+
 def attention_core(q, k, v, bias, dropout_p: float = 0.0):
     """q [b, nh, q_len, hd], k and v [b, nh, k_len, hd] -> context [b, nh, q_len, hd]. `bias` is
-    an additive float bias [1, nh, q_len, k_len] (SDPA) or a FlexAlibi (FlexAttention). The
+    an additive float bias [1, nh, q_len, k_len] (SDPA), an EagerBias (HF's math) or a
+    FlexAlibi (FlexAttention). The
     unit of selective recomputation (arXiv 2205.05198): checkpointing it keeps q, k and v and
     recomputes the O(s²) scores, softmax and dropout mask, the same mask since
     torch.utils.checkpoint restores the RNG state it saw in forward."""
+    if isinstance(bias, EagerBias):
+        return _eager_core(q, k, v, bias.bias, dropout_p)
     if not isinstance(bias, FlexAlibi):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
     if dropout_p > 0:

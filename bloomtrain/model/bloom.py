@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bloomtrain.model.attention import (ATTENTION_IMPLS, PagedAttention, attention_core,
-                                        flex_alibi)
+from bloomtrain.model.attention import (ATTENTION_IMPLS, EagerBias, PagedAttention,
+                                        attention_core, flex_alibi)
 from bloomtrain.config import Recompute
 from bloomtrain.errors import UserError
 from bloomtrain.model.params import base_spec, init_full, init_std
@@ -157,7 +157,8 @@ class BloomModel(nn.Module):
         # Not persistent: derived from the head count, and a tensor-parallel plan slices it.
         self.register_buffer("alibi_slopes", alibi_slopes(shape.num_heads), persistent=False)
         self.activation_checkpointing = "none"
-        # "sdpa" or "flex" (bloomtrain.model.attention); training sets it from train.attention.
+        # "sdpa", "flex" or "eager" (bloomtrain.model.attention); training sets it from
+        # train.attention.
         self.attention_impl = "sdpa"
         # With sequence parallelism each rank holds 1/sequence_parallel_size of the sequence
         # between blocks; the attention bias is for the full sequence.
@@ -173,7 +174,8 @@ class BloomModel(nn.Module):
                              f"got {self.attention_impl!r}")
         if self.attention_impl == "flex":
             return flex_alibi(self.alibi_slopes, q_len, k_len)
-        return alibi_causal_bias(self.alibi_slopes, q_len, k_len, dtype)
+        bias = alibi_causal_bias(self.alibi_slopes, q_len, k_len, dtype)
+        return EagerBias(bias) if self.attention_impl == "eager" else bias
 
     def set_activation_checkpointing(self, mode: str) -> None:
         if mode not in ACTIVATION_CHECKPOINTING:

@@ -108,7 +108,8 @@ class Trainer:
         self.device = resolve_device(cfg)
         # The kernel depends on the device: resolved here, before any process group starts.
         self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
-                                           self.device)
+                                           self.device, cfg.train.precision,
+                                           cfg.data.seq_length)
         from bloomtrain.data.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
         if self.tokenizer is not None:  # the model's vocabulary follows the tokenizer's
