@@ -21,8 +21,8 @@ from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.planner.evaluate import Plan, evaluate
 from bloomtrain.planner.hardware import GPUS, Cluster, gpu
-from bloomtrain.planner.search import (SearchResult, candidate_from_config, plan_or_explain,
-                                       workload_from_config)
+from bloomtrain.planner.search import (SearchResult, candidate_from_config, config_compression,
+                                       plan_or_explain, workload_from_config)
 from bloomtrain.planner.workload import Candidate, Workload, parse_layout
 
 __all__ = ["plan", "Plan", "Candidate", "Workload", "Cluster", "GPUS", "evaluate",
@@ -81,15 +81,17 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
     layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
     first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
     change that would."""
-    _, work, cluster = make_inputs(model=model, config=config, overrides=overrides, gpus=gpus,
+    cfg, work, cluster = make_inputs(model=model, config=config, overrides=overrides, gpus=gpus,
                                    gpu_name=gpu, gpus_per_node=gpus_per_node,
                                    intra_node_gbps=intra_node_gbps,
                                    inter_node_gbps=inter_node_gbps, global_batch=global_batch,
                                    seq=seq, system=system, efficiency=efficiency,
                                    calibrate=calibrate)
+    comp = config_compression(cfg)
     if layout:
-        return [evaluate(parse_layout(layout, gpus, work.partition), work, cluster, tokens)]
-    result = plan_or_explain(work, cluster, tokens, only=only)
+        return [evaluate(parse_layout(layout, gpus, work.partition, comp), work, cluster,
+                         tokens)]
+    result = plan_or_explain(work, cluster, tokens, only=only, compression=comp)
     return result.plans if top is None else result.plans[:top]
 
 

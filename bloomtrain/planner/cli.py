@@ -6,7 +6,7 @@ import json
 from bloomtrain.planner import make_inputs
 from bloomtrain.planner.evaluate import SYSTEMS, Plan, evaluate
 from bloomtrain.planner.hardware import GPUS
-from bloomtrain.planner.search import plan_or_explain
+from bloomtrain.planner.search import config_compression, plan_or_explain
 from bloomtrain.planner.workload import parse_layout
 from bloomtrain.utils import ProgressLine
 
@@ -102,8 +102,8 @@ def cmd_plan(args) -> int:
         what += (f"; compute efficiency {cluster.compute_efficiency:.4g} fitted to "
                  f"{args.calibrate}")
     if args.layout:
-        p = evaluate(parse_layout(args.layout, args.gpus, work.partition), work, cluster,
-                     args.tokens)
+        p = evaluate(parse_layout(args.layout, args.gpus, work.partition,
+                                  config_compression(cfg)), work, cluster, args.tokens)
         if args.json:
             print(json.dumps(p.to_dict()))
         else:
@@ -112,7 +112,8 @@ def cmd_plan(args) -> int:
         return 0 if p.fits else 1
     progress = ProgressLine()
     try:
-        result = plan_or_explain(work, cluster, args.tokens, only=args.only, progress=progress)
+        result = plan_or_explain(work, cluster, args.tokens, only=args.only, progress=progress,
+                                 compression=config_compression(cfg))
     finally:
         progress.close()
     top = result.plans[:args.top]
@@ -157,8 +158,11 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=float, help="tokens to train: report days")
     p.add_argument("--layout", help="evaluate one layout: 'tp=4 pp=12 dp=8 mbs=2 zero=1 "
                                     "recompute=full' (or comma-separated; schedule=, v=, sp, "
-                                    "offload optional)")
-    p.add_argument("--only", help="search only layouts with these values, e.g. recompute=full")
+                                    "offload, grad=fp32|bf16|int8, ef, gather=auto|bf16|int8, "
+                                    "hpz optional)")
+    p.add_argument("--only", help="search only layouts with these values, e.g. recompute=full; "
+                                  "grad=, ef, gather=, hpz apply to every layout that can have "
+                                  "them")
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--system", choices=SYSTEMS, default="bloomtrain",
                    help="whose memory and communication to model: this engine, or the "

@@ -69,7 +69,8 @@ def evaluate(cand: Candidate, work: Workload, cluster: Cluster, tokens: float | 
     m = cand.layout.num_micro_batches(work.global_batch, cand.micro_batch)
     ranks = (range(cand.pp) if all_stages
              else mem.representative_ranks(cand.layout, work.shape.num_layers))
-    stages = [mem.stage_memory(cand, work, r, m, cluster.gpu.context_bytes) for r in ranks]
+    stages = [mem.stage_memory(cand, work, r, m, cluster.gpu.context_bytes, cluster.node_size)
+              for r in ranks]
     worst = max(stages, key=lambda s: s.total)
     plan = Plan(layout=cand.record(), label=cand.label(), fits=worst.total <= limit,
                 reason=None, memory_per_gpu=worst.total, worst_stage=worst.pp_rank,

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
-from bloomtrain.parallel.pipeline.schedules import SCHEDULES
+from bloomtrain.parallel.pipeline.schedules import SCHEDULES, zb_h1_schedule
 from bloomtrain.parallel.zero.segments import flat_sizes
 
 # The engine keeps at most this many reduce-scatters in flight, each with its fp32 staging bucket,
@@ -263,6 +263,46 @@ def peak_in_flight(schedule: str, pp: int, pp_rank: int, num_micro: int,
     return in_flight(schedule, pp, pp_rank, num_micro, num_chunks)
 
 
+@lru_cache(maxsize=4096)
+def zb_h1_phases(pp: int, pp_rank: int, num_micro: int) -> tuple[tuple, tuple]:
+    """ZB-H1's candidate peaks on one rank, from its op list: the (whole micro-batches, held W
+    stores) at each B, and at each W. A micro-batch keeps its whole activations from its F to its
+    B; from its B to its W only what W needs (the linear layers' inputs and output gradients,
+    weightgrad.WeightGradStore), and a W materializes the stage's weight gradients at once. Rank 0
+    runs B and W as one backward (nothing to defer): 1F1B's min(pp, m) and no W peak."""
+    if pp_rank == 0:
+        return ((min(pp, num_micro), 0),), ()
+    whole = held = 0
+    at_b, at_w = set(), set()
+    for op in zb_h1_schedule(pp, pp_rank, num_micro):
+        if op.kind == "F":
+            whole += 1
+        elif op.kind == "B":
+            at_b.add((whole, held))
+            whole, held = whole - 1, held + 1
+        else:  # the store W consumes lives until it is done
+            at_w.add((whole, held))
+            held -= 1
+    return tuple(sorted(at_b)), tuple(sorted(at_w))
+
+
+def weight_store_items(shape: BloomShape, a: ActivationSpec, num_layers: int,
+                       last: bool) -> dict[str, float]:
+    """Bytes B leaves for W per micro-batch: each linear layer's input and output gradient
+    (weightgrad._LinearDeferredWeightGrad). Per token and layer, inputs h (QKV), h/t (dense),
+    h (h->4h), f/t (4h->h) and output gradients 3h/t, h, f/t, h: 4h + 12h/t values with f = 4h
+    (the column layers keep their whole input and the row layers' output gradient is whole, with
+    or without sequence parallelism). On the last stage the LM head's input and the logits'
+    gradient too."""
+    tokens, h, t, c = a.seq * a.micro_batch, shape.hidden_size, a.tp, a.compute_bytes
+    f = shape.ffn_hidden_size
+    per_layer = (h + h / t + h + f / t) + (3 * h / t + h + f / t + h)
+    items = {"held_weight_grad_inputs": c * tokens * per_layer * num_layers}
+    if last:
+        items["held_head_input_and_grad"] = c * tokens * (h + shape.vocab_size / t)
+    return items
+
+
 # ---- a pipeline rank's peak ------------------------------------------------------------------
 # The caching allocator's fragmentation over what is live: torch's reserved/allocated ratio in
 # large-model training is typically 1.05-1.15; the planner adds this fraction of the peak.
@@ -313,6 +353,8 @@ def stage_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, fl
     working sets) of one pipeline rank."""
     layout, shape, a = cand.layout, work.shape, activation_spec(cand, work)
     ranges, vstages = layout.stage_ranges(shape.num_layers), layout.virtual_stages(pp_rank)
+    if layout.pp > 1 and layout.schedule == "zb-h1":
+        return _zb_h1_activations(cand, work, pp_rank, m)
     flight = peak_in_flight(layout.schedule if layout.pp > 1 else "1f1b", layout.pp, pp_rank, m,
                             layout.num_virtual_stages)
     acts: dict[str, float] = {}
@@ -327,12 +369,55 @@ def stage_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, fl
     return flight, acts, working
 
 
+def _zb_h1_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, float]:
+    """ZB-H1's rank at the larger of its B and W peaks (zb_h1_phases); at a W the working set
+    adds the stage's weight gradients, made at once (WeightGradStore.run)."""
+    layout, shape, a = cand.layout, work.shape, activation_spec(cand, work)
+    start, end = layout.stage_ranges(shape.num_layers)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    whole = _chunk_items(shape, a, end - start, first, last, cand.recompute)
+    store = weight_store_items(shape, a, end - start, last)
+    loss = loss_working_set(shape, a) if last else 0.0
+    base = recompute_working_set(shape, a, cand.recompute) + loss
+    groups, _ = rank_states(work.shape, layout, pp_rank, work.system, work.precision,
+                            cand.offload)
+    grads = a.compute_bytes * sum(g.numel for g in groups)
+    at_b, at_w = zb_h1_phases(layout.pp, pp_rank, m)
+    best = None
+    for (n_whole, n_held), extra in [(x, 0.0) for x in at_b] + [(x, grads) for x in at_w]:
+        acts = {k: v * n_whole for k, v in whole.items()}
+        acts.update({k: v * n_held for k, v in store.items()})
+        total = sum(acts.values()) + base + extra
+        if best is None or total > best[0]:
+            best = (total, (n_whole + n_held,), acts, base + extra)
+    return best[1], best[2], best[3]
+
+
 @lru_cache(maxsize=65536)
 def _chunk_items(shape, a, blocks, first, last, recompute):
     return chunk_activation_items(shape, a, blocks, first, last, recompute)
 
 
-def stage_memory(cand, work, pp_rank: int, m: int, context_bytes: int) -> StageMemory:
+def secondary_size(cand, node_size: int) -> int:
+    """hpZ's s: the ranks of a dp group on one node (the dp group's ranks are tp apart)."""
+    return max(1, min(cand.dp, node_size // cand.tp))
+
+
+def compression_states(cand, work, states: dict, node_size: int) -> dict:
+    """What the compression options keep per rank: error feedback's fp32 residual, as large as
+    the rank's gradient input (4 B per local parameter, not sharded); hpZ's secondary copy of
+    the compute-dtype weights, 1/s of them on each of the s dp ranks of a node."""
+    out = {}
+    if cand.error_feedback:
+        out["error_feedback"] = 4 * states["flat_numel"]
+    if cand.hpz:
+        s = secondary_size(cand, node_size)
+        out["hpz_secondary"] = work.compute_bytes * states["flat_numel"] // s
+    return out
+
+
+def stage_memory(cand, work, pp_rank: int, m: int, context_bytes: int,
+                 node_size: int = 8) -> StageMemory:
     """One pipeline rank at its peak: model states, the activations of its micro-batches in
     flight, the backward's and the step's transients, the allocator's allowance and the device
     context. The caching allocator keeps the backward's blocks, so the step's flat buffers
@@ -340,6 +425,8 @@ def stage_memory(cand, work, pp_rank: int, m: int, context_bytes: int) -> StageM
     layout, c = cand.layout, work.compute_bytes
     groups, states = rank_states(work.shape, layout, pp_rank, work.system, work.precision,
                                  cand.offload)
+    states = {**states, "device": {**states["device"],
+                                   **compression_states(cand, work, states, node_size)}}
     flight, acts, working = stage_activations(cand, work, pp_rank, m)
     backward, step = _transients(cand, work, groups, states["flat_numel"], c)
     backward["working_sets"] = working
@@ -378,12 +465,15 @@ def _transients(cand, work, groups, psi: int, c: int) -> tuple[dict, dict]:
     return backward, step
 
 
-def static_bytes(cand, work) -> float:
+def static_bytes(cand, work, node_size: int = 8) -> float:
     """The most model-state bytes any rank of `cand` holds: a lower bound of its peak that needs
     neither activations nor a schedule (the search prunes with it)."""
-    return max(sum(rank_states(work.shape, cand.layout, r, work.system, work.precision,
-                               cand.offload)[1]["device"].values())
-               for r in representative_ranks(cand.layout, work.shape.num_layers))
+    def states(r):
+        s = rank_states(work.shape, cand.layout, r, work.system, work.precision,
+                        cand.offload)[1]
+        return sum(s["device"].values()) + sum(
+            compression_states(cand, work, s, node_size).values())
+    return max(states(r) for r in representative_ranks(cand.layout, work.shape.num_layers))
 
 
 def representative_ranks(layout: ParallelLayout, num_layers: int) -> list[int]:

@@ -63,10 +63,18 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
                     partition=cfg.parallel.pp_partition)
 
 
+def config_compression(cfg: Config) -> dict:
+    """The config's dp wire formats, as Candidate's fields."""
+    p = cfg.parallel
+    return {"grad_reduce": p.grad_reduce_dtype, "error_feedback": p.grad_error_feedback,
+            "weight_gather": p.weight_gather_dtype, "hpz": p.zero_secondary_shard}
+
+
 def candidate_from_config(cfg: Config, world_size: int) -> Candidate:
     t = cfg.train
     return Candidate(ParallelLayout.from_config(cfg.parallel, world_size), t.micro_batch_size,
-                     t.activation_checkpointing, cfg.parallel.offload_optimizer)
+                     t.activation_checkpointing, cfg.parallel.offload_optimizer,
+                     **config_compression(cfg))
 
 
 def layouts(work: Workload, num_gpus: int):
@@ -77,22 +85,34 @@ def layouts(work: Workload, num_gpus: int):
         for pp in (p for p in _divisors(num_gpus // tp) if p <= shape.num_layers):
             dp = num_gpus // (tp * pp)
             scheds = [("1f1b", 1)] + ([] if pp == 1 or mds else [
-                ("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.num_layers])
+                ("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.num_layers]
+                + [("zb-h1", 1)])
             zeros = ((0, 1) if work.precision == "fp16" else (1,)) if mds else (0, 1, 2, 3)
             for zero in zeros:
-                for sched, v in scheds:
+                # zb-h1 refuses ZeRO-3 (layout.check_pipeline says why)
+                for sched, v in (s for s in scheds if not (s[0] == "zb-h1" and zero == 3)):
                     for sp in ((False,) if tp == 1 or mds else (False, True)):
                         for off in ((False,) if mds or zero == 0 else (False, True)):
                             yield ParallelLayout(tp, pp, dp, v, sp, zero, sched,
                                                  work.partition), off
 
 
-def candidates(work: Workload, layout: ParallelLayout, offload: bool):
-    """The micro-batch and recompute variants of one layout."""
+COMPRESSION = ("grad_reduce", "error_feedback", "weight_gather", "hpz")
+
+
+def candidates(work: Workload, layout: ParallelLayout, offload: bool,
+               compression: dict | None = None):
+    """The micro-batch and recompute variants of one layout, with `compression` (Candidate's
+    grad_reduce, error_feedback, weight_gather, hpz) where the layout can have it: the gather
+    options need ZeRO-3, and a layout without is searched without them."""
     recompute = ("none", "full") if work.megatron else RECOMPUTE
+    comp = dict(compression or {})
+    if layout.zero_stage != 3:
+        comp.pop("weight_gather", None)
+        comp.pop("hpz", None)
     for mbs in MICRO_BATCHES:
         for rc in recompute:
-            yield Candidate(layout, mbs, rc, offload)
+            yield Candidate(layout, mbs, rc, offload, **comp)
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -105,16 +125,20 @@ def _divisors(n: int) -> list[int]:
 
 def search(work: Workload, cluster: Cluster, tokens: float | None = None,
            memory_limit: float | None = None, only: str | None = None,
-           first_fit: bool = False, progress: ProgressLine | None = None) -> SearchResult:
+           first_fit: bool = False, progress: ProgressLine | None = None,
+           compression: dict | None = None) -> SearchResult:
     """Every layout (those matching `only`, "key=value,..." as in --layout), evaluated;
-    `first_fit` stops at the first that fits."""
+    `first_fit` stops at the first that fits. The dp wire formats (`compression`, or `only`'s
+    grad=, ef, gather=, hpz) apply to every layout that can have them."""
     pinned = parse_pairs(only, "--only") if only else {}
+    comp = {**(compression or {}), **{k: v for k, v in pinned.items() if k in COMPRESSION}}
+    pinned = {k: v for k, v in pinned.items() if k not in COMPRESSION}
     limit = limit_of(cluster, memory_limit)
     result = SearchResult([], [], cluster, work)
     reasons = Counter()
     groups = list(layouts(work, cluster.num_gpus))
     for i, (layout, offload) in enumerate(groups):
-        cands = [c for c in candidates(work, layout, offload) if matches(c, pinned)]
+        cands = [c for c in candidates(work, layout, offload, comp) if matches(c, pinned)]
         _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_fit)
         if progress is not None:
             _draw(progress, i + 1, len(groups), result)
@@ -137,7 +161,8 @@ def _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_
         result.rejected += [rejected(c, reason) for c in cands]
         reasons[_reason_kind(reason)] += len(cands)
         return
-    static = mem.static_bytes(cands[0], work) + cluster.gpu.context_bytes
+    static = (mem.static_bytes(cands[0], work, cluster.node_size)
+              + cluster.gpu.context_bytes)
     if static > limit:
         reason = (f"out of memory: the model states alone need {static / 2 ** 30:.1f} GiB of "
                   f"{limit / 2 ** 30:.1f} GiB ({(static - limit) / 2 ** 30:.1f} GiB over)")
@@ -181,9 +206,11 @@ def _reason_kind(reason: str) -> str:
 
 def plan_or_explain(work: Workload, cluster: Cluster, tokens: float | None = None,
                     memory_limit: float | None = None, only: str | None = None,
-                    progress: ProgressLine | None = None) -> SearchResult:
+                    progress: ProgressLine | None = None,
+                    compression: dict | None = None) -> SearchResult:
     """`search`, raising UserError with the smallest change that would fit when nothing does."""
-    result = search(work, cluster, tokens, memory_limit, only, progress=progress)
+    result = search(work, cluster, tokens, memory_limit, only, progress=progress,
+                    compression=compression)
     if result.plans:
         return result
     if not result.evaluated and only:

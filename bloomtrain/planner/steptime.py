@@ -23,7 +23,7 @@ from bloomtrain.parallel.pipeline.schedules import theoretical_bubble
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.efficiency import BLOCK_OPS, DROPOUT_OPS, OUTER_OPS
 from bloomtrain.planner.hardware import HOST_ADAM_GBS, PCIE_GBS, Cluster, ring_time
-from bloomtrain.planner.traffic import tp_collectives
+from bloomtrain.planner.traffic import gather_ratio, reduce_ratio, tp_collectives
 
 
 @dataclass
@@ -209,8 +209,7 @@ def dp_exposed(cand, work, cluster: Cluster, full: int, slowest: RankTime, m: in
     link = cluster.group_link(cand.dp, cand.tp)
 
     def ring(kind, nbytes):
-        ratio = (work.dp_gather_bytes_ratio if kind == "all_gather"
-                 else work.dp_reduce_bytes_ratio)
+        ratio = gather_ratio(cand, work) if kind == "all_gather" else reduce_ratio(cand, work)
         return ring_time(kind, nbytes * ratio, cand.dp, link)
     if work.megatron:
         if work.precision == "fp16":   # DeepSpeed's fp16 ZeRO: 16-bit gradients
@@ -225,7 +224,12 @@ def dp_exposed(cand, work, cluster: Cluster, full: int, slowest: RankTime, m: in
     backward = slowest.gemm + slowest.memory - slowest.forward
     if z == 2:
         return m * max(0.0, rs - backward) + ring("all_gather", c * full)
-    gathers = 2 * ring("all_gather", c * full)
+    if cand.hpz:  # backward's gathers in the node, from hpZ's compute-dtype copy
+        s = mem.secondary_size(cand, cluster.node_size)
+        backward_gather = ring_time("all_gather", c * full, s, cluster.group_link(s, cand.tp))
+    else:
+        backward_gather = ring("all_gather", c * full)
+    gathers = ring("all_gather", c * full) + backward_gather
     return m * max(0.0, rs + gathers - slowest.gemm - slowest.memory)
 
 

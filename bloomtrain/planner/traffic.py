@@ -4,7 +4,27 @@ reduce-scatter its input, a send or recv its tensor): exact for our engine, and 
 counts the step time prices."""
 from __future__ import annotations
 
+from bloomtrain.parallel.zero import compress
 from bloomtrain.planner import memory as mem
+
+
+def reduce_ratio(cand, work) -> float:
+    """Wire bytes of the dp gradient reduction per byte of fp32's: bf16 1/2, int8 (1 + 4/128)/4
+    (an fp32 scale per 128 values; compress.encoded_bytes), times the workload's own ratio."""
+    n = compress.BLOCK
+    dtype = cand.grad_reduce
+    ratio = 1.0 if dtype == "fp32" else compress.encoded_bytes(n, dtype) / (4 * n)
+    return ratio * work.dp_reduce_bytes_ratio
+
+
+def gather_ratio(cand, work) -> float:
+    """Wire bytes of ZeRO-3's weight gather per byte of the compute dtype's (int8: (1 + 4/128)/2
+    of bf16's)."""
+    n, dtype = compress.BLOCK, cand.weight_gather
+    ratio = (1.0 if dtype == "auto"
+             else compress.encoded_bytes(n, dtype) / (work.compute_bytes * n))
+    return ratio * work.dp_gather_bytes_ratio
+
 
 
 def tp_collectives(cand, work, blocks: int, first: bool, last: bool) -> dict[str, int]:
@@ -79,16 +99,15 @@ def _data_parallel(add, cand, work, pp_rank: int, m: int) -> None:
                                      work.precision, cand.offload)
     full = states["flat_numel"]
     if cand.dp > 1:
-        if z == 0 or work.megatron:
-            add("all_reduce/dp", 4 * full)  # BF16_Optimizer all-reduces, then gathers (ZeRO-1)
-        elif z == 1:
-            add("reduce_scatter/dp", 4 * full)
-        else:
-            add("reduce_scatter/dp", 4 * full * m)
+        _reduction(add, cand, work, full, m)
         if z in (1, 2):
             add("all_gather/dp", c * full)
         if z == 3:
-            add("all_gather/dp", stage3_gather_bytes(groups, cand.dp, c, m))
+            forward, backward = stage3_gather_bytes(groups, cand.dp, c, m)
+            ratio = gather_ratio(cand, work)
+            add("all_gather/dp", forward * ratio)
+            add("all_gather/dp_node" if cand.hpz else "all_gather/dp",
+                backward * (1.0 if cand.hpz else ratio))  # hpZ's node copy: compute dtype
         if z >= 1:
             add("all_reduce/dp", 8)                      # the grad norm's partial sum, float64
         add("all_reduce/dp", 8)                          # the loss summed over dp, in fp64
@@ -97,9 +116,31 @@ def _data_parallel(add, cand, work, pp_rank: int, m: int) -> None:
         add("all_reduce/emb", 4 * tied // (cand.dp if z >= 1 else 1))
 
 
-def stage3_gather_bytes(groups, dp: int, c: int, m: int) -> int:
-    """Stage 3 gathers each unit for its forward and again for its backward, every micro-batch.
-    With the head tied to the embedding on one stage (pp = 1) the embedding is gathered for the
-    head's forward and backward too, and its own backward finds it still gathered: 3 uses."""
-    per_micro = sum((3 if g.shared else 2) * mem.padded(g.numel, dp) for g in groups)
-    return c * per_micro * m
+def _reduction(add, cand, work, full: int, m: int) -> None:
+    """The fp32 gradient sum over dp: plain collectives in fp32; bf16/int8 (compress.py) as an
+    all-to-all of the encoded chunks (and, at stage 0, an all-gather of the encoded sums), their
+    bytes the ratio of fp32's (exact for bf16; int8 less the padding of each chunk's last
+    block)."""
+    z = cand.zero_stage
+    if cand.grad_reduce != "fp32" and not work.megatron:
+        wire = reduce_ratio(cand, work) * 4 * full
+        add("all_to_all/dp", wire * (m if z >= 2 else 1))
+        if z == 0:
+            add("all_gather/dp", wire)
+        return
+    if z == 0 or work.megatron:
+        add("all_reduce/dp", 4 * full)  # BF16_Optimizer all-reduces, then gathers (ZeRO-1)
+    elif z == 1:
+        add("reduce_scatter/dp", 4 * full)
+    else:
+        add("reduce_scatter/dp", 4 * full * m)
+
+
+def stage3_gather_bytes(groups, dp: int, c: int, m: int) -> tuple[int, int]:
+    """(forward's, backward's) bytes: stage 3 gathers each unit for its forward and again for its
+    backward, every micro-batch. With the head tied to the embedding on one stage (pp = 1) the
+    embedding is gathered for the head's forward too, and for the head's backward, whose
+    gathered copy the embedding's own backward then uses: 3 uses, 2 in forward."""
+    forward = sum((2 if g.shared else 1) * mem.padded(g.numel, dp) for g in groups)
+    backward = sum(mem.padded(g.numel, dp) for g in groups)
+    return c * forward * m, c * backward * m

@@ -14,7 +14,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, fields
 
-from bloomtrain.config import PipelineSchedule, Recompute
+from bloomtrain.config import GradReduceDtype, PipelineSchedule, Recompute, WeightGatherDtype
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
@@ -23,6 +23,8 @@ SYSTEMS = ("bloomtrain", "megatron-deepspeed")
 # The config's domains, declared once there.
 RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(PipelineSchedule)
+GRAD_DTYPES = typing.get_args(GradReduceDtype)
+GATHER_DTYPES = typing.get_args(WeightGatherDtype)
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,32 @@ class Candidate:
     micro_batch: int = 1
     recompute: str = "none"
     offload: bool = False
+    # The dp communication's wire formats (parallel.grad_reduce_dtype, grad_error_feedback,
+    # weight_gather_dtype, zero_secondary_shard; bloomtrain/parallel/zero/compress.py).
+    grad_reduce: str = "fp32"
+    error_feedback: bool = False
+    weight_gather: str = "auto"
+    hpz: bool = False
+
+    def __post_init__(self):
+        if self.grad_reduce not in GRAD_DTYPES:
+            raise UserError(f"grad must be one of {', '.join(GRAD_DTYPES)}")
+        if self.weight_gather not in GATHER_DTYPES:
+            raise UserError(f"gather must be one of {', '.join(GATHER_DTYPES)}")
+        if self.error_feedback and self.grad_reduce == "fp32":
+            raise UserError("ef (error feedback) needs a compressed reduction: grad=bf16|int8")
+        if (self.weight_gather != "auto" or self.hpz) and self.zero_stage != 3:
+            raise UserError("gather= and hpz need zero=3: only ZeRO-3 gathers weights")
 
     @classmethod
     def of(cls, *, tp=1, pp=1, dp=1, micro_batch=1, recompute="none", offload=False,
-           partition="type:transformer|embedding", **layout) -> "Candidate":
+           partition="type:transformer|embedding", grad_reduce="fp32", error_feedback=False,
+           weight_gather="auto", hpz=False, **layout) -> "Candidate":
         """From the layout's field names (zero_stage, schedule, num_virtual_stages,
         sequence_parallel) and the candidate's own."""
         return cls(ParallelLayout(tp=tp, pp=pp, dp=dp, partition=partition, **layout),
-                   micro_batch, recompute, offload)
+                   micro_batch, recompute, offload, grad_reduce, error_feedback,
+                   weight_gather, hpz)
 
     @property
     def tp(self) -> int:
@@ -99,14 +119,21 @@ class Candidate:
     def label(self) -> str:
         return (f"{self.layout.label()} mbs={self.micro_batch}"
                 + (f" recompute={self.recompute}" if self.recompute != "none" else "")
-                + (" offload" if self.offload else ""))
+                + (" offload" if self.offload else "")
+                + (f" grad={self.grad_reduce}" if self.grad_reduce != "fp32" else "")
+                + (" ef" if self.error_feedback else "")
+                + (f" gather={self.weight_gather}" if self.weight_gather != "auto" else "")
+                + (" hpz" if self.hpz else ""))
 
     def record(self) -> dict:
         """The layout's fields (less the partition, the workload's) and the candidate's."""
         out = {f.name: getattr(self.layout, f.name) for f in fields(ParallelLayout)
                if f.name != "partition"}
         return {**out, "micro_batch": self.micro_batch, "recompute": self.recompute,
-                "offload": self.offload}
+                "offload": self.offload, "grad_reduce_dtype": self.grad_reduce,
+                "grad_error_feedback": self.error_feedback,
+                "weight_gather_dtype": self.weight_gather,
+                "zero_secondary_shard": self.hpz}
 
 
 # The keys --layout and --only read: the layout's field names, the label's short ones.
@@ -114,14 +141,18 @@ _KEYS = {"tp": "tp", "pp": "pp", "dp": "dp", "mbs": "micro_batch", "micro_batch"
          "zero": "zero_stage", "zero_stage": "zero_stage", "recompute": "recompute",
          "schedule": "schedule", "v": "num_virtual_stages",
          "num_virtual_stages": "num_virtual_stages", "sp": "sequence_parallel",
-         "sequence_parallel": "sequence_parallel", "offload": "offload"}
-_FLAGS = ("sequence_parallel", "offload")
+         "sequence_parallel": "sequence_parallel", "offload": "offload",
+         "grad": "grad_reduce", "grad_reduce_dtype": "grad_reduce", "ef": "error_feedback",
+         "grad_error_feedback": "error_feedback", "gather": "weight_gather",
+         "weight_gather_dtype": "weight_gather", "hpz": "hpz", "zero_secondary_shard": "hpz"}
+_FLAGS = ("sequence_parallel", "offload", "error_feedback", "hpz")
 
 
 def parse_pairs(spec: str, what: str) -> dict:
     """`key=value` items, separated by commas or spaces, over the layout keys (tp, pp, dp, mbs,
-    zero, recompute, schedule, v, sp, offload, or the layout's field names); a bare `sp` or
-    `offload` is true, so that a printed label reads back."""
+    zero, recompute, schedule, v, sp, offload, grad, ef, gather, hpz, or the layout's and the
+    config's field names); a bare `sp`, `offload`, `ef` or `hpz` is true, so that a printed
+    label reads back."""
     values: dict = {}
     for item in spec.replace(",", " ").split():
         key, eq, val = item.partition("=")
@@ -134,11 +165,15 @@ def parse_pairs(spec: str, what: str) -> dict:
         raise UserError(f"{what} recompute must be one of {', '.join(RECOMPUTE)}")
     if values.get("schedule", "1f1b") not in SCHEDULES:
         raise UserError(f"{what} schedule must be one of {', '.join(SCHEDULES)}")
+    if values.get("grad_reduce", "fp32") not in GRAD_DTYPES:
+        raise UserError(f"{what} grad must be one of {', '.join(GRAD_DTYPES)}")
+    if values.get("weight_gather", "auto") not in GATHER_DTYPES:
+        raise UserError(f"{what} gather must be one of {', '.join(GATHER_DTYPES)}")
     return values
 
 
 def _value(name: str, val: str, key: str, what: str):
-    if name in ("recompute", "schedule"):
+    if name in ("recompute", "schedule", "grad_reduce", "weight_gather"):
         return val
     if name in _FLAGS:
         if val.lower() not in ("0", "1", "true", "false"):
@@ -150,9 +185,12 @@ def _value(name: str, val: str, key: str, what: str):
         raise UserError(f"{what} {key}: {val!r} is not an integer") from None
 
 
-def parse_layout(spec: str, num_gpus: int, partition: str) -> Candidate:
+def parse_layout(spec: str, num_gpus: int, partition: str,
+                 defaults: dict | None = None) -> Candidate:
     """`tp=4 pp=12 dp=8 zero=1 mbs=2 recompute=full` (or comma-separated; schedule, v, sp,
-    offload optional); dp may be left out (what the GPUs leave)."""
+    offload, grad=fp32|bf16|int8, ef, gather=auto|bf16|int8, hpz optional); dp may be left out
+    (what the GPUs leave). `defaults`: Candidate fields the text does not set (the config's
+    grad_reduce, error_feedback, weight_gather, hpz)."""
     values = parse_pairs(spec, "--layout")
     tp, pp = values.get("tp", 1), values.get("pp", 1)
     if "dp" not in values:
@@ -162,6 +200,9 @@ def parse_layout(spec: str, num_gpus: int, partition: str) -> Candidate:
     if values.get("schedule") == "interleaved" and "num_virtual_stages" not in values:
         values["num_virtual_stages"] = 2
     values.setdefault("zero_stage", 1)
+    for key, val in (defaults or {}).items():  # the config's dp wire formats, where they apply
+        if values["zero_stage"] == 3 or key not in ("weight_gather", "hpz"):
+            values.setdefault(key, val)
     return Candidate.of(partition=partition, **values)
 
 
