@@ -194,7 +194,28 @@ def test_zb_h1_stage_memory_follows_the_measured_stage_peaks():
     for r, peaks in enumerate(measured):
         got = peaks["zb-h1"] - peaks["1f1b"]
         want = planned("zb-h1", r) - planned("1f1b", r)
+        print(f"stage {r}: measured KiB 1f1b {peaks['1f1b'] // 1024} zb-h1 "
+              f"{peaks['zb-h1'] // 1024}; zb-h1 - 1f1b measured {got // 1024}, planned "
+              f"{want // 1024:.0f}")
         if r == 0:
             assert got == 0 and want == 0   # rank 0 defers nothing: 1F1B's op list
         else:
             assert want == pytest.approx(got, rel=ZB_MEMORY_RTOL), (r, got, want)
+
+
+def test_the_config_and_only_set_the_options():
+    import bloomtrain
+    kw = dict(gpus=384, global_batch=2048, seq=2048, inter_node_gbps=100)
+    one = bloomtrain.plan("bloom-176b", layout="tp=4 pp=12 zero=1 mbs=2 recompute=full", **kw)[0]
+    cfg = bloomtrain.plan("bloom-176b", layout="tp=4 pp=12 zero=1 mbs=2 recompute=full",
+                          overrides=["parallel.grad_reduce_dtype=int8"], **kw)[0]
+    assert cfg.label == one.label + " grad=int8"
+    assert cfg.layout["grad_reduce_dtype"] == "int8"
+    assert cfg.step_time_s < one.step_time_s
+    assert "all_to_all/dp" in cfg.comm_bytes and "reduce_scatter/dp" not in cfg.comm_bytes
+    tiny = Workload(shape=BloomShape(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+                                     ffn_hidden_size=256), seq=32, global_batch=16)
+    res = search(tiny, Cluster(GPUS["a100-80g"], 8), only="grad=int8 gather=int8 pp=1")
+    assert res.plans and all(p.layout["grad_reduce_dtype"] == "int8" for p in res.plans)
+    assert all((p.layout["weight_gather_dtype"] == "int8") == (p.layout["zero_stage"] == 3)
+               for p in res.plans)
