@@ -100,6 +100,15 @@ def layouts(work: Workload, num_gpus: int):
 COMPRESSION = ("grad_reduce", "error_feedback", "weight_gather", "hpz")
 
 
+def compression_spec(comp: dict) -> str:
+    """Candidate's compression fields as --only text (the defaults left out)."""
+    out = [f"grad={comp['grad_reduce']}" if comp.get("grad_reduce", "fp32") != "fp32" else "",
+           "ef" if comp.get("error_feedback") else "",
+           f"gather={comp['weight_gather']}" if comp.get("weight_gather", "auto") != "auto"
+           else "", "hpz" if comp.get("hpz") else ""]
+    return " ".join(filter(None, out))
+
+
 def candidates(work: Workload, layout: ParallelLayout, offload: bool,
                compression: dict | None = None):
     """The micro-batch and recompute variants of one layout, with `compression` (Candidate's
@@ -208,9 +217,10 @@ def plan_or_explain(work: Workload, cluster: Cluster, tokens: float | None = Non
                     memory_limit: float | None = None, only: str | None = None,
                     progress: ProgressLine | None = None,
                     compression: dict | None = None) -> SearchResult:
-    """`search`, raising UserError with the smallest change that would fit when nothing does."""
-    result = search(work, cluster, tokens, memory_limit, only, progress=progress,
-                    compression=compression)
+    """`search`, raising UserError with the smallest change that would fit when nothing does
+    (the searches that look for it keep `compression`, as text pinned in `only`)."""
+    only = " ".join(filter(None, [only, compression_spec(compression or {})])) or None
+    result = search(work, cluster, tokens, memory_limit, only, progress=progress)
     if result.plans:
         return result
     if not result.evaluated and only:
