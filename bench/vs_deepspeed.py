@@ -123,8 +123,12 @@ def deepspeed_side(stage: int, batches, args):
                             "params": {**OPT, "betas": list(OPT["betas"]), "torch_adam": True}},
               "zero_optimization": {"stage": stage},
               "bf16": {"enabled": args.precision == "bf16"}}
-    if args.precision == "bf16" and stage == 1:
-        config["data_types"] = {"grad_accum_dtype": "fp32"}  # BLOOM's BF16_Optimizer
+    if args.precision == "bf16":
+        # BLOOM-style bf16, as bloomtrain runs it: gradients accumulated and reduced in fp32
+        # (ZeRO-1: BLOOM's BF16_Optimizer; ZeRO-2/3: fp32 accumulation and communication).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if stage > 1:
+            config["communication_data_type"] = "fp32"
     engine, _, _, _ = deepspeed.initialize(
         model=model, config=config,
         model_parameters=[{"params": decay, "weight_decay": OPT["weight_decay"]},
