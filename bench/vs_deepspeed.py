@@ -13,7 +13,7 @@ stage, the ZeroAdamW step (reduce, clip, AdamW, refresh) as the Trainer calls it
 Attention: HF's BLOOM runs its default eager attention (softmax of the scores plus the ALiBi bias),
 bloomtrain the kernel its `train.attention: auto` resolves to on the CPU (the Trainer's rule,
 bloomtrain.layout.resolve_attention): SDPA with the bias as a float mask in fp32, and in bf16 at
-sequences up to 256 the same eager math as HF's (SDPA's CPU kernel is slower there); the kernel
+sequences up to 128 the same eager math as HF's (SDPA's CPU kernel is slower there); the kernel
 is part of what is measured, as a user of either gets it.
 Both in `--precision` (fp32 by default: the losses then agree to ~1e-6; with bf16, DeepSpeed's
 ZeRO-1 is BLOOM's BF16_Optimizer with fp32 gradient accumulation, its ZeRO-2/3 reduce in bf16).

@@ -410,8 +410,12 @@ def check_attention(requested: str, attention_dropout: float) -> None:
 # causal bias, median of 60 interleaved reps (15 from 512), eager/sdpa time:
 #   [b, heads, s, hd] = [2, 8, s, 32]:  s=64 0.33, 128 0.58, 256 0.91, 512 1.75, 1024 3.28
 #                       [1, 16, s, 64]: s=128 0.34, 256 0.42, 512 1.19, 1024 2.07
-# so the crossover lies between 256 and 512 (torch 2.13 CPU). fp32 keeps SDPA (its numerics).
-EAGER_MAX_SEQ = 256
+# so the time crossover lies between 256 and 512 (torch 2.13 CPU). But eager stores the s² fp32
+# softmax output and bf16 probabilities per layer: at s=256 in bench/vs_deepspeed.py (bf16,
+# ZeRO-2, 4 layers, 2 x 256 tokens) it raised the peak by 72 MiB (345 vs 273 MiB) for a step
+# 0.87x DeepSpeed's against SDPA's 0.93x; hence 128, where the time gain is large and the s²
+# memory small. fp32 keeps SDPA (its numerics).
+EAGER_MAX_SEQ = 128
 
 
 def resolve_attention(requested: str, attention_dropout: float, device,

@@ -10,7 +10,7 @@ kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_atten
 - "eager": HF BloomAttention's math (baddbmm with the same float bias, fp32 softmax, bmm), the
   scores and probabilities materialized; on CPU in bf16/fp16 at short sequences faster than
   SDPA's fused kernel, whose reduced-precision backward is slow there (see
-  bloomtrain.layout.EAGER_MAX_SEQ for the measured crossover);
+  bloomtrain.layout.EAGER_MAX_SEQ for the measured crossover and its memory);
 - "paged", for serving: keys and values in the engine's block-paged KV cache (PagedAttention,
   Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math.
 """
