@@ -279,7 +279,7 @@ PROBES: dict[str, tuple[list, list]] = {  # key -> (values accepted, values refu
     "optim.decay_style": (["cosine", "linear", "constant"], ["step", "exponential"]),
     "train.precision": (["bf16", "fp16", "fp32"], ["fp8", "int8"]),
     "train.activation_checkpointing": (["none", "selective", "full"], ["some", "true"]),
-    "train.attention": (["auto", "sdpa", "flex"], ["flash", "eager"]),
+    "train.attention": (["auto", "sdpa", "flex", "eager"], ["flash", "math"]),
     "train.device": (["auto", "cpu", "cuda"], ["gpu", "mps"]),
     "train.on_loss_spike": (["log", "skip", "rollback"], ["ignore", "stop"]),
     "checkpoint.on_save_error": (["continue", "stop"], ["retry", "ignore"]),
