@@ -15,8 +15,9 @@ bloomtrain the kernel its `train.attention: auto` resolves to on the CPU (the Tr
 bloomtrain.layout.resolve_attention): SDPA with the bias as a float mask in fp32, and in bf16 at
 sequences up to 128 the same eager math as HF's (SDPA's CPU kernel is slower there); the kernel
 is part of what is measured, as a user of either gets it.
-Both in `--precision` (fp32 by default: the losses then agree to ~1e-6; with bf16, DeepSpeed's
-ZeRO-1 is BLOOM's BF16_Optimizer with fp32 gradient accumulation, its ZeRO-2/3 reduce in bf16).
+Both in `--precision` (fp32 by default: the losses then agree to ~1e-6; with bf16 both sides
+accumulate and reduce gradients in fp32, as BLOOM did: DeepSpeed's ZeRO-1 is then BLOOM's
+BF16_Optimizer, its ZeRO-2/3 take `grad_accum_dtype` and `communication_data_type` fp32).
 
 Step: `--gas` micro-batches of `--micro-batch` x `--seq` tokens per rank, the loss of each
 divided by gas, then the optimizer step.
