@@ -104,12 +104,14 @@ ACT_SHAPE = BloomShape(vocab_size=512, hidden_size=128, num_layers=3, num_heads=
 SEQ, MBS = 64, 2
 
 
-def _planned_activations(shape, dtype_bytes, mode, tp=1, sp=False, dropout=False):
+def _planned_activations(shape, dtype_bytes, mode, tp=1, sp=False, dropout=False,
+                         attention="sdpa"):
     # On CPU torch's dropout keeps its mask in the activation dtype; the planner's GPU default is
     # CUDA's 1-byte mask.
     a = ActivationSpec(seq=SEQ, micro_batch=MBS, tp=tp, sequence_parallel=sp,
-                       compute_bytes=dtype_bytes, attention="sdpa", hidden_dropout=dropout,
-                       attention_dropout=False, mask_bytes=dtype_bytes)
+                       compute_bytes=dtype_bytes, attention=attention, hidden_dropout=dropout,
+                       attention_dropout=dropout and attention == "eager",
+                       mask_bytes=dtype_bytes)
     items = chunk_activation_items(shape, a, shape.num_layers, True, True, mode)
     items.pop("stage_output", None)  # one process: no pipeline runtime holding an output
     return sum(items.values())
@@ -126,16 +128,20 @@ def _measure_forward(model, ids, params) -> int:
     return held
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "hidden-dropout"])
-def test_activation_bytes_match_the_live_storages_of_a_forward(dtype, dropout):
-    shape = ACT_SHAPE.replace(hidden_dropout=0.1 if dropout else 0.0)
+@pytest.mark.parametrize("dropout", [False, True], ids=["no-dropout", "dropout"])
+def test_activation_bytes_match_the_live_storages_of_a_forward(dtype, dropout, attention):
+    # dropout: the hidden dropouts, and with the eager kernel (which has one) attention dropout
+    drop = 0.1 if dropout else 0.0
+    shape = ACT_SHAPE.replace(hidden_dropout=drop,
+                             attention_dropout=drop if attention == "eager" else 0.0)
     torch.manual_seed(0)
     model = BloomForCausalLM(shape)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     model.transformer.alibi_slopes = alibi_slopes(shape.num_heads)
-    model.transformer.attention_impl = "sdpa"
+    model.transformer.attention_impl = attention
     model.train()
     ids = torch.randint(0, shape.vocab_size, (MBS, SEQ + 1))
     c = torch.empty(0, dtype=dtype).element_size()
@@ -143,7 +149,7 @@ def test_activation_bytes_match_the_live_storages_of_a_forward(dtype, dropout):
         model.set_activation_checkpointing(mode)
         model(ids[:, :-1], labels=ids[:, 1:]).backward()  # warm: no first-call allocations
         measured = _measure_forward(model, ids, list(model.parameters()))
-        planned = _planned_activations(shape, c, mode, dropout=dropout)
+        planned = _planned_activations(shape, c, mode, dropout=dropout, attention=attention)
         assert planned == pytest.approx(measured, rel=ACTIVATION_RTOL), mode
     # the planner's recompute modes order as the measurement does
     assert _planned_activations(shape, c, "full") < _planned_activations(shape, c, "selective")

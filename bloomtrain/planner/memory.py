@@ -14,7 +14,9 @@ input). Each term of their sum is an item below, sized for the kernels that run:
 - a fused attention kernel (FlexAttention, SDPA's flash/efficient kernels) stores its output and
   a float32 logsumexp, never the a·s² scores; an unfused one (Megatron's fused softmax, which BLOOM
   ran) stores the softmax output, the dropout mask and the dropout output (5as²b at 16 bits);
-- SDPA takes ALiBi as an additive bias [1, a/t, s, s] made once per forward of a chunk;
+  the eager kernel (HF's math, train.attention=eager) the float32 softmax output, its 16-bit
+  cast and the dropout mask;
+- SDPA and the eager kernel take ALiBi as an additive bias [1, a/t, s, s] made once per forward of a chunk;
 - the inputs of the QKV and h->4h matmuls are whole-sequence tensors under sequence parallelism
   (our column-parallel layers keep the all-gathered input for their weight gradient);
 - dropout masks take `mask_bytes` per element (1: CUDA's bool mask; torch's CPU dropout keeps a
@@ -156,7 +158,8 @@ class ActivationSpec:
     sequence_parallel: bool
     compute_bytes: int          # 16-bit activations: 2
     attention: str              # "fused" (flex, or SDPA's flash/efficient), "sdpa" (fused with
-    #                             an ALiBi bias tensor) or "unfused" (softmax stored)
+    #                             an ALiBi bias tensor), "unfused" (softmax stored) or "eager"
+    #                             (HF's math: fp32 softmax stored, with the bias tensor)
     hidden_dropout: bool
     attention_dropout: bool
     mask_bytes: int = 1
@@ -192,6 +195,14 @@ def attention_core_items(shape: BloomShape, a: ActivationSpec) -> dict[str, floa
         scores = heads * s * s * b
         per = c + ((a.mask_bytes + c) if a.attention_dropout else 0)
         return {"softmax_and_dropout": per * scores}
+    if a.attention == "eager":
+        # softmax(dtype=float32) keeps its fp32 output for backward; bmm keeps the 16-bit cast
+        # (in fp32 the same tensor), or the dropout's output with the dropout's mask beside it.
+        if a.attention_dropout:
+            per = 4 + c + a.mask_bytes
+        else:
+            per = 4 + (c if c != 4 else 0)
+        return {"softmax_and_dropout": per * heads * s * s * b}
     return {"logsumexp": 4 * heads * s * b}
 
 
@@ -208,7 +219,7 @@ def chunk_activation_items(shape: BloomShape, a: ActivationSpec, num_layers: int
     elif recompute == "full":
         per_layer = c * rep
     items = {"blocks": num_layers * per_layer}
-    if a.attention == "sdpa" and num_layers:
+    if a.attention in ("sdpa", "eager") and num_layers:
         items["alibi_bias"] = c * (shape.num_heads // t) * s * s
     if first:
         items["embedding_ln_input"] = c * rep

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.layout import ParallelLayout
+from bloomtrain.layout import EAGER_MAX_SEQ, ParallelLayout
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of,
@@ -48,6 +48,10 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
     t = cfg.train
     if system == "megatron-deepspeed":
         attention = "unfused"
+    elif t.attention == "eager" or (t.attention == "auto" and device == "cpu"
+                                    and t.precision in ("bf16", "fp16")
+                                    and (seq or cfg.data.seq_length) <= EAGER_MAX_SEQ):
+        attention = "eager"  # what resolve_attention picks there
     elif t.attention == "flex" or (t.attention == "auto" and device == "cuda"
                                    and shape.attention_dropout == 0):
         attention = "fused"

@@ -73,9 +73,10 @@ def block_gemm_seconds(shape, seq: int, micro_batch: int, tp: int, recompute: st
             again += f
     heads, d = shape.num_heads // tp, shape.head_dim
     batch = micro_batch * heads
-    causal = 0.5 if attention != "unfused" else 1.0   # fused kernels skip the masked half
+    full = attention in ("unfused", "eager")  # fused kernels skip the masked half and recompute
+    causal = 1.0 if full else 0.5             # the scores in backward; these store them
     scores, context = gemm(seq, seq, d, batch) * causal, gemm(seq, d, seq, batch) * causal
-    core_bwd = 2 * scores + 2 * context + (scores if attention != "unfused" else 0.0)
+    core_bwd = 2 * scores + 2 * context + (0.0 if full else scores)
     fwd += scores + context
     bwd += core_bwd
     if recompute in ("full", "selective"):
@@ -92,9 +93,11 @@ def block_memory_bytes(shape, seq: int, micro_batch: int, tp: int, sp: bool, c: 
     ffn = tokens * shape.ffn_hidden_size / tp
     hidden_drop, attn_drop = dropout
     out = 2 * 2 * c * rep + 2 * (3 * c + (mask_bytes if hidden_drop else 0)) * rep + 2 * c * ffn
-    if attention == "unfused":
+    if attention in ("unfused", "eager"):
         scores = micro_batch * (shape.num_heads // tp) * seq * seq
-        out += (2 * c + ((2 * c + mask_bytes) if attn_drop else 0)) * scores
+        # eager's softmax writes float32 and its cast reads it back: 8 bytes more per score
+        softmax = 2 * c + (8 if attention == "eager" else 0)
+        out += (softmax + ((2 * c + mask_bytes) if attn_drop else 0)) * scores
     return out
 
 
