@@ -17,8 +17,8 @@ from bloomtrain.planner import memory as mem
 from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of,
                                          rejected)
 from bloomtrain.planner.hardware import GPUS, Cluster
-from bloomtrain.planner.workload import (RECOMPUTE, Candidate, Workload, matches,
-                                         parse_pairs)
+from bloomtrain.planner.workload import (RECOMPUTE, ZERO_STAGES, Candidate, Workload,
+                                         matches, parse_pairs)
 from bloomtrain.utils import ProgressLine
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -91,7 +91,7 @@ def layouts(work: Workload, num_gpus: int):
             scheds = [("1f1b", 1)] + ([] if pp == 1 or mds else [
                 ("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= shape.num_layers]
                 + [("zb-h1", 1)])
-            zeros = ((0, 1) if work.precision == "fp16" else (1,)) if mds else (0, 1, 2, 3)
+            zeros = ((0, 1) if work.precision == "fp16" else (1,)) if mds else ZERO_STAGES
             for zero in zeros:
                 # zb-h1 refuses ZeRO-3 (layout.check_pipeline says why)
                 for sched, v in (s for s in scheds if not (s[0] == "zb-h1" and zero == 3)):

@@ -4,25 +4,25 @@ reduce-scatter its input, a send or recv its tensor): exact for our engine, and 
 counts the step time prices."""
 from __future__ import annotations
 
-from bloomtrain.parallel.zero import compress
+from bloomtrain.parallel.zero import wire
 from bloomtrain.planner import memory as mem
 
 
 def reduce_ratio(cand, work) -> float:
     """Wire bytes of the dp gradient reduction per byte of fp32's: bf16 1/2, int8 (1 + 4/128)/4
-    (an fp32 scale per 128 values; compress.encoded_bytes), times the workload's own ratio."""
-    n = compress.BLOCK
+    (an fp32 scale per 128 values; wire.encoded_bytes), times the workload's own ratio."""
+    n = wire.BLOCK
     dtype = cand.grad_reduce
-    ratio = 1.0 if dtype == "fp32" else compress.encoded_bytes(n, dtype) / (4 * n)
+    ratio = 1.0 if dtype == "fp32" else wire.encoded_bytes(n, dtype) / (4 * n)
     return ratio * work.dp_reduce_bytes_ratio
 
 
 def gather_ratio(cand, work) -> float:
     """Wire bytes of ZeRO-3's weight gather per byte of the compute dtype's (int8: (1 + 4/128)/2
     of bf16's)."""
-    n, dtype = compress.BLOCK, cand.weight_gather
+    n, dtype = wire.BLOCK, cand.weight_gather
     ratio = (1.0 if dtype == "auto"
-             else compress.encoded_bytes(n, dtype) / (work.compute_bytes * n))
+             else wire.encoded_bytes(n, dtype) / (work.compute_bytes * n))
     return ratio * work.dp_gather_bytes_ratio
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, fields
 
-from bloomtrain.config import GradReduceDtype, PipelineSchedule, Recompute, WeightGatherDtype
+from bloomtrain.config import (GradReduceDtype, PipelineSchedule, Recompute, WeightGatherDtype,
+                               ZeroStage)
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
@@ -25,6 +26,7 @@ RECOMPUTE = typing.get_args(Recompute)
 SCHEDULES = typing.get_args(PipelineSchedule)
 GRAD_DTYPES = typing.get_args(GradReduceDtype)
 GATHER_DTYPES = typing.get_args(WeightGatherDtype)
+ZERO_STAGES = typing.get_args(ZeroStage)
 
 
 @dataclass(frozen=True)

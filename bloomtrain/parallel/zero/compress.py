@@ -28,20 +28,8 @@ from __future__ import annotations
 import torch
 
 from bloomtrain.parallel import comm
-
-BLOCK = 128
-QMAX = 127.0
-
-
-def padded(numel: int) -> int:
-    return -(-numel // BLOCK) * BLOCK
-
-
-def encoded_bytes(numel: int, dtype: str) -> int:
-    """Bytes of one encoded chunk of `numel` elements."""
-    if dtype == "bf16":
-        return 2 * numel
-    return numel + 4 * (padded(numel) // BLOCK)
+# The wire format's sizes live in wire.py, torch-free for the planner.
+from bloomtrain.parallel.zero.wire import BLOCK, QMAX, encoded_bytes, padded
 
 
 def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
