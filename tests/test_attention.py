@@ -183,7 +183,6 @@ def test_eager_dropout_replays_under_selective_recompute(ids):
 
 
 def test_eager_matches_hf_logits(ids, tmp_path):
-    pytest.importorskip("transformers")
     from tests.test_hf import ATOL, make_hf_model
 
     ref = make_hf_model({"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}, seed=4,
