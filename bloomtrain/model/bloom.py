@@ -135,9 +135,13 @@ class BloomBlock(nn.Module):
         # = False in every BLOOM config).
         attn, present = self.self_attention(self.input_layernorm(x), bias, past_kv,
                                             recompute_core)
-        x = x + F.dropout(attn, self.hidden_dropout, self.training)
+        if self.training:  # (out of training F.dropout is the identity: not even called)
+            attn = F.dropout(attn, self.hidden_dropout, True)
+        x = x + attn
         mlp = self.mlp(self.post_attention_layernorm(x))
-        x = x + F.dropout(mlp, self.hidden_dropout, self.training)
+        if self.training:
+            mlp = F.dropout(mlp, self.hidden_dropout, True)
+        x = x + mlp
         return x, present
 
 

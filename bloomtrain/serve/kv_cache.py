@@ -74,9 +74,9 @@ class PagedKVCache:
         self.num_heads, self.head_dim = num_heads, head_dim
         shape = (2, num_heads, num_blocks, block_size, head_dim)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        # Each layer's planes ([num_blocks, block_size, head_dim] views), made once.
-        self._planes = [[kv[kind, head] for kind in range(2) for head in range(num_heads)]
-                        for kv in self.kv]
+        # Each layer as rows of one block of one plane ([2 * heads * num_blocks, block_size *
+        # head_dim] views, made once): a gather is then one index_select of whole rows.
+        self._rows = [kv.view(-1, block_size * head_dim) for kv in self.kv]
 
     @property
     def bytes(self) -> int:
@@ -89,14 +89,15 @@ class PagedKVCache:
         flat[1].index_copy_(1, slots, v)
 
     def buffer(self, tables: torch.Tensor):
-        """Room for `read` of the block tables `tables` [b, w] on CPU, to reuse at every layer
-        of a step: a layer's attention is done with what it read before the next layer reads.
-        None on CUDA, where `read` gathers in one kernel into a new tensor."""
+        """Room for `read` of the block tables `tables` [b, w] on CPU, and the rows it reads,
+        to reuse at every layer of a step: a layer's attention is done with what it read
+        before the next layer reads. None on CUDA, where `read` gathers in one kernel into a
+        new tensor."""
         if self.kv[0].is_cuda:
             return None
-        out = self.kv[0].new_empty((2, self.num_heads, tables.numel(), self.block_size,
-                                    self.head_dim))
-        return out, [out[kind, head] for kind in range(2) for head in range(self.num_heads)]
+        planes = torch.arange(2 * self.num_heads, device=tables.device)[:, None]
+        rows = (planes * self.num_blocks + tables.reshape(1, -1)).reshape(-1)
+        return self.kv[0].new_empty((rows.numel(), self.block_size * self.head_dim)), rows
 
     def read(self, layer: int, tables: torch.Tensor, buffer=None
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,10 +111,9 @@ class PagedKVCache:
             out = cache.index_select(2, ids)
         else:
             # index_select over an inner dimension goes element by element on CPU; over the
-            # leading (block) dimension of each plane it copies whole blocks.
-            out, planes = buffer if buffer is not None else self.buffer(tables)
-            for src, dst in zip(self._planes[layer], planes):
-                torch.index_select(src, 0, ids, out=dst)
+            # leading dimension it copies whole rows, here whole blocks of every plane at once.
+            out, rows = buffer if buffer is not None else self.buffer(tables)
+            torch.index_select(self._rows[layer], 0, rows, out=out)
         out = out.view(2, self.num_heads, b, w * self.block_size, self.head_dim)
         return out[0], out[1]
 

@@ -174,7 +174,14 @@ def sample_next(entries, logits: "torch.Tensor", vocab_limit: int,
     plain = [k for k, e in enumerate(samplers)
              if not e.seq.params.do_sample and not e.seq.params.edits_logits]
     if plain:
-        picked = choose(mask_vocab(logits[[rows[k] for k in plain]], vocab_limit), False)
+        sel = [rows[k] for k in plain]
+        # The argmax over the tokenizer's tokens is mask_vocab's (the padded rows it masks
+        # come after them), without copying the rows: every step has these, one per decode.
+        if sel == list(range(sel[0], sel[0] + len(sel))):
+            greedy = logits[sel[0]:sel[0] + len(sel)]
+        else:
+            greedy = logits[sel]
+        picked = greedy[:, :vocab_limit].float().argmax(dim=-1)
         for k, t in zip(plain, picked.tolist()):
             out[samplers[k].seq.id] = t
     for k, e in enumerate(samplers):
