@@ -10,8 +10,9 @@ memory each stage holds, measured.
    the bubble is idle over compute time (bloomtrain.parallel.pipeline.grid_bubble).
 3. Memory: 4 gloo ranks run one step of each schedule on a small model, each inside
    bench/memtrack's LiveMemory: the peak of live bytes other than the parameters and their
-   gradients (activations, received messages and, under zb-h1, what B leaves for W), per stage,
-   next to the op lists' peak count of micro-batches in flight.
+   gradients (activations, messages and, under zb-h1, what B leaves for W), per stage, next to
+   the op lists' peak count of micro-batches in flight, and the largest stage's against 1F1B's
+   largest (ZB-H1's bound).
 4. `--picture PATH`: both replays drawn as one Gantt chart (matplotlib).
 
     python bench/zb_bubble.py [--reps 21] [--picture docs/pipeline_zb_h1.png]
@@ -134,12 +135,17 @@ def stage_peaks(topo, shape: BloomShape, seq: int, micro_batch: int,
             mem = LiveMemory()
             mem.watch_parameters(chunks[0])
             mem.close_grad_window(chunks[0])
+            # The first step's gradients, which this one accumulates into in place: without this
+            # the accumulation (an in-place add on memory made before the region) would count
+            # them as temporaries.
+            mem.register([p.grad for p in chunks[0].parameters() if p.grad is not None],
+                         "gradients")
             with mem:
                 pipeline_train_step(name, chunks, batches, topo,
                                     recv_shape=(micro_batch, seq, shape.hidden_size),
                                     timeout=120.0)
-        # Parameters were made before the region and not registered: they count 0; their
-        # gradients are marked as such by watch_parameters; the rest is "temporaries".
+        # Parameters count as such (close_grad_window); their gradients are marked as such by
+        # watch_parameters and the registration above; the rest is "temporaries".
         result[name] = mem.report()["category_peaks"]["temporaries"]
     return result
 
@@ -224,6 +230,10 @@ def main() -> None:
                 cells.append(f"{peaks[n] / 1024:>14.0f} ({count})")
             ratio_mem = memory[r]["zb-h1"] / memory[r]["1f1b"]
             print(f"{r:>5}" + "".join(f"{c:>22}" for c in cells) + f"{ratio_mem:>8.3f}")
+        largest = {n: max(m[n] for m in memory) for n in SCHEDULE_NAMES}
+        print(f"{'max':>5}" + "".join(f"{largest[n] / 1024:>22.0f}" for n in SCHEDULE_NAMES)
+              + f"{largest['zb-h1'] / largest['1f1b']:>8.3f}   (ZB-H1's bound: the largest "
+              f"stage's peak <= 1F1B's largest)")
     if args.picture:
         draw(replays, args.picture)
         print(f"\nwrote {args.picture}")
@@ -234,6 +244,8 @@ def main() -> None:
         zb_h1_over_1f1b=round(ratio, 4),
         peak_bytes_per_stage=None if memory is None else {
             n: [m[n] for m in memory] for n in SCHEDULE_NAMES},
+        largest_stage_zb_h1_over_1f1b=None if memory is None else round(
+            max(m["zb-h1"] for m in memory) / max(m["1f1b"] for m in memory), 4),
         in_flight_per_stage={n: [peak_in_flight(SCHEDULES[n](PP, r, NUM_MICRO))
                                  for r in range(PP)] for n in SCHEDULE_NAMES})))
 

@@ -330,6 +330,77 @@ def test_trainer_matches_plain_loop(trainer_runs, dataset, tmp_path, world, name
                                              rel=tol["eval"])
 
 
+def _last_stage(shape, seed=3):
+    from bloomtrain.parallel.pipeline import build_pipeline_chunks
+    (chunk,) = build_pipeline_chunks(build_model(shape, seed), ParallelLayout(pp=2), 1)
+    return chunk
+
+
+def test_last_stage_lm_head_gradient_in_b_and_the_rest_in_w():
+    """On the last stage the LM head's weight gradient is computed in B and summed until the
+    next W (its input and vocab-wide output gradient are not held); the other linears' wait
+    for W. Every gradient equals autograd's of one backward per micro-batch."""
+    shape = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                       ffn_hidden_size=256)
+    ref, chunk = _last_stage(shape), _last_stage(shape)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 16, 64, generator=g) for _ in range(3)]
+    labels = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(3)]
+    for x, y in zip(xs, labels):
+        ref(x, y).backward()
+    head = chunk.lm_head.weight
+    store, params = WeightGradStore([head]), list(chunk.parameters())
+    with DeferWeightGrads(store):
+        for i, (x, y) in enumerate(zip(xs, labels)):
+            inp = x.clone().requires_grad_()
+            backward_input(chunk(inp, y), None, inp, params, store, (0, i))
+            assert all(w is not head for w, *_ in store.linears[(0, i)])
+            assert store.running[id(head)][0] is head and head.grad is None
+    store.run((0, 0))  # the first W hands the head's sum of all three B
+    assert not store.running
+    torch.testing.assert_close(head.grad, ref.lm_head.weight.grad, rtol=1e-6, atol=1e-7)
+    for i in (1, 2):
+        store.run((0, i))
+    assert store.pending() == 0
+    for (n, a), b in zip(ref.named_parameters(), params):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_w_makes_one_weight_gradient_at_a_time():
+    """W runs each deferred matmul as its own autograd node: measured by bench/memtrack, the
+    memory other than parameters and their gradients never exceeds what B left plus the
+    largest single weight gradient, and what B left is gone after W (handing the stage's
+    weight gradients to autograd at once would hold all of them beside the store)."""
+    from bench.memtrack import LiveMemory
+    shape = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                       ffn_hidden_size=256)
+    chunk = _last_stage(shape)
+    params = list(chunk.parameters())
+    store = WeightGradStore([chunk.lm_head.weight])
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    with DeferWeightGrads(store):
+        backward_input(chunk(x, torch.randint(0, 256, (2, 16))), None, x, params, store, (0, 0))
+    held = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+            for _, _, *ts in store.linears[(0, 0)] for t in ts}
+    running = sum(g.untyped_storage().nbytes() for _, g in store.running.values())
+    mem = LiveMemory()
+    mem.watch_parameters(chunk)
+    mem.close_grad_window(chunk)
+    mem.register([t for _, _, *ts in store.linears[(0, 0)] for t in ts], "temporaries")
+    mem.register([g for _, g in store.running.values()], "gradients")
+    with mem:
+        store.run((0, 0))
+    def largest(dim):
+        return max(p.numel() * p.element_size() for p in params if p.dim() == dim)
+    everything = sum(p.numel() * p.element_size() for p in params)
+    assert everything > 3 * largest(2)
+    # The first node's weight and bias gradients, before it releases its input and output
+    # gradient and autograd takes them.
+    assert (mem.report()["category_peaks"]["temporaries"]
+            <= sum(held.values()) + largest(2) + largest(1))
+    assert mem.current()["temporaries"] == 0 and running > 0
+
+
 def test_deferring_linear_outside_b_is_an_ordinary_backward():
     """Under the mode but outside a B (the first stage's fused B and W), a backward leaves
     nothing in the store and gives autograd's gradients."""
@@ -349,18 +420,21 @@ def test_deferring_linear_outside_b_is_an_ordinary_backward():
 # ---- memory --------------------------------------------------------------------------------------
 
 def _memory_worker(rank, world):
-    from bench.zb_bubble import stage_peaks
+    from bench.zb_bubble import MEM_MBS, MEM_SEQ, MEM_SHAPE, NUM_MICRO, stage_peaks
     from bloomtrain.topology import Topology
-    return stage_peaks(Topology.build(tp=1, pp=world), tp.SHAPE, 32, 1, 4)
+    return stage_peaks(Topology.build(tp=1, pp=world), MEM_SHAPE, MEM_SEQ, MEM_MBS, NUM_MICRO)
 
 
 def test_first_stage_holds_exactly_1f1b_memory():
-    """Measured by bench/memtrack (live bytes other than parameters and their gradients, pp=2,
-    4 micro-batches): the first stage, whose op list is 1F1B's with each W right after its B and
-    which runs both as one backward, peaks at exactly 1F1B's bytes; the other stages hold their
-    W back (ZB-H1's design: up to pp micro-batches in flight, 1F1B's first-stage count, where
-    1F1B's stage r holds pp - r), so they hold more than under 1F1B (bench/zb_bubble.py gives
-    the figures)."""
-    stage0, stage1 = run_ranks(2, _memory_worker)
-    assert stage0["zb-h1"] == stage0["1f1b"]
-    assert stage1["zb-h1"] > stage1["1f1b"]
+    """Measured by bench/memtrack on bench/zb_bubble.py's memory run (live bytes other than
+    parameters and their gradients, pp=4, 8 micro-batches, fp32 without dropout, where a held
+    W store is nearly a micro-batch's activations): the first stage, whose op list is 1F1B's
+    with each W right after its B and which runs both as one backward, peaks at exactly 1F1B's
+    bytes; the others hold their W back, so each holds more than under 1F1B, but none more than
+    1F1B's largest stage, its first (ZB-H1's bound, arXiv 2401.10241 §3.1)."""
+    peaks = run_ranks(4, _memory_worker)
+    assert peaks[0]["zb-h1"] == peaks[0]["1f1b"]
+    largest = max(p["1f1b"] for p in peaks)
+    assert largest == peaks[0]["1f1b"]
+    for p in peaks[1:]:
+        assert p["1f1b"] < p["zb-h1"] <= largest

@@ -279,8 +279,8 @@ def zb_h1_phases(pp: int, pp_rank: int, num_micro: int) -> tuple[tuple, tuple]:
     """ZB-H1's candidate peaks on one rank, from its op list: the (whole micro-batches, held W
     stores) at each B, and at each W. A micro-batch keeps its whole activations from its F to its
     B; from its B to its W only what W needs (the linear layers' inputs and output gradients,
-    weightgrad.WeightGradStore), and a W materializes the stage's weight gradients at once. Rank 0
-    runs B and W as one backward (nothing to defer): 1F1B's min(pp, m) and no W peak."""
+    weightgrad.WeightGradStore), which W consumes one weight gradient at a time. Rank 0 runs B
+    and W as one backward (nothing to defer): 1F1B's min(pp, m) and no W peak."""
     if pp_rank == 0:
         return ((min(pp, num_micro), 0),), ()
     whole = held = 0
@@ -297,21 +297,28 @@ def zb_h1_phases(pp: int, pp_rank: int, num_micro: int) -> tuple[tuple, tuple]:
     return tuple(sorted(at_b)), tuple(sorted(at_w))
 
 
-def weight_store_items(shape: BloomShape, a: ActivationSpec, num_layers: int,
-                       last: bool) -> dict[str, float]:
+def weight_store_items(shape: BloomShape, a: ActivationSpec, num_layers: int) -> dict[str, float]:
     """Bytes B leaves for W per micro-batch: each linear layer's input and output gradient
     (weightgrad._LinearDeferredWeightGrad). Per token and layer, inputs h (QKV), h/t (dense),
     h (h->4h), f/t (4h->h) and output gradients 3h/t, h, f/t, h: 4h + 12h/t values with f = 4h
     (the column layers keep their whole input and the row layers' output gradient is whole, with
-    or without sequence parallelism). On the last stage the LM head's input and the logits'
-    gradient too."""
+    or without sequence parallelism). The LM head's are not held: the last stage computes its
+    weight gradient in B (zb_h1_once_items)."""
     tokens, h, t, c = a.seq * a.micro_batch, shape.hidden_size, a.tp, a.compute_bytes
     f = shape.ffn_hidden_size
     per_layer = (h + h / t + h + f / t) + (3 * h / t + h + f / t + h)
-    items = {"held_weight_grad_inputs": c * tokens * per_layer * num_layers}
-    if last:
-        items["held_head_input_and_grad"] = c * tokens * (h + shape.vocab_size / t)
-    return items
+    return {"held_weight_grad_inputs": c * tokens * per_layer * num_layers}
+
+
+def zb_h1_once_items(shape: BloomShape, a: ActivationSpec, num_layers: int,
+                     last: bool) -> tuple[dict[str, float], float]:
+    """What a zb-h1 rank holds once, not per micro-batch: on the last stage the LM head's
+    weight gradient, summed in B until the next W (WeightGradStore.running); and the one weight
+    gradient W makes at a time (the largest linear layer's), at a W."""
+    h, t, c, f = shape.hidden_size, a.tp, a.compute_bytes, shape.ffn_hidden_size
+    once = {"head_weight_grad_sum": c * h * shape.vocab_size / t} if last else {}
+    largest = c * h * max(3 * h, f) / t if num_layers else 0.0
+    return once, largest
 
 
 # ---- a pipeline rank's peak ------------------------------------------------------------------
@@ -382,22 +389,21 @@ def stage_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, fl
 
 def _zb_h1_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, float]:
     """ZB-H1's rank at the larger of its B and W peaks (zb_h1_phases); at a W the working set
-    adds the stage's weight gradients, made at once (WeightGradStore.run)."""
+    adds one weight gradient (WeightGradStore.run makes them one at a time)."""
     layout, shape, a = cand.layout, work.shape, activation_spec(cand, work)
     start, end = layout.stage_ranges(shape.num_layers)[pp_rank]
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     whole = _chunk_items(shape, a, end - start, first, last, cand.recompute)
-    store = weight_store_items(shape, a, end - start, last)
+    store = weight_store_items(shape, a, end - start)
     loss = loss_working_set(shape, a) if last else 0.0
     base = recompute_working_set(shape, a, cand.recompute) + loss
-    groups, _ = rank_states(work.shape, layout, pp_rank, work.system, work.precision,
-                            cand.offload)
-    grads = a.compute_bytes * sum(g.numel for g in groups)
+    once, grad = zb_h1_once_items(shape, a, end - start, last)
     at_b, at_w = zb_h1_phases(layout.pp, pp_rank, m)
     best = None
-    for (n_whole, n_held), extra in [(x, 0.0) for x in at_b] + [(x, grads) for x in at_w]:
+    for (n_whole, n_held), extra in [(x, 0.0) for x in at_b] + [(x, grad) for x in at_w]:
         acts = {k: v * n_whole for k, v in whole.items()}
         acts.update({k: v * n_held for k, v in store.items()})
+        acts.update(once)
         total = sum(acts.values()) + base + extra
         if best is None or total > best[0]:
             best = (total, (n_whole + n_held,), acts, base + extra)

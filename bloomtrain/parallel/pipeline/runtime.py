@@ -69,12 +69,21 @@ class _P2P:
     order of the op lists makes them match on NCCL, which ignores tags."""
 
     def __init__(self, topo, num_chunks: int, num_micro: int, recv_shape, dtype, device,
-                 timeout: float, timeline):
+                 timeout: float, timeline, peer_ops: dict[int, list[Op]]):
         self.topo, self.num_chunks, self.num_micro = topo, num_chunks, num_micro
         self.recv_shape, self.dtype, self.device = tuple(recv_shape), dtype, device
         self.timeout, self.timeline = timeout, timeline
-        self.pending_sends: list[tuple[object, torch.Tensor, str]] = []
+        # (work, alias, what, peer pp rank, position of the peer's op that consumes it or None)
+        self.pending_sends: list[tuple[object, torch.Tensor, str, int, int | None]] = []
         self.posted: dict[tuple[str, int, int], tuple[object, torch.Tensor, str]] = {}
+        # The neighbours' op lists, as positions, and how far each neighbour is known to be: a
+        # message from a peer's op k means the peer has run its ops up to k, so it has received
+        # every message that its ops up to k consumed. Gloo reports a send completed only once
+        # waited for; waiting for those sends then costs nothing and frees their buffers, which
+        # would otherwise live to the end of the step.
+        self.peer_pos = {peer: {(op.kind, op.chunk, op.micro_batch): i for i, op in enumerate(ops)}
+                         for peer, ops in peer_ops.items()}
+        self.peer_done = dict.fromkeys(peer_ops, -1)
 
     def global_rank(self, pp_rank: int) -> int:
         return self.topo.stage_rank(pp_rank)
@@ -94,8 +103,9 @@ class _P2P:
     def post(self, sends: list[tuple[Op, torch.Tensor]], next_op: Op | None) -> None:
         p2p_ops, records = [], []
         t0 = time.perf_counter()
+        pp = self.topo.pp_size
         for op, tensor in sends:
-            _, send = op_p2p(op, self.topo.pp_size, self.topo.pp_rank, self.num_chunks)
+            _, send = op_p2p(op, pp, self.topo.pp_rank, self.num_chunks)
             peer_pp, kind, stage = send
             peer = self.global_rank(peer_pp)
             what = (f"{self.where(op.chunk)}: send {kind} for micro-batch {op.micro_batch} "
@@ -103,7 +113,9 @@ class _P2P:
             alias = tensor.detach()
             p2p_ops.append(dist.P2POp(dist.isend, alias, peer,
                                       tag=self.tag(kind, stage, op.micro_batch)))
-            records.append(("send", alias, what))
+            consumer = ("F" if kind == "activation" else "B", stage // pp, op.micro_batch)
+            records.append(("send", alias, what, peer_pp,
+                            self.peer_pos.get(peer_pp, {}).get(consumer)))
             if op.kind == "F":
                 _deallocate(tensor)
         if next_op is not None:
@@ -120,11 +132,15 @@ class _P2P:
         if not p2p_ops:
             return
         works = comm.batch_isend_irecv(p2p_ops, COMM_NAME)
-        if len(works) != len(p2p_ops):  # NCCL coalesces a batch into one work
+        coalesced = len(works) != len(p2p_ops)
+        if coalesced:  # NCCL coalesces a batch into one work
             works = [works[0]] * len(p2p_ops)
-        for work, (key, tensor, what) in zip(works, records):
+        for work, (key, tensor, what, *peer) in zip(works, records):
             if key == "send":
-                self.pending_sends.append((work, tensor, what))
+                # A coalesced work also holds the batch's receive: never waited for early.
+                peer_pp, consumer = peer
+                self.pending_sends.append((work, tensor, what, peer_pp,
+                                           None if coalesced else consumer))
             else:
                 self.posted[(key.kind, key.chunk, key.micro_batch)] = (work, tensor, what)
         if self.timeline is not None and sends:
@@ -139,11 +155,33 @@ class _P2P:
         _wait(work, self.timeout, what)
         if self.timeline is not None:
             self.timeline.record("recv", t0, time.perf_counter(), op.chunk, op.micro_batch)
+        self._release_received_sends(op)
         return buf
+
+    def _release_received_sends(self, op: Op) -> None:
+        """The message just received was sent by the peer after its op `producer`: every send
+        of ours that the peer consumed at or before that op has arrived."""
+        pp = self.topo.pp_size
+        recv, _ = op_p2p(op, pp, self.topo.pp_rank, self.num_chunks)
+        peer_pp, kind, stage = recv
+        src = stage - 1 if kind == "activation" else stage + 1
+        producer = ("F" if kind == "activation" else "B", src // pp, op.micro_batch)
+        done = self.peer_pos.get(peer_pp, {}).get(producer)
+        if done is None or done <= self.peer_done[peer_pp]:
+            return
+        self.peer_done[peer_pp] = done
+        keep = []
+        for send in self.pending_sends:
+            work, _, what, to, consumer = send
+            if to == peer_pp and consumer is not None and consumer <= done:
+                _wait(work, self.timeout, what)
+            else:
+                keep.append(send)
+        self.pending_sends = keep
 
     def finish(self) -> None:
         t0 = time.perf_counter()
-        for work, _, what in self.pending_sends:
+        for work, _, what, *_ in self.pending_sends:
             _wait(work, self.timeout, what)
         self.pending_sends = []
         if self.timeline is not None:
@@ -168,7 +206,10 @@ class _Step:
         self.scale_loss, self.p2p, self.timeline = scale_loss, p2p, timeline
         self.num_micro = len(micro_batches)
         # zb-h1: B leaves the weight gradients to W (bloomtrain.parallel.pipeline.weightgrad).
-        self.store = WeightGradStore() if train and schedule in SPLIT_BACKWARD else None
+        # The last stage's LM head computes its weight gradient in B (WeightGradStore.running).
+        self.store = None
+        if train and schedule in SPLIT_BACKWARD:
+            self.store = WeightGradStore([c.lm_head.weight for c in chunks if c.is_last])
         # (chunk, micro-batch) -> (received input or None, output or loss) until the backward.
         self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float64,
@@ -238,7 +279,11 @@ def _run_step(schedule: str, chunks, micro_batches, topo, *, train: bool, scale_
     device = next(chunks[0].parameters()).device
     if timeline is not None:
         timeline.begin(topo, schedule, num_micro, num_chunks)
-    p2p = _P2P(topo, num_chunks, num_micro, recv_shape, dtype, device, timeout, timeline)
+    neighbours = {(topo.pp_rank - 1) % topo.pp_size, (topo.pp_rank + 1) % topo.pp_size}
+    peer_ops = {peer: SCHEDULES[schedule](topo.pp_size, peer, num_micro, num_chunks)
+                for peer in neighbours - {topo.pp_rank}}
+    p2p = _P2P(topo, num_chunks, num_micro, recv_shape, dtype, device, timeout, timeline,
+               peer_ops)
     step = _Step(schedule, chunks, micro_batches, topo, train=train, scale_loss=scale_loss,
                  p2p=p2p, timeline=timeline)
     # W ops have no messages: each op posts the receive of the next op that has one.

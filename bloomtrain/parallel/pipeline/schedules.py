@@ -78,11 +78,12 @@ def zb_h1_schedule(pp_size: int, pp_rank: int, num_micro: int, num_chunks: int =
     on the critical path to the previous stage) and W (the weights' gradients, needed by nobody
     until the optimizer step). Rank r keeps 1F1B's pp - r - 1 warm-up forwards and then runs
     F, B, W per micro-batch, but holds back its W passes by r micro-batches, so the last ranks'
-    W fill their warm-up and cool-down waits. A micro-batch's activations live from its F to its
-    W, so every rank holds at most min(pp, m) micro-batches: the peak of 1F1B (its first stage's),
-    which ZB-H1 keeps on every stage. Rank 0 holds back nothing: its op list is 1F1B's with each
-    W right after its B. Bubble with m >= pp: (p-1)(T_F + T_B - T_W), against
-    1F1B's (p-1)(T_F + T_B + T_W)."""
+    W fill their warm-up and cool-down waits. A micro-batch is in flight from its F to its W, so
+    every rank has at most min(pp, m) micro-batches in flight, 1F1B's first-stage count; from B
+    to W it holds only what W needs (weightgrad), less than its activations, so no rank's peak
+    exceeds 1F1B's largest, its first stage's (ZB-H1's bound, over stages: rank r > 0 holds more
+    than under 1F1B). Rank 0 holds back nothing: its op list is 1F1B's with each W right after
+    its B. Bubble with m >= pp: (p-1)(T_F + T_B - T_W), against 1F1B's (p-1)(T_F + T_B + T_W)."""
     num_warmup = min(pp_size - pp_rank - 1, num_micro)
     warmup = [Op("F", 0, i, "warmup") for i in range(num_warmup)]
     steady, cooldown, held = [], [], []

@@ -10,11 +10,16 @@ gradient only and leaves (input, output gradient) in the store: a weight gradien
 dy^T·x, the half of a linear layer's backward that W runs. Outside a B (the first stage, which has
 no input gradient to send, runs B and W as one backward) it is an ordinary linear. `backward_input`
 (B) takes the gradients of the stage input and of the parameters outside linear layers (LayerNorm,
-the embedding) without accumulating them; `WeightGradStore.run` (W) adds the deferred matmuls and
-hands every parameter gradient of the micro-batch to autograd in one pass, so the parameters' hooks
-(ZeRO's accumulation and reduce-scatter) see one complete backward per micro-batch, as under 1F1B.
-The mode must also be active in B: activation checkpointing recomputes the forward there, and the
-recomputation must record the same ops.
+the embedding) without accumulating them; `WeightGradStore.run` (W) runs the deferred matmuls and
+hands every parameter gradient of the micro-batch to autograd in one backward pass, so the
+parameters' hooks (ZeRO's accumulation and reduce-scatter) see one complete backward per
+micro-batch, as under 1F1B. In that pass each matmul is a node, so W holds one weight gradient at
+a time and frees each (input, output gradient) as it goes. What a micro-batch holds from its B to
+its W is then the paper's M_W (16 values per token and hidden unit per layer), less than its
+activations M_B: ZB-H1's bound on memory. The LM head is the exception: its output gradient is
+vocabulary-wide, so the store (given it as `immediate`) has B compute its weight gradient and keep
+one running sum until the next W instead. The mode must also be active in B: activation
+checkpointing recomputes the forward there, and the recomputation must record the same ops.
 """
 from __future__ import annotations
 
@@ -28,37 +33,54 @@ class WeightGradStore:
     """What B leaves for W, per (chunk, micro-batch): the inputs and output gradients of the
     linear layers, and the other parameters' gradients."""
 
-    def __init__(self):
+    def __init__(self, immediate=()):
         self.key: tuple[int, int] | None = None  # the micro-batch whose B is running
         self.linears: dict[tuple[int, int], list] = {}
         self.grads: dict[tuple[int, int], list] = {}
+        # Weights whose gradient B computes at once (the LM head, see `running`).
+        self.immediate = {id(w) for w in immediate}
+        # id(parameter) -> (parameter, the sum of its gradients that B computed since the last W).
+        # The LM head's (input, output gradient) is vocab-wide per token: held back for several
+        # micro-batches it outweighs the one weight-sized sum kept here, which the next W hands
+        # to autograd with the rest (its hooks then see it once per W that has it).
+        self.running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def put_linear(self, weight, bias, x, dy) -> None:
-        self.linears.setdefault(self.key, []).append((weight, bias, x, dy))
+        # Detached: the store keeps the tensors, not the graph of the backward that made them.
+        self.linears.setdefault(self.key, []).append((weight, bias, x.detach(), dy.detach()))
+
+    def add_running(self, param, grad) -> None:
+        if id(param) in self.running:
+            self.running[id(param)][1].add_(grad)
+        else:
+            self.running[id(param)] = (param, grad)
 
     def put_grads(self, key, params, grads) -> None:
         self.grads[key] = [(p, g) for p, g in zip(params, grads) if g is not None]
 
-    @torch.no_grad()
     def run(self, key: tuple[int, int]) -> None:
-        """W of one micro-batch: the deferred weight-gradient matmuls, then every parameter
-        gradient of the micro-batch accumulated by autograd (hooks included)."""
-        sums: dict[torch.Tensor, torch.Tensor] = {}
-
-        def add(p, g):
-            sums[p] = g if p not in sums else sums[p] + g
-
-        for weight, bias, x, dy in self.linears.pop(key, []):
-            dw, db = _weight_grads(x, dy, bias is not None)
-            add(weight, dw)
-            if bias is not None:
-                add(bias, db)
-        for p, g in self.grads.pop(key, []):
-            add(p, g)
-        if sums:
+        """W of one micro-batch: the deferred weight-gradient matmuls and every other parameter
+        gradient of the micro-batch, accumulated by autograd (hooks included) in one backward
+        pass. Each linear layer's matmul is a node of that pass (_WeightGrad), so autograd runs
+        it, hands its gradient to the weight's accumulation (which it runs first: accumulation
+        nodes have the highest priority) and frees its input and output gradient before the
+        next: W holds one weight gradient at a time, not the stage's, and what B left shrinks
+        as W goes. The other gradients enter through nodes too (_HandOff), which let go of them,
+        so that autograd can take them as .grad instead of copying them."""
+        linears = self.linears.pop(key, [])
+        others = self.grads.pop(key, []) + list(self.running.values())
+        self.running.clear()
+        outs = []
+        with torch.enable_grad():
+            while others:
+                outs.append(_HandOff.apply(*others.pop()))
+            while linears:
+                outs.append(_WeightGrad.apply(*linears.pop()))
+        if outs:
             Variable._execution_engine.run_backward(
-                tensors=tuple(sums), grad_tensors=tuple(sums.values()), keep_graph=False,
-                create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
+                tensors=tuple(outs), grad_tensors=tuple(out.new_empty(0) for out in outs),
+                keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
+                accumulate_grad=True)
 
     def pending(self) -> int:
         return len(set(self.linears) | set(self.grads))
@@ -68,6 +90,40 @@ def _weight_grads(x, dy, with_bias: bool):
     """A linear layer's weight and bias gradients from its input and output gradient."""
     dy2 = dy.reshape(-1, dy.shape[-1])  # [b*s, out]
     return dy2.t().mm(x.reshape(-1, x.shape[-1])), dy2.sum(0) if with_bias else None  # [out, in]
+
+
+class _WeightGrad(torch.autograd.Function):
+    """A deferred weight-gradient matmul as an autograd node: its forward keeps (x, dy) and
+    returns an empty tensor to start the pass from; its backward is the matmul, whose results
+    autograd passes to the weight's and bias's accumulation. Autograd releases what the node
+    saved once it has run."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, x, dy):
+        ctx.save_for_backward(x, dy)
+        ctx.with_bias = bias is not None
+        return weight.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        x, dy = ctx.saved_tensors
+        dw, db = _weight_grads(x, dy, ctx.with_bias)
+        return dw, db, None, None
+
+
+class _HandOff(torch.autograd.Function):
+    """A parameter gradient computed earlier, as an autograd node that passes it on once and
+    keeps no reference to it."""
+
+    @staticmethod
+    def forward(ctx, param, grad):
+        ctx.grad = grad
+        return param.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        grad, ctx.grad = ctx.grad, None
+        return grad, None
 
 
 class _LinearDeferredWeightGrad(torch.autograd.Function):
@@ -84,7 +140,13 @@ class _LinearDeferredWeightGrad(torch.autograd.Function):
         bias = ctx.bias if ctx.needs_input_grad[2] else None
         dx = dy.matmul(ctx.weight) if ctx.needs_input_grad[0] else None  # [..., in]
         if ctx.store.key is not None:  # inside a B: W comes later
-            ctx.store.put_linear(ctx.weight, bias, x, dy)
+            if id(ctx.weight) in ctx.store.immediate:
+                dw, db = _weight_grads(x, dy, bias is not None)
+                ctx.store.add_running(ctx.weight, dw)
+                if bias is not None:
+                    ctx.store.add_running(bias, db)
+            else:
+                ctx.store.put_linear(ctx.weight, bias, x, dy)
             return dx, None, None, None
         # An ordinary backward (the first stage's, which does B and W at once).
         dw, db = _weight_grads(x, dy, bias is not None)
