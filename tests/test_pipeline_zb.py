@@ -425,6 +425,44 @@ def _memory_worker(rank, world):
     return stage_peaks(Topology.build(tp=1, pp=world), MEM_SHAPE, MEM_SEQ, MEM_MBS, NUM_MICRO)
 
 
+def _pending_sends_worker(rank, world):
+    from bloomtrain.parallel.pipeline import build_pipeline_chunks, runtime
+    from bloomtrain.topology import Topology
+    topo = Topology.build(tp=1, pp=world)
+    chunks = build_pipeline_chunks(build_model(tp.SHAPE, 0), ParallelLayout(pp=world),
+                                   topo.pp_rank)
+    g = torch.Generator().manual_seed(0)
+    batches = [dict(tokens=ids[:, :-1], labels=ids[:, 1:])
+               for ids in (torch.randint(0, 256, (1, 17), generator=g) for _ in range(8))]
+    seen = {}
+    finish = runtime._P2P.finish
+
+    def counting_finish(self):
+        seen[name] = len(self.pending_sends)
+        finish(self)
+    runtime._P2P.finish = counting_finish
+    try:
+        for name in ("1f1b", "zb-h1"):
+            runtime.pipeline_train_step(name, chunks, batches, topo,
+                                        recv_shape=(1, 16, tp.SHAPE.hidden_size), timeout=60.0)
+    finally:
+        runtime._P2P.finish = finish
+    return seen
+
+
+def test_sends_are_freed_once_the_peer_shows_it_received_them():
+    """Gloo reports a send complete only when it is waited for, so without more every sent
+    activation and gradient would live to the end of the step. A message from the peer's op k
+    shows that the peer received what its ops up to k consumed; those sends are waited for and
+    dropped. pp=2, 8 micro-batches, both schedules: the first stage's last message comes from
+    the last stage's B7, after it consumed every activation, so none of its 8 sends is left at
+    the end of the step; the last stage's comes from the first stage's F7, which precedes only
+    its B6 and B7, so at most those two gradients are (without this, all 8 would be)."""
+    first, last = run_ranks(2, _pending_sends_worker)
+    assert first == {"1f1b": 0, "zb-h1": 0}
+    assert last.keys() == first.keys() and all(n <= 2 for n in last.values())
+
+
 def test_first_stage_holds_exactly_1f1b_memory():
     """Measured by bench/memtrack on bench/zb_bubble.py's memory run (live bytes other than
     parameters and their gradients, pp=4, 8 micro-batches, fp32 without dropout, where a held
