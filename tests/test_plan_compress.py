@@ -169,8 +169,9 @@ def test_zb_h1_is_searched_and_refused_with_zero3():
 
 
 # The measured zb-h1 peak minus 1F1B's on every stage, against the planner's: the held weight
-# stores and W's materialized weight gradients it models are most of the difference; what it does
-# not model (the autograd graph's own small tensors, W's bias sums) is well under this.
+# stores and the one weight gradient a W materializes at a time (and the last stage's running LM
+# head gradient) it models are most of the difference; what it does not model (the autograd
+# graph's own small tensors, W's bias sums) is well under this.
 ZB_MEMORY_RTOL = 0.10
 
 
