@@ -346,11 +346,25 @@ def test_secondary_shard_is_bitwise_and_keeps_backward_gathers_in_the_node(paral
             assert node >= 0.4 * counts[("all_gather", "dp")]["bytes"]
 
 
-def _engine_rank_with(rank, world, stage, parallel, train):
+def test_secondary_shard_with_tensor_parallelism():
+    """tp=2 dp=4 on two "nodes" of 4 processes (each a tp pair of each of 2 dp ranks): hpZ's
+    node groups are the dp ranks of one tp rank inside a node; the same bits as without it,
+    and backward's gathers in the node."""
+    parallel = {"tp": 2}
+    base = run_ranks(8, _engine_rank_with, 3, parallel, {}, 4)
+    hpz = run_ranks(8, _engine_rank_with, 3, {**parallel, "zero_secondary_shard": True}, {}, 4)
+    for (losses, masters, counts), (hl, hm, hc) in zip(base, hpz):
+        assert hl == losses
+        assert all(torch.equal(hm[k], masters[k]) for k in masters)
+        assert ("all_gather", "dp_node") in hc
+        assert hc[("all_gather", "dp")]["bytes"] < counts[("all_gather", "dp")]["bytes"]
+
+
+def _engine_rank_with(rank, world, stage, parallel, train, per_node=2):
     import os
-    # Two "nodes" of two processes (the rank pool's own environment says one node of `world`;
-    # the pool restores the environment after the call).
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    # "Nodes" of `per_node` processes (the rank pool's own environment says one node of
+    # `world`; the pool restores the environment after the call).
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     parts, losses, counts = _train(stage, "bf16", 2, train=train, **parallel)
     return losses, parts.engine.master_state(), counts
 
