@@ -418,6 +418,46 @@ def test_int8_stage0_keeps_the_replicas_equal_and_survives_an_overflow():
     assert [o[1] for o in outs] == [[False, True, False]] * 2
 
 
+def _scale_growth_rank(rank, world, initial_scale, window):
+    """ZeRO-1 int8 with error feedback under fp16, 5 steps: this rank's residual after each step
+    and the loss scale the next step's gradients carry."""
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": 1, "grad_reduce_dtype": "int8",
+                                          "grad_error_feedback": True},
+                         optim={"lr": 0.0, "clip_grad": 1.0, "initial_loss_scale": initial_scale,
+                                "loss_scale_window": window}, precision="fp16", seed=1)
+    parts = helpers.build(cfg)
+    chunk, eng = parts.chunks[0], parts.engine
+    g = torch.Generator().manual_seed(5 + rank)
+    out = []
+    for step in range(5):
+        ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)
+        parts.optimizer.scale_loss(chunk(ids[:, :-1], labels=ids[:, 1:])).backward()
+        # lr 0: the weights stay, so the two runs' gradients differ only by fp16's rounding
+        # of their scale, not by trajectories that part.
+        assert not helpers.step(parts.optimizer, 0.0).skipped
+        out.append((eng.bufs.grad_residual.clone(), parts.optimizer.loss_scale))
+    return out
+
+
+def test_error_feedback_follows_a_growing_loss_scale():
+    """The residual is in the units of the gradients it came from, which carry the loss scale:
+    when the scale doubles, so must what is owed. Against the same run at the final scale
+    throughout (int8's absmax blocks and fp16 are scale-equivariant for powers of two, up to
+    fp16's rounding near its smallest numbers): the growing run's residual times the scale
+    ratio is the constant run's, before and after the growth. Not rescaled it would be half of
+    it from the growth on."""
+    constant = run_ranks(2, _scale_growth_rank, 2.0 ** 10, 1000)
+    growing = run_ranks(2, _scale_growth_rank, 2.0 ** 9, 3)
+    assert [s for _, s in growing[0]] == [2.0 ** 9] * 2 + [2.0 ** 10] * 3
+    for want, got in zip(constant, growing):
+        for (r_want, s_want), (r_got, s_got) in zip(want, got):
+            assert s_want == 2.0 ** 10 and r_want.abs().max() > 0
+            scaled = r_got * (s_want / s_got)
+            # Measured here: at most 1.1e-3 (fp16's rounding); 0.5 from the growth on if the
+            # residual kept the old scale.
+            assert (scaled - r_want).norm() <= 1e-2 * r_want.norm(), (s_got, scaled, r_want)
+
+
 def _fp32_sum_rank(rank, world):
     """Stage 0, fp32 reduction: this rank's reduced gradient by name, and its local one from an
     engine of its own without dp peers, on the same micro-batches."""

@@ -111,6 +111,12 @@ class ZeroAdamW:
             self.step_count += 1
             self._update(lr, clip_coefficient(clipped.norm, self.cfg.clip_grad, clipped.scale),
                          analysed)
+            residual = self.engine.bufs.grad_residual
+            if residual is not None and self.scaler and self.scaler.scale != clipped.scale:
+                # What error feedback owes is in the units of the gradients it came from,
+                # which carried this step's loss scale; the next step's carry the grown one.
+                # (A power of two: exact.)
+                residual.mul_(self.scaler.scale / clipped.scale)
         return StepResult(grad_norm=clipped.norm, skipped=clipped.found_inf,
                           loss_scale=clipped.scale,
                           grad_stats=analysed.finish() if analysed is not None else None)
