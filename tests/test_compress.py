@@ -388,13 +388,18 @@ def _hpz_one_per_node(rank, world):
     return "not refused"
 
 
-def _stage0_rank(rank, world, precision, overflow_at):
-    cfg = helpers.config(SHAPE, parallel={"zero_stage": 0, "grad_reduce_dtype": "int8",
+def _int8_feedback(stage, precision, seed, **optim):
+    """An engine reducing in int8 with error feedback, its chunk, and a generator of batches."""
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": stage, "grad_reduce_dtype": "int8",
                                           "grad_error_feedback": True},
-                         optim={"lr": LR, "clip_grad": 1.0}, precision=precision, seed=1)
+                         optim={"lr": LR, "clip_grad": 1.0, **optim}, precision=precision,
+                         seed=1)
     parts = helpers.build(cfg)
-    chunk, eng = parts.chunks[0], parts.engine
-    g = torch.Generator().manual_seed(3 + rank)
+    return parts, parts.chunks[0], parts.engine, torch.Generator().manual_seed(seed)
+
+
+def _stage0_rank(rank, world, precision, overflow_at):
+    parts, chunk, eng, g = _int8_feedback(0, precision, 3 + rank)
     skipped = []
     for step in range(3):
         ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)
@@ -421,13 +426,9 @@ def test_int8_stage0_keeps_the_replicas_equal_and_survives_an_overflow():
 def _scale_growth_rank(rank, world, initial_scale, window):
     """ZeRO-1 int8 with error feedback under fp16, 5 steps: this rank's residual after each step
     and the loss scale the next step's gradients carry."""
-    cfg = helpers.config(SHAPE, parallel={"zero_stage": 1, "grad_reduce_dtype": "int8",
-                                          "grad_error_feedback": True},
-                         optim={"lr": 0.0, "clip_grad": 1.0, "initial_loss_scale": initial_scale,
-                                "loss_scale_window": window}, precision="fp16", seed=1)
-    parts = helpers.build(cfg)
-    chunk, eng = parts.chunks[0], parts.engine
-    g = torch.Generator().manual_seed(5 + rank)
+    parts, chunk, eng, g = _int8_feedback(1, "fp16", 5 + rank, lr=0.0,
+                                          initial_loss_scale=initial_scale,
+                                          loss_scale_window=window)
     out = []
     for step in range(5):
         ids = torch.randint(0, SHAPE.vocab_size, (2, SEQ + 1), generator=g)
