@@ -360,6 +360,46 @@ def test_secondary_shard_with_tensor_parallelism():
         assert hc[("all_gather", "dp")]["bytes"] < counts[("all_gather", "dp")]["bytes"]
 
 
+def _hpz_pipeline_rank(rank, world, dataset, tmp):
+    import os
+
+    from bloomtrain.parallel.zero.gather import Stage3Gatherer
+    from bloomtrain.train import Trainer
+    from tests.test_train import make_cfg
+    # Nodes of 2 processes: each holds 2 dp ranks of one pipeline stage.
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    in_node = []  # the gathers served from the node's secondary copies
+    original = Stage3Gatherer._gather_secondary
+
+    def counted(self, g, async_op):
+        in_node.append(g)
+        return original(self, g, async_op)
+    Stage3Gatherer._gather_secondary = counted
+    out = {}
+    try:
+        for hpz in (False, True):
+            in_node.clear()
+            cfg = make_cfg(dataset, Path(tmp) / str(hpz), train__precision="bf16",
+                           train__micro_batch_size=1, train__train_iters=3,
+                           parallel={"pp": 2, "pp_partition": "uniform", "zero_stage": 3,
+                                     "zero_secondary_shard": hpz})
+            t = Trainer(cfg, log=lambda *a: None)
+            out[hpz] = (t.run().losses, t.engine.bufs.master.clone(), len(in_node))
+    finally:
+        Stage3Gatherer._gather_secondary = original
+    return out
+
+
+def test_secondary_shard_with_pipeline_parallelism(dataset, tmp_path):
+    """pp=2 dp=4 ZeRO-3 through the trainer (1F1B) on four nodes of 2 processes: the same bits
+    as without hpZ (losses and masters on every rank), and backward's gathers served from the
+    node's copies."""
+    for out in run_ranks(8, _hpz_pipeline_rank, dataset, str(tmp_path)):
+        (losses, masters, in_node), (hl, hm, hpz_in_node) = out[False], out[True]
+        assert hl == losses and torch.equal(hm, masters)
+        assert in_node == 0 and hpz_in_node > 0
+
+
 def _engine_rank_with(rank, world, stage, parallel, train, per_node=2):
     import os
     # "Nodes" of `per_node` processes (the rank pool's own environment says one node of
