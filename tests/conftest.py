@@ -87,6 +87,8 @@ SLOW: list[str] = [
     "tests/test_compress.py::test_int8_reduction_composes[[]tp2-sp.dp2-z1[]]",
     "tests/test_compress.py::test_int8_reduction_composes[[]pp2.dp2-z2[]]",
     "tests/test_compress.py::test_secondary_shard_is_bitwise_and_keeps_backward_gathers_in_the_node*",
+    "tests/test_compress.py::test_secondary_shard_with_tensor_parallelism",
+    "tests/test_compress.py::test_secondary_shard_with_pipeline_parallelism",
     "tests/test_compress.py::test_reshard_with_error_feedback_follows_the_rule",
     # the rest of a matrix whose world-2 cases stay fast
     "tests/test_compress.py::test_resume_with_error_feedback_is_bitwise[[]2[]]",
