@@ -5,6 +5,7 @@ rules that tie sections together are bloomtrain.layout's."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import typing
@@ -14,7 +15,7 @@ from typing import Any, Callable, Literal
 
 import yaml
 
-from bloomtrain.errors import UserError
+from bloomtrain.errors import UserError, each_problem, raise_all
 
 # The keys with a set of choices, declared here once: DOMAINS (the checker) reads them, and so do
 # their owners (the pipeline's schedule table, the ZeRO stage table, the attention kernels, the
@@ -394,25 +395,34 @@ class Config:
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """The config of a mapping of sections; one UserError names every unknown key and every
+        value of the wrong type."""
         d = dict(d or {})
-        cfg = cls()
+        cfg, problems = cls(), []
         for f in fields(cls):
             if f.name not in d:
                 continue
             val = d.pop(f.name)
             current = getattr(cfg, f.name)
-            if dataclasses.is_dataclass(current):
-                if val is None:
-                    continue
-                if not isinstance(val, dict):
-                    raise UserError(f"config section '{f.name}' must be a mapping, got {val!r}")
-                setattr(cfg, f.name, _section_from_dict(type(current), val, f.name))
-            else:
-                setattr(cfg, f.name, _coerce(val, _field_type(cls, f.name), f.name))
+            try:
+                if dataclasses.is_dataclass(current):
+                    if val is None:
+                        continue
+                    if not isinstance(val, dict):
+                        raise UserError(f"config section '{f.name}' must be a mapping, got "
+                                        f"{val!r}")
+                    setattr(cfg, f.name, _section_from_dict(type(current), val, f.name))
+                else:
+                    setattr(cfg, f.name, _coerce(val, _field_type(cls, f.name), f.name))
+            except UserError as e:
+                problems += each_problem(e)
         if d:
             # key=str: YAML keys can be numbers, booleans or null, which do not sort with strings.
-            raise UserError(f"unknown config section(s) {sorted(d, key=str)}; valid sections are "
+            unknown = sorted(d, key=str)
+            problems.append(f"unknown config section(s) {unknown}"
+                            f"{did_you_mean([str(k) for k in unknown], '')}; valid sections are "
                             f"{[f.name for f in fields(cls)]}")
+        raise_all(problems)
         return cfg
 
     @classmethod
@@ -445,32 +455,38 @@ class Config:
     # ---- per-key checks ------------------------------------------------------------------
     def check(self) -> None:
         """Check every key against its domain (DOMAINS), then the rules between keys of one
-        section; raises UserError. The rules across sections are bloomtrain.layout.validate's,
-        which calls this first."""
+        section; raises one UserError naming every key out of its domain, else every broken
+        rule. The rules across sections are bloomtrain.layout.validate's, which calls this
+        first."""
+        problems = []
         for key, domain in DOMAINS.items():
-            domain.check(key, self.get(key))
-        t, o, c = self.train, self.optim, self.checkpoint
+            try:
+                domain.check(key, self.get(key))
+            except UserError as e:
+                problems += each_problem(e)
+        raise_all(problems)  # the rules below compare values each inside its domain
+        t, o, c, p = self.train, self.optim, self.checkpoint, self.parallel
         if (t.train_iters is None) == (t.train_samples is None):
-            raise UserError("set exactly one of train.train_iters and train.train_samples")
+            problems.append("set exactly one of train.train_iters and train.train_samples")
         if o.min_lr > o.lr:
-            raise UserError(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
+            problems.append(f"optim.min_lr ({o.min_lr}) must not exceed optim.lr ({o.lr})")
         if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
-            raise UserError(f"optim.decay_samples ({o.decay_samples}) must exceed "
+            problems.append(f"optim.decay_samples ({o.decay_samples}) must exceed "
                             f"optim.warmup_samples ({o.warmup_samples})")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
-            raise UserError("checkpoint.save_interval needs checkpoint.dir")
-        p = self.parallel
+            problems.append("checkpoint.save_interval needs checkpoint.dir")
         if p.grad_error_feedback and p.grad_reduce_dtype == "fp32":
-            raise UserError("parallel.grad_error_feedback needs a compressed reduction: set "
+            problems.append("parallel.grad_error_feedback needs a compressed reduction: set "
                             "parallel.grad_reduce_dtype to bf16 or int8 (fp32 loses nothing)")
         if p.weight_gather_dtype != "auto" and p.zero_stage != 3:
-            raise UserError(f"parallel.weight_gather_dtype={p.weight_gather_dtype} needs "
+            problems.append(f"parallel.weight_gather_dtype={p.weight_gather_dtype} needs "
                             f"parallel.zero_stage=3 (got {p.zero_stage}): only ZeRO-3 gathers "
                             f"weights before each use")
         if p.zero_secondary_shard and p.zero_stage != 3:
-            raise UserError(f"parallel.zero_secondary_shard needs parallel.zero_stage=3 (got "
+            problems.append(f"parallel.zero_secondary_shard needs parallel.zero_stage=3 (got "
                             f"{p.zero_stage}): the secondary shard holds ZeRO-3's gathered "
                             f"weights for backward")
+        raise_all(problems)
 
     def get(self, key: str):
         """The value of a dotted key ("train.seed", "run_dir")."""
@@ -578,11 +594,38 @@ def _field_type(cls, name: str):
 def _section_from_dict(cls, d: dict[str, Any], section: str):
     known = {f.name for f in fields(cls)}
     unknown = set(d) - known
+    problems = []
     if unknown:
-        raise UserError(f"unknown key(s) {sorted(f'{section}.{k}' for k in unknown)}; valid keys "
+        names = sorted(f"{section}.{k}" for k in unknown)
+        problems.append(f"unknown key(s) {names}{did_you_mean(names, section)}; valid keys "
                         f"in '{section}' are {sorted(known)}")
-    kwargs = {k: _coerce(v, _field_type(cls, k), f"{section}.{k}") for k, v in d.items()}
+    kwargs = {}
+    for k, v in d.items():
+        if k in known:
+            try:
+                kwargs[k] = _coerce(v, _field_type(cls, k), f"{section}.{k}")
+            except UserError as e:
+                problems += each_problem(e)
+    raise_all(problems)
     return cls(**kwargs)
+
+
+def did_you_mean(names: list[str], section: str) -> str:
+    """` (did you mean optim.lr?)` for mistyped dotted keys (or sections, with section ""), as
+    git suggests a command: the same key name in another section first (`train.lr`), else the
+    closest keys of the section (difflib), else the closest of all. Empty when nothing is close."""
+    sections = [f.name for f in fields(Config)]
+    every = [*DOMAINS, *sections]
+    pool = [k for k in DOMAINS if k.startswith(section + ".")] if section else sections
+    guesses = []
+    for name in names:
+        leaf = name.rpartition(".")[2]
+        moved = [k for k in DOMAINS if k.rpartition(".")[2] == leaf and k != name]
+        close = (moved or difflib.get_close_matches(name, pool, n=1)
+                 or difflib.get_close_matches(name, every, n=1))
+        if close:
+            guesses.append(close[0] if len(names) == 1 else f"{close[0]} for {name}")
+    return f" (did you mean {', '.join(guesses)}?)" if guesses else ""
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass, replace
 
 from bloomtrain.config import DOMAINS, Config, ParallelConfig, TrainConfig, parse_tasks
-from bloomtrain.errors import UserError
+from bloomtrain.errors import UserError, each_problem, raise_all
 from bloomtrain.model.presets import BloomShape, resolve_model_config
 
 
@@ -137,62 +137,80 @@ class ParallelLayout:
         return (micro_batch, self.local_seq(seq_length), hidden)
 
     # ---- validation ----------------------------------------------------------------------------
+    # Each rule is checked whatever the others found: one UserError lists every broken rule
+    # (errors.raise_all), so a layout is fixed in one attempt, not one rule per attempt.
     def check(self, shape: BloomShape, cfg: Config) -> None:
         """Every rule that combines the layout with the model and the batch; raises UserError
         saying what to change."""
-        self.check_tensor_parallel(shape, cfg.data.seq_length,
-                                    cfg.model.make_vocab_size_divisible_by)
-        self.check_pipeline(shape.num_layers)
+        raise_all(self.problems(shape, cfg))
+
+    def problems(self, shape: BloomShape, cfg: Config) -> list[str]:
+        """What `check` finds wrong, one message per broken rule."""
+        out = self.tensor_parallel_problems(shape, cfg.data.seq_length,
+                                            cfg.model.make_vocab_size_divisible_by)
+        out += self.pipeline_problems(shape.num_layers)
         if self.schedule == "zb-h1" and cfg.train.compile:
-            raise UserError("parallel.pp_schedule=zb-h1 with train.compile=true would defer "
-                            "nothing: the compiled blocks compute their weight gradients inside "
-                            "the input-gradient pass (Dynamo does not trace zb-h1's deferring "
-                            "linear), so set one of them to its default")
+            out.append("parallel.pp_schedule=zb-h1 with train.compile=true would defer "
+                       "nothing: the compiled blocks compute their weight gradients inside "
+                       "the input-gradient pass (Dynamo does not trace zb-h1's deferring "
+                       "linear), so set one of them to its default")
+        return out
 
     def check_tensor_parallel(self, shape: BloomShape, seq_length: int,
                                vocab_multiple: int) -> None:
-        tp = self.tp
+        raise_all(self.tensor_parallel_problems(shape, seq_length, vocab_multiple))
+
+    def tensor_parallel_problems(self, shape: BloomShape, seq_length: int,
+                                 vocab_multiple: int) -> list[str]:
+        tp, out = self.tp, []
         if self.sequence_parallel and tp == 1:
-            raise UserError("parallel.sequence_parallel=true needs parallel.tp > 1")
+            out.append("parallel.sequence_parallel=true needs parallel.tp > 1")
         if vocab_multiple % tp:
-            raise UserError(f"model.make_vocab_size_divisible_by ({vocab_multiple}) must be "
-                            f"divisible by parallel.tp ({tp}) so the padded vocabulary splits "
-                            f"evenly")
+            out.append(f"model.make_vocab_size_divisible_by ({vocab_multiple}) must be "
+                       f"divisible by parallel.tp ({tp}) so the padded vocabulary splits evenly")
         if shape.num_heads % tp:
-            raise UserError(f"model.num_heads ({shape.num_heads}) must be divisible by "
-                            f"parallel.tp ({tp})")
+            out.append(f"model.num_heads ({shape.num_heads}) must be divisible by parallel.tp "
+                       f"({tp})")
         if shape.ffn_hidden_size % tp:
-            raise UserError(f"model.ffn_hidden_size ({shape.ffn_hidden_size}) must be divisible "
-                            f"by parallel.tp ({tp})")
-        if shape.vocab_size % tp:
-            raise UserError(f"the padded vocabulary ({shape.vocab_size}) must be divisible by "
-                            f"parallel.tp ({tp}); set model.make_vocab_size_divisible_by to a "
-                            f"multiple of {tp}")
+            out.append(f"model.ffn_hidden_size ({shape.ffn_hidden_size}) must be divisible by "
+                       f"parallel.tp ({tp})")
+        # Not said twice: the padding rule above, once followed, makes the padded size split.
+        if shape.vocab_size % tp and not vocab_multiple % tp:
+            out.append(f"the padded vocabulary ({shape.vocab_size}) must be divisible by "
+                       f"parallel.tp ({tp}); set model.make_vocab_size_divisible_by to a "
+                       f"multiple of {tp}")
         if self.sequence_parallel and seq_length % tp:
-            raise UserError(f"data.seq_length ({seq_length}) must be divisible by parallel.tp "
-                            f"({tp}) with parallel.sequence_parallel=true")
+            out.append(f"data.seq_length ({seq_length}) must be divisible by parallel.tp ({tp}) "
+                       f"with parallel.sequence_parallel=true")
+        return out
 
     def check_pipeline(self, num_layers: int) -> None:
-        v = self.num_virtual_stages
+        raise_all(self.pipeline_problems(num_layers))
+
+    def pipeline_problems(self, num_layers: int) -> list[str]:
+        v, out = self.num_virtual_stages, []
         if self.schedule == "interleaved":
             if v < 2:
-                raise UserError("parallel.pp_schedule=interleaved needs "
-                                "parallel.num_virtual_stages >= 2; use 1f1b for one model chunk "
-                                "per rank")
+                out.append("parallel.pp_schedule=interleaved needs parallel.num_virtual_stages "
+                           ">= 2; use 1f1b for one model chunk per rank")
             if self.pp < 2:
-                raise UserError("parallel.pp_schedule=interleaved needs parallel.pp >= 2")
+                out.append("parallel.pp_schedule=interleaved needs parallel.pp >= 2")
         elif v != 1:
-            raise UserError(f"parallel.num_virtual_stages ({v}) > 1 needs "
-                            f"parallel.pp_schedule=interleaved (and parallel.pp >= 2)"
-                            + ("; zb-h1 runs one model chunk per rank (ZB-H1 is 1F1B's layout, "
-                               "not the interleaved one)" if self.schedule == "zb-h1" else ""))
+            out.append(f"parallel.num_virtual_stages ({v}) > 1 needs "
+                       f"parallel.pp_schedule=interleaved (and parallel.pp >= 2)"
+                       + ("; zb-h1 runs one model chunk per rank (ZB-H1 is 1F1B's layout, "
+                          "not the interleaved one)" if self.schedule == "zb-h1" else ""))
         if self.schedule == "zb-h1" and self.zero_stage == 3:
-            raise UserError("parallel.pp_schedule=zb-h1 does not compose with "
-                            "parallel.zero_stage=3: ZeRO-3 gathers a block's weights for its "
-                            "backward and frees them when that backward pass ends, while zb-h1 "
-                            "splits each backward into two passes (input gradients, then the "
-                            "weight gradients much later); use zero_stage <= 2 or pp_schedule=1f1b")
-        self.stage_ranges(num_layers)
+            out.append("parallel.pp_schedule=zb-h1 does not compose with "
+                       "parallel.zero_stage=3: ZeRO-3 gathers a block's weights for its "
+                       "backward and frees them when that backward pass ends, while zb-h1 "
+                       "splits each backward into two passes (input gradients, then the "
+                       "weight gradients much later); use zero_stage <= 2 or pp_schedule=1f1b")
+        try:
+            self.stage_ranges(num_layers)
+        except UserError as e:
+            out += each_problem(e)
+        return out
 
 
 @dataclass(frozen=True)
@@ -479,28 +497,54 @@ class RunLayout:
 
 def check_run(cfg: Config, max_restarts: int = 0) -> None:
     """The rules between the training, checkpoint, data and launch settings."""
-    t, c = cfg.train, cfg.checkpoint
+    raise_all(run_problems(cfg, max_restarts))
+
+
+def run_problems(cfg: Config, max_restarts: int = 0) -> list[str]:
+    """What `check_run` finds wrong, one message per broken rule."""
+    t, c, out = cfg.train, cfg.checkpoint, []
     if t.on_loss_spike == "rollback" and not c.dir:
-        raise UserError("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the "
-                        "last checkpoint)")
+        out.append("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the last "
+                   "checkpoint)")
     if parse_tasks(t.eval_harness_tasks) and not cfg.data.tokenizer:
-        raise UserError("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
+        out.append("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
     if max_restarts and (c.resume != "auto" or not c.dir):
-        raise UserError(f"--max-restarts {max_restarts} restarts the workers, which then "
-                        f"resume from checkpoint.resume={c.resume!r}"
-                        f"{'' if c.dir else ' with no checkpoint.dir'}: set "
-                        f"checkpoint.dir and checkpoint.resume=auto so that a restart continues "
-                        f"from the job's last checkpoint")
+        out.append(f"--max-restarts {max_restarts} restarts the workers, which then resume "
+                   f"from checkpoint.resume={c.resume!r}"
+                   f"{'' if c.dir else ' with no checkpoint.dir'}: set checkpoint.dir and "
+                   f"checkpoint.resume=auto so that a restart continues from the job's last "
+                   f"checkpoint")
+    return out
 
 
 def validate(cfg: Config, world_size: int, *, max_restarts: int = 0) -> RunLayout:
     """Check the whole config for `world_size` processes, once per run and before anything
-    starts: each key, then every rule that combines them. The model has `model.vocab_size` rows
-    until `RunLayout.with_vocab` gives it the tokenizer's; `max_restarts` is the launcher's."""
+    starts: each key, then every rule that combines them, all of whose failures one UserError
+    lists. The model has `model.vocab_size` rows until `RunLayout.with_vocab` gives it the
+    tokenizer's; `max_restarts` is the launcher's."""
     cfg.check()
-    check_run(cfg, max_restarts)
-    check_attention(cfg.train.attention, cfg.model.attention_dropout)
-    shape = resolve_model_config(cfg.model, cfg.model.vocab_size or 1)
-    layout = ParallelLayout.from_config(cfg.parallel, world_size)
-    layout.check(shape, cfg)
-    return RunLayout(shape, layout, BatchSchedule.from_config(cfg.train, layout))
+    problems = run_problems(cfg, max_restarts)
+    try:
+        check_attention(cfg.train.attention, cfg.model.attention_dropout)
+    except UserError as e:
+        problems += each_problem(e)
+    try:
+        shape = resolve_model_config(cfg.model, cfg.model.vocab_size or 1)
+    except UserError as e:  # no shape: the layout's rules cannot be judged
+        raise_all(problems + each_problem(e))
+    p, batches = cfg.parallel, None
+    try:
+        layout = ParallelLayout.from_config(p, world_size)
+    except UserError as e:
+        problems += each_problem(e)
+        # The other rules hold whatever the process count: judged on one replica. How the
+        # batch splits over dp waits for a dp.
+        layout = ParallelLayout.from_config(p, p.tp * p.pp)
+    else:
+        try:
+            batches = BatchSchedule.from_config(cfg.train, layout)
+        except UserError as e:
+            problems += each_problem(e)
+    problems += layout.problems(shape, cfg)
+    raise_all(problems)
+    return RunLayout(shape, layout, batches)

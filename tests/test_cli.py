@@ -157,11 +157,17 @@ def test_config_errors_come_before_torch(tmp_path):
     assert [c["heavy"] for c in got] == [[]] * len(cases)
     assert [c["code"] for c in got] == [2] * len(cases)
     typo, heads, nproc, lr = (c["stderr"] for c in got)
-    assert typo.startswith("bloomtrain train: error: unknown key(s) ['train.micro_batch_sise']; "
-                           "valid keys in 'train' are ['activation_checkpointing', ")
-    assert heads == ("bloomtrain train: error: the number of processes (1) is not divisible by "
-                     "parallel.tp * parallel.pp (3 * 1 = 3); change --nproc or the tp/pp "
-                     "sizes\n")
+    assert typo.startswith("bloomtrain train: error: unknown key(s) ['train.micro_batch_sise'] "
+                           "(did you mean train.micro_batch_size?); valid keys in 'train' are "
+                           "['activation_checkpointing', ")
+    # Every rule tp=3 breaks on the tiny preset at once, not one per attempt.
+    assert heads == ("bloomtrain train: error: 4 problems; change each of these:\n"
+                     "  - the number of processes (1) is not divisible by parallel.tp * "
+                     "parallel.pp (3 * 1 = 3); change --nproc or the tp/pp sizes\n"
+                     "  - model.make_vocab_size_divisible_by (128) must be divisible by "
+                     "parallel.tp (3) so the padded vocabulary splits evenly\n"
+                     "  - model.num_heads (4) must be divisible by parallel.tp (3)\n"
+                     "  - model.ffn_hidden_size (256) must be divisible by parallel.tp (3)\n")
     assert nproc == ("bloomtrain train: error: the number of processes (3) is not divisible by "
                      "parallel.tp * parallel.pp (2 * 1 = 2); change --nproc or the tp/pp "
                      "sizes\n")

@@ -53,6 +53,48 @@ def test_unknown_keys_and_types():
         apply_override({}, "train.micro_batch_size")
 
 
+@pytest.mark.parametrize("data,guess", [
+    ({"train": {"micro_batch_sise": 2}}, "train.micro_batch_size"),   # the closest of the section
+    ({"parallel": {"zero": 1}}, "parallel.zero_stage"),
+    ({"train": {"lr": 1e-3}}, "optim.lr"),                           # the key of another section
+    ({"trian": {"train_iters": 5}}, "train"),                         # a section
+    ({"lr": 1e-3}, "optim.lr"),                                       # a key outside its section
+])
+def test_a_mistyped_key_gets_the_closest_valid_one(data, guess):
+    with pytest.raises(UserError) as e:
+        Config.from_dict(data)
+    assert f"(did you mean {guess}?)" in str(e.value)
+
+
+def test_nothing_close_suggests_nothing_and_several_keys_each_theirs():
+    with pytest.raises(UserError) as e:
+        Config.from_dict({"train": {"qqqqqqq": 1}})
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(UserError) as e:
+        Config.load(None, ["train.glboal_batch_size=8", "train.micro_batch_sise=2"])
+    assert ("(did you mean train.global_batch_size for train.glboal_batch_size, "
+            "train.micro_batch_size for train.micro_batch_sise?)") in str(e.value)
+
+
+def test_every_bad_key_and_value_in_one_error():
+    # Unknown keys, values of the wrong type and values out of their domain come together, each
+    # on its own line, not one per attempt.
+    with pytest.raises(UserError) as e:
+        Config.load(None, ["train.micro_batch_sise=2", "optim.lr=abc", "parallel.tp=x"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "3 problems; change each of these:"
+    assert any("unknown key(s) ['train.micro_batch_sise']" in line for line in lines)
+    assert any("optim.lr must be a finite number" in line for line in lines)
+    assert any("parallel.tp must be an integer" in line for line in lines)
+    cfg = base(**{"optim.lr": -1, "train.micro_batch_size": 0, "optim.beta1": 2})
+    with pytest.raises(UserError) as e:
+        cfg.check()
+    assert str(e.value).splitlines() == [
+        "3 problems; change each of these:", "  - optim.lr must be positive, got -1.0",
+        "  - optim.beta1 must be in [0, 1), got 2.0",
+        "  - train.micro_batch_size must be positive, got 0"]
+
+
 def test_batch_must_split_over_data_parallel():
     cfg = base(**{"train.global_batch_size": 8, "train.micro_batch_size": 4})
     validate(cfg, 2)

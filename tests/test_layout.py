@@ -173,3 +173,44 @@ def test_the_tokenizers_vocabulary_is_padded_and_split_over_tp():
     with pytest.raises(UserError, match=r"make_vocab_size_divisible_by \(3\) must be divisible "
                                         r"by parallel.tp \(2\)"):
         run.with_vocab(cfg, 250_680)
+
+
+
+# ---- every broken rule at once -------------------------------------------------------------------
+
+TP3_ON_TINY = [  # the rules parallel.tp=3 breaks on the tiny model (vocab padded to 128)
+    "model.make_vocab_size_divisible_by (128) must be divisible by parallel.tp (3) so the "
+    "padded vocabulary splits evenly",
+    "model.num_heads (4) must be divisible by parallel.tp (3)",
+    "model.ffn_hidden_size (256) must be divisible by parallel.tp (3)",
+]
+ONE_CHUNK = ("parallel.pp_schedule=interleaved needs parallel.num_virtual_stages >= 2; use 1f1b "
+             "for one model chunk per rank")
+
+
+@pytest.mark.parametrize("world,more", [
+    (7, ["the number of processes (7) is not divisible by parallel.tp * parallel.pp (3 * 2 = "
+         "6); change --nproc or the tp/pp sizes"]),
+    (6, ["the interleaved schedule needs the number of micro-batches (9 = global_batch / "
+         "(micro_batch * dp)) to be divisible by parallel.pp (2); change "
+         "train.global_batch_size or train.micro_batch_size"]),
+], ids=["processes", "batch"])
+def test_every_broken_rule_of_a_layout_in_one_error(world, more):
+    # tensor parallelism, the pipeline schedule, the process count or the batch: each rule a
+    # layout breaks is in the one error, on its own line, not one per attempt.
+    cfg = helpers.config(parallel={"tp": 3, "pp": 2, "pp_schedule": "interleaved"},
+                         global_batch_size=9, micro_batch_size=1)
+    with pytest.raises(UserError) as e:
+        validate(cfg, world)
+    lines = str(e.value).splitlines()
+    want = TP3_ON_TINY + [ONE_CHUNK] + more
+    assert lines[0] == f"{len(want)} problems; change each of these:"
+    assert sorted(lines[1:]) == sorted(f"  - {m}" for m in want)
+
+
+def test_one_broken_rule_is_its_message_alone():
+    cfg = helpers.config(parallel={"tp": 2, "pp": 2, "pp_schedule": "interleaved"},
+                         global_batch_size=8)
+    with pytest.raises(UserError) as e:
+        validate(cfg, 4)
+    assert str(e.value) == ONE_CHUNK

@@ -365,7 +365,16 @@ def test_validation_messages():
         ParallelLayout(tp=tp, sequence_parallel=True).check_tensor_parallel(shape, seq, 384)
     check(SHAPE, 4, SEQ)
     cases = [
-        (SHAPE, 3, SEQ, "model.num_heads (4) must be divisible by parallel.tp (3)"),
+        (SHAPE.replace(ffn_hidden_size=252, vocab_size=255), 3, 33,
+         "model.num_heads (4) must be divisible by parallel.tp (3)"),
+        # Every broken rule in one message.
+        (SHAPE, 3, SEQ, "4 problems; change each of these:\n"
+         "  - model.num_heads (4) must be divisible by parallel.tp (3)\n"
+         "  - model.ffn_hidden_size (256) must be divisible by parallel.tp (3)\n"
+         "  - the padded vocabulary (256) must be divisible by parallel.tp (3); set "
+         "model.make_vocab_size_divisible_by to a multiple of 3\n"
+         "  - data.seq_length (32) must be divisible by parallel.tp (3) with "
+         "parallel.sequence_parallel=true"),
         (SHAPE.replace(ffn_hidden_size=250), 4, SEQ,
          "model.ffn_hidden_size (250) must be divisible by parallel.tp (4)"),
         (SHAPE.replace(vocab_size=250), 4, SEQ,
