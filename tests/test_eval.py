@@ -723,3 +723,63 @@ def test_command_errors_say_what_to_change(model_dirs, tmp_path, capsys, monkeyp
                         lambda name, *a: None if name == "lm_eval" else real(name, *a))
     rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny"], capsys)
     assert rc == 2 and "pip install 'bloomtrain[eval]'" in err
+
+
+DOCS_TASKS = ROOT / "docs" / "eval_tasks"
+DOCS_TASK_NAMES = ["lastword_example", "choice_example", "rolling_example", "greedy_example"]
+
+
+def test_the_docs_tasks_run_from_any_directory(model_dirs, tmp_path, capsys, monkeypatch):
+    # Their data files are found beside their YAMLs, not in the directory the command runs in.
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "results.json"
+    rc = cli.main(["eval", "--checkpoint", str(model_dirs[0]), "--include-path", str(DOCS_TASKS),
+                   "--tasks", ",".join(DOCS_TASK_NAMES), "--limit", "2", "--bootstrap-iters", "0",
+                   "--max-length", str(MAX_LENGTH), "--output", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(DOCS_TASK_NAMES)
+    # A task directory copied elsewhere with its data, named by a relative --include-path.
+    (tmp_path / "mine").mkdir()
+    for suffix in (".yaml", ".jsonl"):
+        (tmp_path / "mine" / f"choice_example{suffix}").write_bytes(
+            (DOCS_TASKS / f"choice_example{suffix}").read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rc = cli.main(["eval", "--checkpoint", str(model_dirs[0]), "--include-path", "../mine",
+                   "--tasks", "choice_example", "--limit", "2", "--bootstrap-iters", "0"])
+    assert rc == 0 and "choice_example" in capsys.readouterr().out
+
+
+def test_task_data_errors_are_one_line(model_dirs, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = str(model_dirs[0])
+    # The include path of the README, from a directory that does not have it.
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--include-path", "docs/eval_tasks",
+                       "--tasks", "choice_example"], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert f"include path docs/eval_tasks is not a directory of task YAMLs (relative to " \
+           f"{tmp_path})" in err
+    # A data file in neither the task file's directory nor the current one.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "choice_example.yaml").write_text(
+        (DOCS_TASKS / "choice_example.yaml").read_text().replace("test: choice_example.jsonl",
+                                                                 "test: nowhere.jsonl"))
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--include-path", str(tasks),
+                       "--tasks", "choice_example"], capsys)
+    assert rc == 2 and err.count("\n") == 1
+    assert (f"task choice_example: data file nowhere.jsonl not found: data_files are relative "
+            f"to the task file's directory {tasks}") in err
+    # A dataset the harness cannot fetch (offline): its error, on one line.
+    (tasks / "choice_example.yaml").unlink()
+    (tasks / "hub_task.yaml").write_text(
+        "task: hub_task\ndataset_path: no_such_org/no_such_dataset\noutput_type: loglikelihood\n"
+        "test_split: test\ndoc_to_text: '{{text}}'\ndoc_to_target: ' x'\n"
+        "metric_list:\n  - metric: acc\n")
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--include-path", str(tasks),
+                       "--tasks", "hub_task"], capsys)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("bloomtrain eval: error: the harness could "
+                                                   "not load a task's data: "), err

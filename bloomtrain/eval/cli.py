@@ -77,6 +77,10 @@ def _options(args) -> dict:
         raise UserError(f"{world} process(es) do not divide into parallel.tp={sizes['tp']} x "
                         f"parallel.pp={sizes['pp']} ranks; give --nproc as a multiple of "
                         f"{sizes['tp'] * sizes['pp']}")
+    from bloomtrain.eval.run import check_task_data
+
+    # Before any process starts or model loads: a wrong directory or a missing data file.
+    check_task_data(tasks, args.include_path or [])
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}
     opts.update(sizes, tasks=tasks, limit=_limit(args.limit), world=world,
                 include_path=list(args.include_path or []),
@@ -147,7 +151,8 @@ def _lead(opts: dict, model) -> None:
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.eval.lm import BloomtrainLM, default_max_length
     from bloomtrain.eval.protocol import Executor
-    from bloomtrain.eval.run import evaluate, results_table, task_manager, write_results
+    from bloomtrain.eval.run import (evaluate, one_line, results_table, task_manager,
+                                     write_results)
 
     executor = Executor(model)
     try:
@@ -163,9 +168,12 @@ def _lead(opts: dict, model) -> None:
         lm = BloomtrainLM(executor, tokenizer, batch_size=opts["batch_size"] * topo.dp_size,
                           max_length=opts["max_length"] or default_max_length(tokenizer),
                           info=info)
-        results = evaluate(lm, opts["tasks"], manager, num_fewshot=opts["num_fewshot"],
-                           limit=opts["limit"], bootstrap_iters=opts["bootstrap_iters"],
-                           log_samples=opts["log_samples"])
+        try:
+            results = evaluate(lm, opts["tasks"], manager, num_fewshot=opts["num_fewshot"],
+                               limit=opts["limit"], bootstrap_iters=opts["bootstrap_iters"],
+                               log_samples=opts["log_samples"])
+        except (FileNotFoundError, ConnectionError) as e:  # a dataset not found or fetched
+            raise UserError(f"the harness could not load a task's data: {one_line(e)}") from None
     finally:
         executor.close()
     print(results_table(results), flush=True)

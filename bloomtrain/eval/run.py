@@ -2,11 +2,19 @@
 `--include-path` directories), `lm_eval.simple_evaluate` on a BloomtrainLM, and what becomes of
 the results: the harness's results JSON and per-sample files, its table, and the flat
 `eval/<task>/<metric>` numbers a training run records.
+
+A task's local data (`dataset_kwargs.data_files`, a local `dataset_path`) is found relative to
+its task file, so that task directories work from any directory; the harness itself (HF
+datasets' rule) reads them relative to the current directory, which stays the fallback.
 """
 from __future__ import annotations
 
 import difflib
+import functools
+import glob
 import json
+import os
+import re
 from pathlib import Path
 
 from bloomtrain.errors import UserError
@@ -17,16 +25,12 @@ def find_tasks(tasks: list[str], include_paths: list[str] | tuple = ()):
     """(a TaskManager, {unknown task: why}). The include paths alone are indexed first (a
     fraction of a second); the harness's thousands of built-in task YAMLs (seconds to index)
     only when some task is not among them."""
-    from lm_eval.tasks import TaskManager
-
-    for path in include_paths:
-        if not Path(path).is_dir():
-            raise UserError(f"include path {path} is not a directory of task YAMLs")
+    check_include_paths(include_paths)
     if include_paths:
-        manager = TaskManager(include_path=list(include_paths), include_defaults=False)
+        manager = _manager(include_paths, include_defaults=False)
         if all(_known(manager, t) for t in tasks):
             return manager, {}
-    manager = TaskManager(include_path=list(include_paths) or None)
+    manager = _manager(include_paths)
     missing = [t for t in tasks if not _known(manager, t)]
     broken = unreadable_yamls(include_paths) if missing else []
     why = {}
@@ -47,6 +51,120 @@ def task_manager(tasks: list[str], include_paths: list[str] | tuple = ()):
     return manager
 
 
+def check_include_paths(include_paths) -> None:
+    for path in include_paths:
+        if not Path(path).is_dir():
+            where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
+            raise UserError(f"include path {path} is not a directory of task YAMLs{where}")
+
+
+def check_task_data(tasks: list[str], include_paths) -> None:
+    """A UserError now, before any model loads, for a task of the include paths (or a task
+    YAML given by path) whose data files are missing."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    check_include_paths(include_paths)
+    index = _manager(include_paths, include_defaults=False).task_index if include_paths else {}
+    for task in tasks:
+        entry = index.get(task)
+        path = entry.yaml_path if entry is not None else (
+            Path(task) if task.endswith(".yaml") and Path(task).is_file() else None)
+        if path is None:
+            continue  # a harness task, or a group: its tasks' data are checked as they load
+        try:
+            config = load_yaml(path, resolve_func=False, recursive=True)
+        except Exception:  # noqa: BLE001 - find_tasks reports unreadable YAMLs
+            continue
+        if isinstance(config, dict):
+            resolve_data_paths(config, path)
+
+
+def _manager(include_paths, include_defaults: bool = True):
+    """A TaskManager over `include_paths` (and the harness's own tasks) whose tasks read their
+    local data files relative to their task files."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=list(include_paths) or None,
+                          include_defaults=include_defaults)
+    factory = getattr(manager, "_factory", None)  # lm-eval 0.4.13's; left as it is elsewhere
+    if factory is not None and hasattr(factory, "_load_full_config"):
+        manager._factory = _file_relative_factory()(meta=manager.metadata)
+    return manager
+
+
+@functools.cache
+def _file_relative_factory():
+    """lm-eval's TaskFactory, with each task's config given absolute data paths (against its
+    YAML) before the task loads its dataset."""
+    from lm_eval.tasks._factory import TaskFactory
+
+    class FileRelativeFactory(TaskFactory):
+        def _load_full_config(self, entry, overrides=None):
+            config = super()._load_full_config(entry, overrides)
+            if entry.yaml_path is not None:
+                resolve_data_paths(config, entry.yaml_path)
+            return config
+
+    return FileRelativeFactory
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def resolve_data_paths(config: dict, task_file) -> dict:
+    """`config` (a task's, as loaded from `task_file`) with every relative local path of
+    `dataset_kwargs.data_files` (a string, a list, or a split -> string or list mapping; glob
+    patterns too) made absolute against the task file's directory, and `dataset_path` too when
+    it names a file or directory there. A path found only relative to the current directory
+    (the harness's rule) is left as it is; one found in neither raises a one-line UserError.
+    Changes `config` in place and returns it."""
+    base = Path(os.path.abspath(task_file)).parent
+    task = config.get("task", Path(task_file).stem)
+    dataset_path = config.get("dataset_path")
+    if (isinstance(dataset_path, str) and dataset_path and not _URL.match(dataset_path)
+            and not Path(dataset_path).is_absolute() and (base / dataset_path).exists()):
+        config["dataset_path"] = str(base / dataset_path)
+    kwargs = config.get("dataset_kwargs")
+    if not isinstance(kwargs, dict) or kwargs.get("data_files") is None:
+        return config
+
+    def locate(path):
+        if not isinstance(path, str) or _URL.match(path):
+            return path
+        if Path(path).is_absolute():
+            if _exists(Path(path)):
+                return path
+            raise UserError(f"task {task}: data file {path} not found")
+        beside = base / path
+        if _exists(beside):
+            return str(beside)
+        if _exists(Path(path)):
+            return path
+        raise UserError(f"task {task}: data file {path} not found: data_files are relative to "
+                        f"the task file's directory {base} (or else to the current directory, "
+                        f"{os.getcwd()})")
+
+    def each(value):
+        if isinstance(value, dict):
+            return {k: each(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [locate(v) for v in value]
+        return locate(value)
+
+    kwargs["data_files"] = each(kwargs["data_files"])
+    return config
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line: its first line, or its type when it has none."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _exists(path: Path) -> bool:
+    return bool(glob.glob(str(path))) if glob.has_magic(str(path)) else path.exists()
+
+
 def unreadable_yamls(include_paths) -> list[str]:
     """`path (error)` for each YAML under the include paths that the harness's own loader
     cannot read: its index leaves them out without a word."""
@@ -58,8 +176,7 @@ def unreadable_yamls(include_paths) -> list[str]:
             try:
                 load_yaml(path, resolve_func=False, recursive=True)
             except Exception as e:  # noqa: BLE001 - reported, whatever the parser raised
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                out.append(f"{path} ({first})")
+                out.append(f"{path} ({one_line(e)})")
     return out
 
 
