@@ -262,17 +262,24 @@ class BatchSchedule:
             raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
-        if self.rampup is None:
-            return self.global_batch_size
-        start, increment, ramp_samples = self.rampup
-        num_increments = (self.global_batch_size - start) // increment
-        if consumed_samples > ramp_samples or not num_increments:
-            return self.global_batch_size
-        steps = int(consumed_samples / (ramp_samples / num_increments))
-        return min(start + steps * increment, self.global_batch_size)
+        return rampup_batch_size_at(consumed_samples, self.global_batch_size, self.rampup)
 
     def smallest(self) -> int:
         return self.rampup[0] if self.rampup else self.global_batch_size
+
+
+def rampup_batch_size_at(consumed_samples: int, global_batch_size: int,
+                         rampup: tuple[int, int, int] | None) -> int:
+    """Megatron's RampupBatchsizeNumMicroBatches.update: the global batch after
+    `consumed_samples` under `--rampup-batch-size start increment ramp_samples`."""
+    if rampup is None:
+        return global_batch_size
+    start, increment, ramp_samples = rampup
+    num_increments = (global_batch_size - start) // increment
+    if consumed_samples > ramp_samples or not num_increments:
+        return global_batch_size
+    steps = int(consumed_samples / (ramp_samples / num_increments))
+    return min(start + steps * increment, global_batch_size)
 
 
 # ---- pipeline partitions and micro-batches ----------------------------------------------------

@@ -292,6 +292,13 @@ def test_function_on_a_checkpoint_namespace(tmp_path, capsys):
     assert config == BLOOM_176B
     assert {s.source.split(" ")[0] for s in report.unsupported} == {
         "--train-weighted-split-paths-path", "--valid-weighted-split-paths-path"}
+    # Megatron saves the Namespace after update_train_iters derived train_iters from
+    # train_samples with the ramp-up [192, 16, 9,765,625]: 115,311, the iterations BLOOM's logs
+    # planned (docs/bloom_facts.md). Both counts there is not a second choice: the same config.
+    saved, saved_report = megatron_to_config(_namespace(**typed, train_iters=115_311), ds,
+                                             saved=True)
+    assert saved == BLOOM_176B and not saved_report.warnings
+    assert any("= 115311" in s.reason for s in saved_report.ignored)
     # Without --pad-vocab-size-to the Namespace's padded_vocab_size still gives the rows.
     del typed["pad_vocab_size_to"]
     config, _ = megatron_to_config(_namespace(**typed), ds)
@@ -435,3 +442,32 @@ def test_mixed_up_values_are_user_errors():
             megatron_to_config(args, rng.choice(configs), world_size=rng.choice([None, 1, 8]))
         except UserError:
             pass
+
+
+def test_both_train_lengths_in_a_launch_are_refused(tmp_path, capsys):
+    # A launch script gives one of the two (Megatron's own check); only a saved Namespace has
+    # both, the second derived by Megatron.
+    script = tmp_path / "both.sh"
+    script.write_text("python pretrain_gpt.py " + SMALL + "--train-iters 100\n")
+    rc, _, err = _run(capsys, "--megatron-args", script, "--world-size", "1", "--output",
+                      tmp_path / "out.yaml")
+    assert rc == 2
+    assert "give exactly one of --train-iters and --train-samples, as Megatron requires" in err
+    assert not (tmp_path / "out.yaml").exists()
+    with pytest.raises(UserError, match="give exactly one of --train-iters and --train-samples"):
+        _convert("--train-iters 100")
+
+
+def test_train_iters_as_megatron_derives_it():
+    # update_train_iters (megatron/training.py): whole global batches, or the ramp-up's steps
+    # while at most ramp_samples are consumed (192 + 16 per 84,186 samples for BLOOM) and whole
+    # batches after. 115,311: the planned iterations in BLOOM-176B's logs.
+    from bloomtrain.import_config.sections import megatron_train_iters
+
+    assert megatron_train_iters(800, 8, None) == 100
+    assert megatron_train_iters(805, 8, None) == 100  # the partial last batch is dropped
+    assert megatron_train_iters(220_000_000, 2048, (192, 16, 9_765_625)) == 115_311
+    # A ramp-up written out step by step: batch 4, and 8 once 8 samples are consumed (one
+    # increment of 4 over 8 samples). Consumed 0 -> 4 -> 8 -> 16 in the ramp-up's loop (it runs
+    # while consumed <= 8), then (100 - 16) // 8 = 10 whole batches: 3 + 10.
+    assert megatron_train_iters(100, 8, (4, 4, 8)) == 13

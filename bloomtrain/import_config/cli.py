@@ -189,6 +189,8 @@ def _print_report(report, header: list[str]) -> None:
         print(f"  {show(s.source)}: {s.reason}")
     for what in report.unchecked:
         print(f"\nnot checked: {what}")
+    for what in report.warnings:
+        print(f"\nWARNING: {what}")
     if report.unsupported:
         sys.stdout.flush()
         print(f"\n!! UNSUPPORTED ({len(report.unsupported)}): the run used these and bloomtrain "
@@ -206,7 +208,7 @@ def render_yaml(config: dict, report, header: list[str]) -> str:
     for m in report.mapped:
         if m.key:
             sources[m.key] = m.source if m.key not in sources else f"{sources[m.key]}; {m.source}"
-    lines = [f"# {line}" for line in header]
+    lines = [f"# {line}" for line in header] + [f"# WARNING: {w}" for w in report.warnings]
     if report.unsupported:
         lines.append("# UNSUPPORTED in the source run (written anyway with --allow-unsupported):")
         lines += [f"#   {show(s.source)}: {s.reason}" for s in report.unsupported]

@@ -31,6 +31,7 @@ class ImportReport:
     ignored: list[Skipped] = field(default_factory=list)
     unsupported: list[Skipped] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     world_size: int | None = None
 
 
@@ -39,8 +40,11 @@ class Conversion:
     arguments (given, else Megatron's default) that names the option in every error."""
 
     def __init__(self, args: Mapping[str, Any], ds_config: Mapping[str, Any] | None,
-                 world_size: int | None):
+                 world_size: int | None, saved: bool = False):
         self.given = {k: v for k, v in dict(args).items() if v is not None}
+        # The args are a checkpoint's Namespace: Megatron has filled in what it derives
+        # (train_iters from train_samples, ...), which a launch script never gives.
+        self.saved = saved
         self.ds = ds_config
         self.config: dict[str, Any] = {}
         self.report = ImportReport()
@@ -161,3 +165,6 @@ class Conversion:
 
     def unchecked(self, what: str) -> None:
         self.report.unchecked.append(what)
+
+    def warn(self, what: str) -> None:
+        self.report.warnings.append(what)

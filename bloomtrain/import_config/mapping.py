@@ -18,19 +18,22 @@ from typing import Any, Mapping
 import bloomtrain.import_config.deepspeed as deepspeed
 import bloomtrain.import_config.sections as sections
 from bloomtrain.import_config.conversion import Conversion, ImportReport
-from bloomtrain.import_config.megatron_args import BY_DEST, DERIVED, REASONS
+from bloomtrain.import_config.megatron_args import BY_DEST, REASONS, SET_BY_MEGATRON
 
 
 def megatron_to_config(args: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, *,
-                       world_size: int | None = None) -> tuple[dict[str, Any], ImportReport]:
+                       world_size: int | None = None,
+                       saved: bool = False) -> tuple[dict[str, Any], ImportReport]:
     """The bloomtrain config (a dict of sections, for Config.from_dict) of a Megatron-DeepSpeed
     run and the report of the conversion. `args`: dest -> value; `ds_config`: the parsed
     ds_config.json, when the run used one; `world_size`: the run's process count (else
     `args["world_size"]` when a checkpoint's Namespace holds it), which the batch rules are
-    checked against. Raises UserError for arguments that contradict each other (a batch rule
+    checked against; `saved`: `args` is a checkpoint's Namespace, as Megatron saved it after
+    deriving what it derives (train_iters from train_samples, the fields of SET_BY_MEGATRON),
+    not a launch's arguments. Raises UserError for arguments that contradict each other (a batch rule
     broken, a value that is not a number, an unresolved variable). The caller validates the
     result (Config.from_dict, bloomtrain.layout.validate)."""
-    c = Conversion(args, ds_config, world_size)
+    c = Conversion(args, ds_config, world_size, saved)
     sections.parallel(c)
     sections.model(c)
     sections.data(c)
@@ -58,7 +61,7 @@ def _leftovers(c: Conversion) -> None:
     """Every given argument the sections did not take: ignored or unsupported by the table, or
     unknown (unsupported: it may change training)."""
     for dest, value in c.given.items():
-        if dest in c.accounted or dest in DERIVED:
+        if dest in c.accounted or dest in SET_BY_MEGATRON:
             continue
         option = BY_DEST.get(dest)
         if option is None:

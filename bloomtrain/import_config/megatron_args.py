@@ -316,16 +316,44 @@ _TABLE = """
 --timing-log-level value 0 ignore:log
 """
 
-# Attributes of a Megatron args Namespace (as a checkpoint's `args` holds it) that no option
-# sets: Megatron derives them at start.
-DERIVED = ("rank", "world_size", "data_parallel_size", "padded_vocab_size", "params_dtype",
-           "consumed_train_samples", "consumed_valid_samples", "consumed_train_tokens",
-           "gigaflos_no_embeds", "virtual_pipeline_model_parallel_size", "curriculum_learning",
-           "valid_weighted_split_names", "valid_weighted_split_weights",
-           "valid_weighted_split_splits", "test_weighted_split_names",
-           "test_weighted_split_weights", "test_weighted_split_splits",
-           "train_weighted_split_names", "train_weighted_split_weights",
-           "train_weighted_split_splits", "iteration", "deepspeed_configuration")
+# Attributes of a saved `args` Namespace that no option sets: Megatron-DeepSpeed derives or
+# records them while it starts and trains, so every checkpoint's Namespace has them and no launch
+# gives them. They are read as what they are, never reported as unknown arguments. Each with the
+# line that sets it in bigscience-workshop/Megatron-DeepSpeed at 8387ae17 (the fork that trained
+# BLOOM). Options that Megatron overwrites (train_iters from train_samples in update_train_iters,
+# lr_decay_samples/iters, global_batch_size, split, ffn_hidden_size, kv_channels, ...) are in the
+# option table above and mapped there: see sections.schedule for train_iters.
+SET_BY_MEGATRON = {
+    "rank": "megatron/arguments.py:70 parse_args (initialize.py:276 again)",
+    "world_size": "megatron/arguments.py:71 parse_args (initialize.py:277 again)",
+    "data_parallel_size": "megatron/arguments.py:89 parse_args",
+    "valid_weighted_split_names": "megatron/arguments.py:105 parse_args, :825 ParseDataPaths",
+    "valid_weighted_split_weights": "megatron/arguments.py:106 parse_args, :823 ParseDataPaths",
+    "valid_weighted_split_splits": "megatron/arguments.py:107 parse_args, :824 ParseDataPaths",
+    "test_weighted_split_names": "megatron/arguments.py:109 parse_args, :825 ParseDataPaths",
+    "test_weighted_split_weights": "megatron/arguments.py:110 parse_args, :823 ParseDataPaths",
+    "test_weighted_split_splits": "megatron/arguments.py:111 parse_args, :824 ParseDataPaths",
+    "train_weighted_split_names": "megatron/arguments.py:825 ParseDataPaths",
+    "train_weighted_split_weights": "megatron/arguments.py:823 ParseDataPaths",
+    "train_weighted_split_splits": "megatron/arguments.py:824 ParseDataPaths",
+    "virtual_pipeline_model_parallel_size": "megatron/arguments.py:165/169 parse_args",
+    "params_dtype": "megatron/arguments.py:172-178 parse_args",
+    "consumed_train_samples": "megatron/arguments.py:201 parse_args, megatron/training.py "
+                              "train_step's loop and :1153",
+    "consumed_valid_samples": "megatron/arguments.py:202 parse_args, megatron/training.py:1160",
+    "consumed_train_tokens": "megatron/arguments.py:203 parse_args, megatron/checkpointing.py:351",
+    "gigaflos_no_embeds": "megatron/arguments.py:204 parse_args, megatron/checkpointing.py:373",
+    "curriculum_learning": "megatron/arguments.py:282 parse_args, megatron/training.py:129",
+    "curriculum_seqlen": "megatron/training.py:923/1028/1079, megatron/model/gpt_model.py:108",
+    "padded_vocab_size": "megatron/tokenizer/tokenizer.py:64 build_tokenizer",
+    "deepspeed_configuration": "megatron/training.py:125 pretrain",
+    "parameters_in_billions_no_embedding": "megatron/training.py:142 pretrain",
+    "iteration": "megatron/training.py:450/462 setup_model_and_optimizer, :932 train",
+    "do_train": "megatron/training.py:1232 build_train_valid_test_data_iterators",
+    "do_valid": "megatron/training.py:1237 build_train_valid_test_data_iterators",
+    "do_test": "megatron/training.py:1238 build_train_valid_test_data_iterators",
+    "pretrain_causal_attention": "pretrain_gpt.py:57 model_provider",
+}
 
 
 def _parse_table(text: str) -> dict[str, Option]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from bloomtrain.errors import UserError
 from bloomtrain.data.gpt2_bpe import merges_beside
 from bloomtrain.import_config.conversion import Conversion
+from bloomtrain.layout import rampup_batch_size_at
 
 _ARCH = "bloomtrain's BLOOM is built with it"
 
@@ -229,6 +230,9 @@ def schedule(c: Conversion) -> None:
     else:
         c.unsupported("lr_decay_style", f"the {style} LR schedule")
     iters, samples = c.int("train_iters"), c.int("train_samples")
+    if c.saved and iters is not None and samples is not None:
+        _derived_train_iters(c, iters, samples)
+        iters = None
     if (iters is None) == (samples is None):
         raise UserError("give exactly one of --train-iters and --train-samples, as Megatron "
                         "requires")
@@ -266,6 +270,44 @@ def schedule(c: Conversion) -> None:
         if dest not in c.accounted:
             c.ignore(dest, "superseded by the arguments named for optim.decay_samples and "
                            "optim.warmup_samples")
+
+
+def megatron_train_iters(train_samples: int, global_batch_size: int,
+                         rampup: tuple[int, int, int] | None) -> int:
+    """The train_iters Megatron derives from --train-samples (update_train_iters in
+    megatron/training.py, run by get_learning_rate_scheduler before any save): the ramp-up's
+    steps while at most ramp_samples are consumed, then whole global batches; a partial last
+    batch is dropped."""
+    if rampup is None:
+        return train_samples // global_batch_size
+    iterations = consumed = 0
+    while consumed <= rampup[2]:
+        consumed += rampup_batch_size_at(consumed, global_batch_size, rampup)
+        iterations += 1
+    return iterations + (train_samples - consumed) // global_batch_size
+
+
+def _derived_train_iters(c: Conversion, iters: int, samples: int) -> None:
+    """A saved Namespace of a sample-based run has both counts: train_iters is Megatron's own
+    derivation from train_samples, not a second choice. One that does not follow Megatron's
+    arithmetic is reported, and train_samples, the run's choice, is kept."""
+    rampup = c.list("rampup_batch_size")
+    try:
+        ramp = tuple(int(float(v)) for v in rampup) if rampup else None
+        expected = megatron_train_iters(samples, c.gbs, ramp if ramp and len(ramp) == 3 else None)
+    except (ValueError, ZeroDivisionError):
+        expected = None
+    how = f"train_samples {samples} // global_batch_size {c.gbs}" + \
+        (f" after the ramp-up {list(ramp)}" if rampup else "")
+    if expected == iters:
+        c.ignore("train_iters", f"Megatron's derivation from train_samples ({how} = {iters}, "
+                                f"update_train_iters in megatron/training.py)")
+        return
+    c.ignore("train_iters", "superseded by train_samples, the run's own choice")
+    c.warn(f"the checkpoint's args.train_iters is {iters}, but Megatron derives "
+           f"{expected} from args.train_samples ({how}); train.train_samples {samples} is "
+           f"kept, so the run lasts {expected} iterations, not {iters}: check the launch's "
+           f"--train-samples and --global-batch-size")
 
 
 def optimizer(c: Conversion) -> None:
