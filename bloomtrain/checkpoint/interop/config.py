@@ -82,7 +82,8 @@ def derive_config(src: Source, output: Path, tokenizer_dir: Path | None):
     args = dict(src.args) if megatron else _hf_args(src, notes)
     world = src.layout["tp"] * src.layout["pp"] * src.layout["dp"]
     try:
-        config, report = megatron_to_config(args, src.ds_config, world_size=world)
+        config, report = megatron_to_config(args, src.ds_config, world_size=world,
+                                            saved=megatron)
     except UserError as e:  # arguments the conversion cannot take
         raise InteropError(f"{src.path}: the run's arguments do not convert to a bloomtrain "
                            f"config: {e}") from None

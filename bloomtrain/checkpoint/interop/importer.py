@@ -141,7 +141,8 @@ def import_deepspeed(input_path: str | Path, output: str | Path, tokenizer: str 
         raise InteropError(f"cannot write the checkpoint under {output}: {e}") from e
     yaml_path = write_config(yaml_text, output)
     unsupported = [f"UNSUPPORTED: {u.source}: {u.reason}" for u in conversion.unsupported]
-    _report(src, path, yaml_path, report + notes + unsupported, log)
+    warnings = [f"WARNING: {w}" for w in conversion.warnings]
+    _report(src, path, yaml_path, report + notes + warnings + unsupported, log)
     return path
 
 

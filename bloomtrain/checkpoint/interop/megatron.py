@@ -93,7 +93,7 @@ def merge_tp(name: str, pieces: list[torch.Tensor], drift: dict | None = None,
                            f"replicated parameter differ by rounding at most, so these tp files "
                            f"come from different runs or steps")
     if drift is not None:
-        drift[name] = max(drift.get(name, 0.0), diff)
+        drift[name] = max(drift.get(name, (0.0, 0.0)), (diff, diff / max(scale, TP_COPY_FLOOR)))
     return (sum(p.float() for p in pieces) / len(pieces)).to(pieces[0].dtype)
 
 

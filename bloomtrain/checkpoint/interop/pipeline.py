@@ -172,7 +172,8 @@ def read_megatron(files: CheckpointFiles, weights_only: bool) -> Source:
     check_state(ckpt.shape, ckpt.shapes, ckpt.where)
     precision = "bf16" if ckpt.args.get("bf16") else "fp16" if ckpt.args.get("fp16") else \
         precision_of(ckpt.ds_config, files.optim_prefix)
-    drift: dict[str, float] = {}
+    drift: dict[str, tuple[float, float]] = {}  # name -> (largest difference, its share of the
+    # parameter's largest magnitude)
 
     def read(name: str, kind: str) -> torch.Tensor:
         return megatron.merge_tp(name, ckpt.tp_pieces(name, kind), drift, ckpt.where_of(name))
@@ -218,9 +219,12 @@ def _check_replicas(ckpt: PipelineCheckpoint, src: Source, drift: dict) -> list[
             src.read(name, kind)
     if not drift:
         return []
-    worst = max(drift, key=drift.get)
+    worst = max(drift, key=lambda n: drift[n][0])
+    diff, share = drift[worst]
     return [f"tp copies of the replicated parameters (LayerNorms, row-parallel biases) averaged "
-            f"over {ckpt.tp} tp ranks; largest difference {drift[worst]:.3g} ({worst})"]
+            f"over {ckpt.tp} tp ranks; largest difference {diff:.3g} ({worst}, {share:.2%} of "
+            f"its largest magnitude; copies further apart than "
+            f"{megatron.TP_COPY_TOLERANCE:.0%} are refused)"]
 
 
 def _check_weights_match(ckpt: PipelineCheckpoint, dtype) -> list[str]:
