@@ -166,6 +166,7 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.generate import generate
     from bloomtrain.hf import export_hf
+    from bloomtrain.report.closing import closing_lines
 
     t_start = time.time()
     root = Path(run_dir).resolve()
@@ -176,9 +177,6 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     cfg, records = _train(root, dataset, tok_dir, overrides, log)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    if len(losses) >= 2:
-        log(f"[demo] training loss went from {losses[0]:.3f} (first logged interval) to "
-            f"{losses[-1]:.3f} (last)" + (f"; eval loss {evals[-1]:.3f}" if evals else ""))
     checkpoint = str(ckpt.resolve(cfg.checkpoint.dir))
     report = _report(cfg.run_dir, log)
 
@@ -198,16 +196,10 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     log(f"  corpus        {corpus}")
     log(f"  tokenizer     {tok_dir}/tokenizer.json")
     log(f"  dataset       {dataset}.bin / .idx")
-    log(f"  run dir       {cfg.run_dir}  (config.yaml, metrics.jsonl)")
-    log(f"  checkpoint    {checkpoint}")
-    log(f"  HF export     {export_dir}  (transformers.BloomForCausalLM.from_pretrained)")
-    log("To look at the run:")
-    if report is not None:
-        log(f"  plots         open {report}  (or bloomtrain plot {cfg.run_dir})")
-    tb = Path(cfg.run_dir) / "tensorboard"
-    if tb.is_dir():
-        log(f"  TensorBoard   tensorboard --logdir {tb}")
-    log(f"  status        bloomtrain status {cfg.run_dir}")
+    # The run itself: what `bloomtrain train` ends with.
+    for line in closing_lines(cfg.run_dir, cfg.checkpoint.dir, prefix="[demo] training",
+                              report=report, exported=export_dir):
+        log(line)
     return {"losses": losses, "eval_losses": evals, "checkpoint": checkpoint,
             "export": str(export_dir), "sample": text, "layout": records[0].get("layout")}
 

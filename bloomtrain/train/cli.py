@@ -56,6 +56,8 @@ def launch_spec(args) -> LaunchSpec | None:
 
 
 def cmd_train(args) -> int:
+    from bloomtrain.report.closing import print_closing  # the run's last lines
+
     # Every check of the config before torch is imported (seconds of CPU) or a worker starts.
     cfg = Config.load(args.config, args.overrides)
     spec = launch_spec(args)
@@ -66,6 +68,8 @@ def cmd_train(args) -> int:
     if spec is not None:
         from bloomtrain.train.launch import launch_local
         launch_local(spec.nproc, worker_entry, args.config, args.overrides, run, spec=spec)
+        if spec.node_rank == 0:  # the launcher of rank 0's node: its console
+            print_closing(cfg.run_dir, cfg.checkpoint.dir)
         return 0
     import torch.distributed as dist
 
@@ -73,6 +77,8 @@ def cmd_train(args) -> int:
     train(cfg, run=run)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if os.environ.get("RANK", "0") == "0":  # alone, or rank 0 under torchrun / srun
+        print_closing(cfg.run_dir, cfg.checkpoint.dir)
     return 0
 
 
