@@ -197,3 +197,108 @@ def single4(dataset, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single4")
     cfg = make_cfg(dataset, tmp, train__train_iters=4, train__micro_batch_size=1)
     return Trainer(cfg, log=lambda *a: None).run().losses
+
+
+# ---- issue 36: the data and the tokenizer, checked before any process starts -----------------
+
+# bloomtrain.cli.main in a fresh interpreter: its exit code, its stderr, and whether torch was
+# imported (the launcher imports it to start workers, so no torch means no worker started).
+MAIN_PROBE = (
+    "import contextlib, io, json, sys\n"
+    "from bloomtrain.cli import main\n"
+    "err = io.StringIO()\n"
+    "with contextlib.redirect_stderr(err):\n"
+    "    code = main(sys.argv[1:])\n"
+    "print(json.dumps({'code': code, 'stderr': err.getvalue(), 'torch': 'torch' in sys.modules}))\n")
+
+
+def _main_probe(*argv):
+    r = subprocess.run([sys.executable, "-c", MAIN_PROBE, *argv], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def _one_line_error(stderr):
+    assert stderr.count("\n") == 1 and stderr.startswith("bloomtrain train: error: "), stderr
+    assert "Traceback" not in stderr
+    return stderr
+
+
+def test_a_missing_dataset_or_tokenizer_is_refused_before_any_worker(dataset, tmp_path):
+    cfg = _write_config(tmp_path, dataset, "run")
+    nope = tmp_path / "nope_text_document"
+    missing_data = _main_probe("train", "--config", str(cfg), "--nproc", "2",
+                               f"data.paths=[{nope}]")
+    missing_tok = _main_probe("train", "--config", str(cfg), "--nproc", "2",
+                              f"data.tokenizer={tmp_path / 'no_tok'}")
+    for got in (missing_data, missing_tok):
+        assert got["code"] == 2 and not got["torch"], got
+        _one_line_error(got["stderr"])
+    assert f"data.paths: no dataset at {nope} (.idx and .bin missing)" in missing_data["stderr"]
+    assert f"data.tokenizer: tokenizer {tmp_path / 'no_tok'} not found" in missing_tok["stderr"]
+    # As the user runs it: the one line and nothing else, no elastic agent's traceback.
+    out = _cli("train", "--config", str(cfg), "--nproc", "2", f"data.paths=[{nope}]")
+    assert out.returncode == 2 and out.stdout == ""
+    assert _one_line_error(out.stderr) == missing_data["stderr"]
+    assert not (tmp_path / "run").exists()
+
+
+def _wide_dataset(tmp_path) -> str:
+    """Tokenized with a 918-token tokenizer: ids up to 917, a third of them past 256."""
+    from bloomtrain.data.indexed import write_dataset
+    rng = np.random.RandomState(0)
+    docs = [[rng.randint(4, 918, size=rng.randint(20, 60)).tolist() + [2]] for _ in range(300)]
+    docs[7][0][3] = 917
+    write_dataset(tmp_path / "wide_text_document", docs, dtype=np.uint16)
+    return str(tmp_path / "wide_text_document")
+
+
+WIDE_ERROR = ("holds token ids up to 917, past the model's vocabulary of 256 ids (0-255; "
+              "model.vocab_size=256)")
+
+
+def _wide_worker(rank, world, wide, tmp, config):
+    """A worker started without bloomtrain's launcher (as torchrun starts them): both the
+    command and the Trainer refuse before anything trains."""
+    import contextlib
+    import io
+
+    from bloomtrain.cli import main
+    from bloomtrain.errors import UserError
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", config, "parallel.tp=2", f"data.paths=[{wide}]"])
+    cfg = make_cfg(wide, Path(tmp), parallel={"tp": 2})
+    try:
+        Trainer(cfg, log=lambda *a: None)
+    except UserError as e:
+        return code, err.getvalue(), str(e)
+    return code, err.getvalue(), None
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_the_first_step(dataset, tmp_path):
+    from bloomtrain.errors import UserError
+    wide = _wide_dataset(tmp_path)
+    cfg = _write_config(tmp_path, dataset, "run")
+    # The launcher, tp=2 over 2 workers and one process: refused before either starts.
+    for argv in (["--nproc", "2", "parallel.tp=2"], []):
+        got = _main_probe("train", "--config", str(cfg), *argv, f"data.paths=[{wide}]")
+        assert got["code"] == 2 and not got["torch"], got
+        assert f"dataset {wide} {WIDE_ERROR}" in _one_line_error(got["stderr"])
+    # The same within each of tp=2's workers when no launcher checked first.
+    for code, stderr, error in run_ranks(2, _wide_worker, wide, str(tmp_path / "w"), str(cfg)):
+        assert code == 2 and WIDE_ERROR in _one_line_error(stderr)
+        assert error is not None and WIDE_ERROR in error
+    # tp=1 in this process: the error, not torch's IndexError at the first step. A blend names
+    # the dataset that does not fit.
+    blend = make_cfg(dataset, tmp_path / "t1", train__train_iters=2)
+    blend.data.paths = [f"0.5 {dataset}", f"0.5 {wide}"]
+    with pytest.raises(UserError, match=f"dataset {wide} holds token ids up to 917") as e:
+        Trainer(blend, log=lambda *a: None)
+    assert dataset not in str(e.value)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "t1").exists()
+    # The data that fits still trains, in a blend too.
+    blend.data.paths = [f"0.5 {dataset}", f"0.5 {dataset}"]
+    losses = Trainer(blend, log=lambda *a: None).run().losses
+    assert len(losses) == 2 and all(np.isfinite(losses))

@@ -65,6 +65,10 @@ def cmd_train(args) -> int:
         env_from_slurm()  # a plain srun's tasks as torchrun's variables, as the Trainer does
     run = validate(cfg, spec.world_size if spec is not None else world_size_from_env(),
                    max_restarts=spec.max_restarts if spec is not None else 0)
+    # The datasets and the tokenizer too (numpy, no torch): a missing file or a token id past
+    # the model's vocabulary is refused here, not in every worker after the launch.
+    from bloomtrain.data.check import check_data
+    check_data(cfg, run)
     if spec is not None:
         from bloomtrain.train.launch import launch_local
         launch_local(spec.nproc, worker_entry, args.config, args.overrides, run, spec=spec)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bloomtrain.config import Config, parse_data_paths
-from bloomtrain.errors import UserError
+from bloomtrain.config import Config
+from bloomtrain.data.check import check_data
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.layout import RunLayout, resolve_attention, validate
 from bloomtrain.model import BloomForCausalLM
@@ -54,13 +54,6 @@ class TrainData:
     def __init__(self, cfg: Config, run, topo: Topology, tokenizer, device):
         from bloomtrain.data.loader import DataIterator, build_train_valid_test_datasets
         t, d = cfg.train, cfg.data
-        if not d.paths:
-            raise UserError("data.paths is empty: preprocess a dataset with `bloomtrain "
-                            "preprocess` and set data.paths=[PREFIX_text_document]")
-        for _, prefix in parse_data_paths(d.paths):
-            if not Path(prefix + ".idx").is_file():
-                raise UserError(f"dataset {prefix}.idx/.bin not found (data.paths); give the "
-                                f"prefix that `bloomtrain preprocess` printed")
         self.cfg, self.topo, self.device, self.batches = cfg, topo, device, run.batches
         self.train_samples = (t.train_samples if t.train_samples is not None
                               else t.train_iters * t.global_batch_size)
@@ -110,10 +103,10 @@ class Trainer:
         self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
                                            self.device, cfg.train.precision,
                                            cfg.data.seq_length)
-        from bloomtrain.data.tokenizer import load_tokenizer
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-        if self.tokenizer is not None:  # the model's vocabulary follows the tokenizer's
-            run = run.with_vocab(cfg, self.tokenizer.vocab_size)
+        # The model's vocabulary follows the tokenizer's, and every dataset's token ids must
+        # fit it. `bloomtrain train` checked before launching; a Trainer built from Python was
+        # not (the result is cached: a second check reads one small file per dataset).
+        self.tokenizer, run = check_data(cfg, run)
         # The planner's memory prediction for this layout, before any process group: on CUDA a
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
