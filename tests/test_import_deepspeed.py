@@ -663,3 +663,129 @@ def test_awkward_fixture_reports_the_tp_drift(tmp_path):
     # Up to 3 bf16 ulps of values near 1 (make_fixtures.py): 2-3% of the LayerNorm's scale.
     share = float(re.search(r"([\d.]+)% of its largest magnitude", report).group(1))
     assert 0.5 <= share <= 5, report
+
+
+# ---- the config an import writes: what it knows, where from, and what the user must choose -----
+
+def _with_ds_config(tmp_path, fixture: str, **changes) -> Path:
+    """A copy of an HF fixture's checkpoint whose saved ds_config has `changes`."""
+    src = _copy(tmp_path, fixture)
+    f = src / "global_step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(f, weights_only=True)
+    state["ds_config"] = {**state["ds_config"], **changes}
+    torch.save(state, f)
+    return src
+
+
+def test_hf_import_yaml_names_its_sources_and_what_to_choose(tmp_path, monkeypatch):
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    import_deepspeed(FIXTURES / "hf_zero2_fp32" / "checkpoint", "ckpt", log=lambda *a: None)
+    text = (tmp_path / "ckpt" / "bloomtrain.yaml").read_text()
+    body = [line for line in text.splitlines() if not line.startswith("#")]
+    comment = {line.split(":")[0].strip(): line.split("#", 1)[1].strip()
+               for line in body if "#" in line}
+    # HF's config.json fields, the optimizer's groups and the ds_config, not Megatron's flags.
+    assert comment["num_layers"] == "config.json n_layer"
+    assert comment["num_heads"] == "config.json n_head"
+    assert comment["vocab_size"] == "config.json vocab_size"
+    assert comment["lr"] == "the optimizer's param_groups lr"
+    assert comment["micro_batch_size"] == "ds_config train_micro_batch_size_per_gpu"
+    assert not any(c.startswith("--") for c in comment.values()), comment
+    # What the checkpoint does not record is said plainly at the top: the length (no key is
+    # written for it), the sequence length and the LR schedule.
+    header = text.split("\nmodel:")[0]
+    assert "TO CHOOSE before training" in header
+    for what in ("train.train_iters or train.train_samples", "data.seq_length",
+                 "the LR schedule", "data.tokenizer"):
+        assert f"#   - {what}" in header, (what, header)
+    cfg = yaml.safe_load(text)
+    assert not {"train_iters", "train_samples"} & set(cfg["train"])
+    # The import's directory as it was given, relative to where import-deepspeed ran.
+    assert cfg["checkpoint"]["dir"] == "ckpt"
+
+
+def test_ds_scheduler_becomes_the_schedule_and_length(tmp_path):
+    # DeepSpeed's WarmupDecayLR (linear warm-up) is Megatron's linear schedule in steps: the
+    # imported config's LR at every step equals DeepSpeed's formula (lr_schedules.py, written
+    # out here), and total_num_steps is the run's length.
+    import yaml
+
+    from bloomtrain.config import Config
+    from bloomtrain.optim.schedule import LRSchedule
+
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 10,
+              "total_num_steps": 100, "warmup_type": "linear"}
+    src = _with_ds_config(tmp_path, "hf_zero2_fp32",
+                          scheduler={"type": "WarmupDecayLR", "params": params})
+    lines = []
+    import_deepspeed(src, tmp_path / "out", log=lines.append)
+    cfg = Config.from_dict(yaml.safe_load((tmp_path / "out" / "bloomtrain.yaml").read_text()))
+    gbs = cfg.train.global_batch_size
+    assert cfg.train.train_iters == 100 and cfg.train.train_samples is None
+    o = cfg.optim
+    schedule = LRSchedule(o.lr, o.min_lr, o.warmup_samples, o.decay_samples, o.decay_style)
+
+    def deepspeed_lr(step):  # WarmupDecayLR._get_gamma with warmup_type linear
+        w, t = params["warmup_num_steps"], params["total_num_steps"]
+        gamma = step / w if step < w else max(0.0, (t - step) / max(1.0, t - w))
+        return params["warmup_min_lr"] + (params["warmup_max_lr"] - params["warmup_min_lr"]) * gamma
+
+    for step in range(0, 130):
+        assert schedule(step * gbs) == pytest.approx(deepspeed_lr(step), rel=1e-12, abs=1e-15), step
+    assert not any("to choose: the LR schedule" in line or "train.train_iters or" in line
+                   for line in lines), lines
+    # Its log warm-up (DeepSpeed's default) has no counterpart: imported as linear, and said.
+    src2 = _with_ds_config(tmp_path / "b", "hf_zero2_fp32",
+                           scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
+    lines = []
+    import_deepspeed(src2, tmp_path / "out2", log=lines.append)
+    cfg = yaml.safe_load((tmp_path / "out2" / "bloomtrain.yaml").read_text())
+    assert cfg["optim"]["decay_style"] == "constant" and cfg["optim"]["lr"] == 1e-3
+    assert cfg["optim"]["warmup_samples"] == 5 * gbs
+    assert any("its warm-up is log" in line for line in lines), lines
+
+
+def test_model_config_stands_in_for_a_missing_config_json(tmp_path):
+    # A plain DeepSpeed script saves no config.json: --model-config gives the shape, as the
+    # model's HF config or a bloomtrain model section, instead of copying files into the
+    # checkpoint.
+    import yaml
+
+    from bloomtrain.cli import main
+
+    src = _copy(tmp_path, "hf_zero2_fp32")
+    hf_config = tmp_path / "bloom-config.json"
+    shutil.move(src / "config.json", hf_config)
+    _refused(src, tmp_path / "none", "no config.json beside the checkpoint",
+             "--model-config FILE")
+    reader = imported(tmp_path, "hf_zero2_fp32")  # with its config.json
+    section = tmp_path / "model.yaml"
+    section.write_text("model: {num_layers: 2, hidden_size: 32, num_heads: 4}\n")
+    for i, given in enumerate((hf_config, section)):
+        out = tmp_path / f"out{i}"
+        assert main(["import-deepspeed", "--input", str(src), "--output", str(out),
+                     "--model-config", str(given)]) == 0
+        got = ckpt.CheckpointReader(out, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+        for name in reader.names():
+            for kind in KINDS:
+                assert torch.equal(got.load(name, kind), reader.load(name, kind)), (name, kind)
+        cfg = yaml.safe_load((out / "bloomtrain.yaml").read_text())
+        assert cfg["model"]["vocab_size"] == 120 and cfg["model"]["num_heads"] == 4
+    text = (tmp_path / "out1" / "bloomtrain.yaml").read_text()
+    assert "# model.yaml model.num_layers" in text
+    # A shape the checkpoint does not have, or a Megatron checkpoint (its args give the shape).
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("model: {num_layers: 3, hidden_size: 32, num_heads: 4}\n")
+    from bloomtrain.errors import UserError
+    with pytest.raises(UserError, match="missing for a 3-layer BLOOM"):
+        import_deepspeed(src, tmp_path / "wrong", model_config=wrong, log=lambda *a: None)
+    assert not (tmp_path / "wrong").exists() or not any((tmp_path / "wrong").iterdir())
+    with pytest.raises(InteropError, match="drop --model-config"):
+        import_deepspeed(FIXTURES / MEGATRON / "checkpoint", tmp_path / "meg",
+                         model_config=section, log=lambda *a: None)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model: {num_layer: 2, hidden_size: 32, num_heads: 4}\n")
+    with pytest.raises(InteropError, match="num_layer"):
+        import_deepspeed(src, tmp_path / "typo", model_config=typo, log=lambda *a: None)

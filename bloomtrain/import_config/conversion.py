@@ -40,11 +40,15 @@ class Conversion:
     arguments (given, else Megatron's default) that names the option in every error."""
 
     def __init__(self, args: Mapping[str, Any], ds_config: Mapping[str, Any] | None,
-                 world_size: int | None, saved: bool = False):
+                 world_size: int | None, saved: bool = False,
+                 labels: Mapping[str, str] | None = None):
         self.given = {k: v for k, v in dict(args).items() if v is not None}
         # The args are a checkpoint's Namespace: Megatron has filled in what it derives
         # (train_iters from train_samples, ...), which a launch script never gives.
         self.saved = saved
+        # Where an argument came from when it is no command-line flag (an HF import's
+        # `config.json n_layer`): the report and the YAML's comments name that instead.
+        self.labels = dict(labels or {})
         self.ds = ds_config
         self.config: dict[str, Any] = {}
         self.report = ImportReport()
@@ -69,7 +73,7 @@ class Conversion:
         if (name := unresolved_in(value)) is not None:
             how = f"pass --var {name[1:]}=VALUE" if name[1:].isidentifier() else \
                 "write its value into the script"
-            raise UserError(f"{flag_of(dest)} is {show(value)}, and {name} is not defined in "
+            raise UserError(f"{self.label(dest)} is {show(value)}, and {name} is not defined in "
                             f"the script (it comes from the environment or from a command "
                             f"import-config does not run); {how}")
         return value
@@ -82,7 +86,7 @@ class Conversion:
         value = self._checked(dest)
         if value is None:
             if required:
-                raise UserError(f"the arguments lack {flag_of(dest)}, which Megatron requires")
+                raise UserError(f"the arguments lack {self.label(dest)}, which Megatron requires")
             return None
         if isinstance(value, float) and value.is_integer():
             return int(value)
@@ -91,20 +95,20 @@ class Conversion:
                 raise ValueError
             return int(value) if isinstance(value, int) else int(str(value).strip())
         except ValueError:
-            raise UserError(f"{flag_of(dest)} must be an integer, got {show(value)!r}") from None
+            raise UserError(f"{self.label(dest)} must be an integer, got {show(value)!r}") from None
 
     def float(self, dest: str, required: bool = False) -> float | None:
         value = self._checked(dest)
         if value is None:
             if required:
-                raise UserError(f"the arguments lack {flag_of(dest)}, which Megatron requires")
+                raise UserError(f"the arguments lack {self.label(dest)}, which Megatron requires")
             return None
         try:
             number = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             number = math.nan
         if not math.isfinite(number):
-            raise UserError(f"{flag_of(dest)} must be a number, got {show(value)!r}")
+            raise UserError(f"{self.label(dest)} must be a number, got {show(value)!r}")
         return number
 
     def str(self, dest: str) -> str | None:
@@ -121,8 +125,15 @@ class Conversion:
         items = value if isinstance(value, (list, tuple)) else [value]
         return [str(v) for v in items]
 
+    def label(self, dest: str) -> str:
+        return self.labels.get(dest) or flag_of(dest)
+
     def source(self, dests: str | list[str]) -> str:
         dests = [dests] if isinstance(dests, str) else dests
+        if self.labels:  # no launch behind the arguments: name only where values came from
+            named = list(dict.fromkeys(self.labels[d] for d in dests if d in self.labels))
+            return " + ".join(named) if named else \
+                "not in the checkpoint: Megatron-DeepSpeed's default"
         text = " + ".join(flag_of(d) for d in dests)
         if not any(self.has(d) for d in dests):
             text += " (not given: Megatron's default)"
@@ -151,8 +162,8 @@ class Conversion:
     def given_text(self, dest: str) -> str:
         value = self.raw(dest)
         if value is True or value is False or value is None:
-            return flag_of(dest)
-        return f"{flag_of(dest)} {show(value)}"
+            return self.label(dest)
+        return f"{self.label(dest)} {show(value)}"
 
     def ignore(self, dest: str, reason: str) -> None:
         self.accounted.add(dest)

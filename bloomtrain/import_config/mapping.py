@@ -22,18 +22,20 @@ from bloomtrain.import_config.megatron_args import BY_DEST, REASONS, SET_BY_MEGA
 
 
 def megatron_to_config(args: Mapping[str, Any], ds_config: Mapping[str, Any] | None = None, *,
-                       world_size: int | None = None,
-                       saved: bool = False) -> tuple[dict[str, Any], ImportReport]:
+                       world_size: int | None = None, saved: bool = False,
+                       labels: Mapping[str, str] | None = None,
+                       ) -> tuple[dict[str, Any], ImportReport]:
     """The bloomtrain config (a dict of sections, for Config.from_dict) of a Megatron-DeepSpeed
     run and the report of the conversion. `args`: dest -> value; `ds_config`: the parsed
     ds_config.json, when the run used one; `world_size`: the run's process count (else
     `args["world_size"]` when a checkpoint's Namespace holds it), which the batch rules are
     checked against; `saved`: `args` is a checkpoint's Namespace, as Megatron saved it after
     deriving what it derives (train_iters from train_samples, the fields of SET_BY_MEGATRON),
-    not a launch's arguments. Raises UserError for arguments that contradict each other (a batch rule
+    not a launch's arguments; `labels`: dest -> where that value came from, for arguments that
+    are not a launch's flags (an HF model's config.json fields). Raises UserError for arguments that contradict each other (a batch rule
     broken, a value that is not a number, an unresolved variable). The caller validates the
     result (Config.from_dict, bloomtrain.layout.validate)."""
-    c = Conversion(args, ds_config, world_size, saved)
+    c = Conversion(args, ds_config, world_size, saved, labels)
     sections.parallel(c)
     sections.model(c)
     sections.data(c)

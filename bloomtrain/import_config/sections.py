@@ -98,8 +98,9 @@ def _vocab(c: Conversion) -> None:
         # A checkpoint's Namespace records the rows Megatron padded to: the model then has
         # them without its tokenizer.
         rows = c.int("padded_vocab_size")
-        c.set("model.vocab_size", rows, "padded_vocab_size", source="the checkpoint's "
-              "args.padded_vocab_size", note="the embedding rows of the checkpoint")
+        c.set("model.vocab_size", rows, "padded_vocab_size",
+              source=c.labels.get("padded_vocab_size", "the checkpoint's args.padded_vocab_size"),
+              note="the embedding rows of the checkpoint")
     if pad_to is None:
         c.set("model.make_vocab_size_divisible_by", multiple * c.tp,
               ["make_vocab_size_divisible_by", "tensor_model_parallel_size"],

@@ -11,6 +11,7 @@ alone cannot tell the number of attention heads.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ from bloomtrain.checkpoint.interop.safe_load import InteropError, load
 from bloomtrain.checkpoint.interop.source import WEIGHTS, Source, check_decay_groups
 from bloomtrain.checkpoint.interop.zero import ZeroShards
 from bloomtrain.runtime import torch_dtype
-from bloomtrain.model.params import LM_HEAD
+from bloomtrain.model.params import EMBEDDING, LM_HEAD
 
 
 
@@ -38,22 +39,83 @@ def zero_stage_of(ds_config: dict | None) -> int:
     return int(z.get("stage", 0)) if isinstance(z, dict) else 0
 
 
-def _hf_shape(files, where):
+def _hf_shape(files, where, model_config: Path | None = None, vocab_rows: int | None = None):
+    """(BloomShape, Megatron-style args, their labels) of an HF model under DeepSpeed: from
+    `model_config` (--model-config: an HF config or a bloomtrain model section) when given, else
+    the HF config.json beside the checkpoint."""
     from bloomtrain.hf import shape_from_hf_config
     from bloomtrain.errors import UserError
 
+    if model_config is not None:
+        return model_config_shape(Path(model_config), vocab_rows)
     path = dsfiles.find_config_json(files)
     if path is None:
         raise InteropError(f"{where}: no config.json beside the checkpoint; a model trained under "
                            f"DeepSpeed is read with its HF config (HF's Trainer saves it in "
-                           f"checkpoint-N/): copy the model's config.json into {files.root}")
+                           f"checkpoint-N/): give it with --model-config FILE (the model's HF "
+                           f"config.json, or a bloomtrain YAML with its model section)")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-        return shape_from_hf_config(cfg), cfg
+        return (shape_from_hf_config(cfg), *_args_from_hf(cfg, path.name))
     except (OSError, ValueError) as e:
         raise InteropError(f"cannot read {path}: {e}") from None
     except UserError as e:  # another architecture, or a setting bloomtrain's model lacks
         raise InteropError(f"{path}: {e}") from None
+
+
+def model_config_shape(path: Path, vocab_rows: int | None):
+    """--model-config FILE: an HF config.json (a `model_type`), or a bloomtrain config's model
+    section (YAML or JSON, `model:` with a preset or an explicit shape, or its keys alone).
+    Without a vocabulary of its own, a model section takes the checkpoint's embedding rows."""
+    import yaml
+
+    from bloomtrain.errors import UserError
+    from bloomtrain.hf import shape_from_hf_config
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        try:  # JSON first: YAML 1.1 reads JSON's 1e-05 as a string
+            data = json.loads(text)
+        except ValueError:
+            data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise InteropError(f"--model-config {path}: cannot read it: "
+                           f"{str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"--model-config {path}: expected an HF config.json or a bloomtrain "
+                           f"model section (a mapping), got {type(data).__name__}")
+    try:
+        if "model_type" in data:
+            return (shape_from_hf_config(data), *_args_from_hf(data, path.name))
+        return _model_section_shape(data.get("model", data), path, vocab_rows)
+    except UserError as e:
+        raise InteropError(f"--model-config {path}: {e}") from None
+
+
+def _model_section_shape(section, path: Path, vocab_rows: int | None):
+    from bloomtrain.config import Config
+    from bloomtrain.model.presets import resolve_model_config
+
+    if not isinstance(section, dict):
+        raise InteropError(f"--model-config {path}: `model` must be a mapping of model.* keys")
+    section = {"preset": None, **section}  # an explicit shape, not bloomtrain's default preset
+    if section.get("vocab_size") is None and vocab_rows:
+        section.update(vocab_size=vocab_rows, make_vocab_size_divisible_by=1)
+    model = Config.from_dict({"model": section}).model
+    shape = resolve_model_config(model)
+    label = f"{path.name} model."
+    args = {"num_layers": shape.num_layers, "hidden_size": shape.hidden_size,
+            "num_attention_heads": shape.num_heads, "ffn_hidden_size": shape.ffn_hidden_size,
+            "padded_vocab_size": shape.vocab_size, "layernorm_epsilon": shape.layer_norm_epsilon,
+            "init_method_std": shape.init_method_std, "hidden_dropout": shape.hidden_dropout,
+            "attention_dropout": shape.attention_dropout}
+    keys = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+            "num_attention_heads": "num_heads", "ffn_hidden_size": "ffn_hidden_size",
+            "padded_vocab_size": "vocab_size", "layernorm_epsilon": "layer_norm_epsilon",
+            "init_method_std": "init_method_std", "hidden_dropout": "hidden_dropout",
+            "attention_dropout": "attention_dropout"}
+    preset = f" (preset {model.preset})" if model.preset else ""
+    return shape, args, {d: label + k + preset for d, k in keys.items()}
 
 
 def _model_states(files: dsfiles.CheckpointFiles) -> dict:
@@ -69,17 +131,19 @@ def _model_states(files: dsfiles.CheckpointFiles) -> dict:
     return meta
 
 
-def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
+def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
+                 model_config: Path | None = None) -> Source:
     from bloomtrain.checkpoint.hf_files import canonical_name as canonical
     from bloomtrain.model import check_state
 
     where, meta = files.tag_dir, _model_states(files)
-    shape, hf_cfg = _hf_shape(files, where)
-    ds_config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else None
-    precision = precision_of(ds_config, files.optim_prefix)
     param_shapes = meta["param_shapes"]
     names = {canonical(n): n for g in param_shapes for n in g}  # HF name -> DeepSpeed's
     shapes = {canonical(n): tuple(s) for g in param_shapes for n, s in g.items()}
+    rows = shapes.get(EMBEDDING, (None,))[0]
+    shape, hf_args, labels = _hf_shape(files, where, model_config, rows)
+    ds_config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else None
+    precision = precision_of(ds_config, files.optim_prefix)
     check_state(shape, shapes, files.model_file(0))
     dp = int(meta.get("dp_world_size") or 1)
     files.check_complete(dp if files.optim else None, 1)
@@ -109,7 +173,7 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
                  path=files.root, shape=shape, shapes=shapes, weight_dtype=dtype, read=read,
                  optimizer=zero is not None, optimizer_found=shards is not None,
                  layout={"tp": 1, "pp": 1, "dp": dp, "zero_stage": stage, "precision": precision},
-                 ds_config=ds_config, args=_args_from_hf(hf_cfg),
+                 ds_config=ds_config, args=hf_args, arg_labels=labels,
                  train_state=dsfiles.deepspeed_position(meta))
     if zero is not None:
         src.adam_step = zero.adam_step()
@@ -124,16 +188,29 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool) -> Source:
     return src
 
 
-def _args_from_hf(cfg: dict) -> dict:
-    """The Megatron-style arguments an HF config implies (for the imported run's config)."""
-    return {"num_layers": cfg.get("n_layer", cfg.get("num_hidden_layers")),
-            "hidden_size": cfg.get("hidden_size", cfg.get("n_embed")),
-            "num_attention_heads": cfg.get("n_head", cfg.get("num_attention_heads")),
-            "padded_vocab_size": cfg.get("vocab_size"),
-            "layernorm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
-            "init_method_std": cfg.get("initializer_range", 0.02),
-            "hidden_dropout": cfg.get("hidden_dropout", 0.0),
-            "attention_dropout": cfg.get("attention_dropout", 0.0)}
+# HF's BloomConfig field (first found) behind each Megatron-style argument of an HF import.
+_HF_FIELDS = {"num_layers": ("n_layer", "num_hidden_layers"),
+              "hidden_size": ("hidden_size", "n_embed"),
+              "num_attention_heads": ("n_head", "num_attention_heads"),
+              "padded_vocab_size": ("vocab_size",),
+              "layernorm_epsilon": ("layer_norm_epsilon",),
+              "init_method_std": ("initializer_range",),
+              "hidden_dropout": ("hidden_dropout",),
+              "attention_dropout": ("attention_dropout",)}
+_HF_DEFAULTS = {"layernorm_epsilon": 1e-5, "init_method_std": 0.02, "hidden_dropout": 0.0,
+                "attention_dropout": 0.0}
+
+
+def _args_from_hf(cfg: dict, origin: str = "config.json") -> tuple[dict, dict]:
+    """The Megatron-style arguments an HF config implies (for the imported run's config), and
+    for each, the config field it came from (`config.json n_layer`), for the YAML's comments."""
+    args, labels = {}, {}
+    for dest, fields in _HF_FIELDS.items():
+        field = next((f for f in fields if f in cfg), None)
+        args[dest] = cfg[field] if field else _HF_DEFAULTS.get(dest)
+        labels[dest] = f"{origin} {field}" if field else \
+            f"{origin} {fields[0]} (not there: HF BloomConfig's default)"
+    return args, labels
 
 
 def _check_tied(module, names, where) -> list[str]:

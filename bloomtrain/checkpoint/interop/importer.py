@@ -22,9 +22,12 @@ NOT_IMPORTED = ("RNG states (dropout continues from new generators)", "the data 
                 "(bloomtrain's loader resumes from the consumed samples)")
 
 
-def read_source(path: str | Path, weights_only: bool = False) -> Source:
+def read_source(path: str | Path, weights_only: bool = False,
+                model_config: str | Path | None = None) -> Source:
     """The Source at `path`: a DeepSpeed universal checkpoint, a Megatron-DeepSpeed pipeline
-    checkpoint or an HF model under DeepSpeed ZeRO; a save root, checkpoint-N/ or a step dir."""
+    checkpoint or an HF model under DeepSpeed ZeRO; a save root, checkpoint-N/ or a step dir.
+    `model_config`: the HF model's shape where no config.json lies beside it (an HF config or
+    a bloomtrain model section)."""
     from bloomtrain.checkpoint.interop.hf_zero import read_hf_zero
     from bloomtrain.checkpoint.interop.pipeline import read_megatron
     from bloomtrain.checkpoint.interop.universal import read_universal, universal_dir
@@ -32,13 +35,16 @@ def read_source(path: str | Path, weights_only: bool = False) -> Source:
     path = Path(path)
     if not path.exists():
         raise InteropError(f"{path} does not exist")
+    if model_config is not None and not Path(model_config).is_file():
+        raise InteropError(f"--model-config {model_config} does not exist")
+    model_config = Path(model_config) if model_config is not None else None
     root = universal_dir(path) if path.is_dir() else None
     if root is not None:
-        return read_universal(root, weights_only)
+        return read_universal(root, weights_only, model_config)
     found = dsfiles.scan(path)
     if found.layers:
-        return read_megatron(found, weights_only)
-    return read_hf_zero(found, weights_only)
+        return read_megatron(found, weights_only, model_config)
+    return read_hf_zero(found, weights_only, model_config)
 
 
 def _tokenizer(src: Source, explicit: str | None, log):
@@ -114,9 +120,10 @@ def manifest_meta(src: Source, config: dict) -> dict:
 
 
 def import_deepspeed(input_path: str | Path, output: str | Path, tokenizer: str | None = None,
-                     weights_only: bool = False, log: Callable[[str], None] = print) -> Path:
+                     weights_only: bool = False, log: Callable[[str], None] = print,
+                     model_config: str | Path | None = None) -> Path:
     """Import the checkpoint at `input_path` into a new bloomtrain checkpoint root `output`;
-    returns the step directory written."""
+    returns the step directory written. `model_config`: see read_source."""
     from bloomtrain import checkpoint
     from bloomtrain.checkpoint.interop.config import (derive_config, render_config,
                                                      write_config)
@@ -124,7 +131,7 @@ def import_deepspeed(input_path: str | Path, output: str | Path, tokenizer: str 
     output = Path(output)
     if checkpoint.list_checkpoints(output):
         raise InteropError(f"{output} already holds checkpoints; import into a new directory")
-    src = read_source(input_path, weights_only)
+    src = read_source(input_path, weights_only, model_config)
     report = [f"found: {src.label}, {src.shape.num_layers} layers, hidden {src.shape.hidden_size},"
               f" {src.shape.num_heads} heads, vocabulary {src.shape.vocab_size}"]
     for check in src.checks:
@@ -142,7 +149,8 @@ def import_deepspeed(input_path: str | Path, output: str | Path, tokenizer: str 
     yaml_path = write_config(yaml_text, output)
     unsupported = [f"UNSUPPORTED: {u.source}: {u.reason}" for u in conversion.unsupported]
     warnings = [f"WARNING: {w}" for w in conversion.warnings]
-    _report(src, path, yaml_path, report + notes + warnings + unsupported, log)
+    said = [f"{'to choose' if kind == 'CHOOSE' else 'note'}: {text}" for kind, text in notes]
+    _report(src, path, yaml_path, report + said + warnings + unsupported, log)
     return path
 
 
@@ -184,5 +192,10 @@ def register(subparsers) -> None:
                         "+ merges.txt), stored with the checkpoint")
     p.add_argument("--weights-only", action="store_true",
                    help="import the weights alone: a new optimizer and schedule start from them")
+    p.add_argument("--model-config", metavar="FILE",
+                   help="for an HF model trained under DeepSpeed without its config.json beside "
+                        "the checkpoint: the model's HF config.json, or a bloomtrain YAML whose "
+                        "model section gives the shape (a preset or explicit keys)")
     p.set_defaults(func=lambda a: import_deepspeed(a.input, a.output, a.tokenizer,
-                                                   a.weights_only) and 0)
+                                                   a.weights_only,
+                                                   model_config=a.model_config) and 0)

@@ -97,6 +97,12 @@ def merge_tp(name: str, pieces: list[torch.Tensor], drift: dict | None = None,
     return (sum(p.float() for p in pieces) / len(pieces)).to(pieces[0].dtype)
 
 
+def refuse_model_config(model_config, where) -> None:
+    if model_config is not None:
+        raise InteropError(f"{where} is a Megatron-DeepSpeed checkpoint: its saved args give the "
+                           f"model's shape; drop --model-config {model_config}")
+
+
 def args_dict(args, where) -> dict:
     """Megatron's `args` Namespace as a plain dict, enums by their names."""
     if isinstance(args, argparse.Namespace):

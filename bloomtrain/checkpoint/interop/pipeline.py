@@ -165,9 +165,10 @@ class PipelineCheckpoint:
         return ", ".join(self.files.layers[(layer, t)].name for t in range(self.tp))
 
 
-def read_megatron(files: CheckpointFiles, weights_only: bool) -> Source:
+def read_megatron(files: CheckpointFiles, weights_only: bool, model_config=None) -> Source:
     from bloomtrain.model import check_state
 
+    megatron.refuse_model_config(model_config, files.tag_dir)
     ckpt = PipelineCheckpoint(files)
     check_state(ckpt.shape, ckpt.shapes, ckpt.where)
     precision = "bf16" if ckpt.args.get("bf16") else "fp16" if ckpt.args.get("fp16") else \

@@ -33,6 +33,7 @@ class Source:
     train_state: dict | None = None              # step, consumed_samples, skipped_steps
     layout: dict = field(default_factory=dict)   # the run's tp, pp, dp, zero_stage, precision
     args: dict = field(default_factory=dict)     # Megatron-style args (the config's source)
+    arg_labels: dict = field(default_factory=dict)  # dest -> where it came from, if not a flag
     ds_config: dict | None = None
     param_groups: list[dict] = field(default_factory=list)
     scaler: dict | None = None                   # fp16 loss scaler state

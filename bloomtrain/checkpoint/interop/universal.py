@@ -62,29 +62,31 @@ def _scalar(obj, file: Path) -> int:
         raise InteropError(f"{file} does not hold Adam's step count") from None
 
 
-def _shape_and_names(root: Path, names: list[str], meta: dict):
-    """(BloomShape, universal name -> HF name, Megatron-style args) of the model."""
+def _shape_and_names(root: Path, names: list[str], meta: dict, model_config: Path | None):
+    """(BloomShape, universal name -> HF name, Megatron-style args, their labels) of the
+    model."""
     from bloomtrain.checkpoint.hf_files import canonical_name
     from bloomtrain.checkpoint.interop.files import CheckpointFiles
-    from bloomtrain.checkpoint.interop.hf_zero import _args_from_hf, _hf_shape
+    from bloomtrain.checkpoint.interop.hf_zero import _hf_shape
 
     if any(megatron.is_pipeline_name(n) for n in names):
+        megatron.refuse_model_config(model_config, root)
         if "args" not in meta:
             raise InteropError(f"{root}: Megatron-DeepSpeed parameter names but no `args` in its "
                                f"model-states files; copy the source's mp_rank_*_model_states.pt "
                                f"into it")
         args = megatron.args_dict(meta["args"], root)
         shape = megatron.shape_from_args(args, root)
-        return shape, megatron.hf_names(names, root, shape.num_layers), args
+        return shape, megatron.hf_names(names, root, shape.num_layers), args, {}
     files = CheckpointFiles(root=root.parent, tag_dir=root)
-    shape, cfg = _hf_shape(files, root)
-    return shape, {n: canonical_name(n) for n in names}, _args_from_hf(cfg)
+    shape, args, labels = _hf_shape(files, root, model_config)
+    return shape, {n: canonical_name(n) for n in names}, args, labels
 
 
 class UniversalCheckpoint:
     """The files of one universal step by HF name; `read(name, kind)` gives a full tensor."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, model_config: Path | None = None):
         from bloomtrain.model import check_state, expected_parameters
 
         self.root, zero = root, root / "zero"
@@ -99,7 +101,8 @@ class UniversalCheckpoint:
         # is the embedding, stored once here, and checked to be equal to it.
         self.head = zero / LM_HEAD if LM_HEAD in names else None
         names = [n for n in names if n != LM_HEAD]
-        self.shape, to_hf, self.args = _shape_and_names(root, names, self.meta)
+        self.shape, to_hf, self.args, self.arg_labels = _shape_and_names(root, names, self.meta,
+                                                                         model_config)
         self.want = expected_parameters(self.shape)
         self.file_of = {to_hf[n]: zero / n for n in names}
         check_state(self.shape, {hf: self.want.get(hf, ()) for hf in self.file_of}, root)
@@ -150,8 +153,8 @@ class UniversalCheckpoint:
                 f"zeros here, as DeepSpeed pads them"] if cut else []
 
 
-def read_universal(root: Path, weights_only: bool) -> Source:
-    u = UniversalCheckpoint(root)
+def read_universal(root: Path, weights_only: bool, model_config: Path | None = None) -> Source:
+    u = UniversalCheckpoint(root, model_config)
     args, meta = u.args, u.meta
     optimizer = not weights_only and u.has_moments
     src = Source(label=f"DeepSpeed universal checkpoint ({u.precision}, from tp="
@@ -164,7 +167,7 @@ def read_universal(root: Path, weights_only: bool) -> Source:
                          "pp": int(args.get("pipeline_model_parallel_size") or 1),
                          "dp": int(meta.get("dp_world_size") or 1), "precision": u.precision,
                          "zero_stage": zero_stage_of(u.ds_config)},
-                 args=args, ds_config=u.ds_config)
+                 args=args, arg_labels=u.arg_labels, ds_config=u.ds_config)
     src.train_state = megatron.train_position(args, meta) if "args" in meta else \
         deepspeed_position(meta)
     if optimizer:
