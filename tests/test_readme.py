@@ -1,7 +1,7 @@
 """The README runs as written. Every shell block of README.md and of each docs/ page (```bash,
 ```console, or lines starting with `$ `) is extracted; its commands run with bash in a fresh
 temporary directory that holds a tiny corpus and the files the block reads (the README's own
-my.yaml, BLOOM's launch script and a DeepSpeed checkpoint from tests/fixtures/, a tokenizer and
+my.yaml, BLOOM's launch script and DeepSpeed checkpoints from tests/fixtures/, a tokenizer and
 dataset, a finished tiny run). A block fails when a command fails or a file a command names as
 its output does not appear: the value of `--output`, `--output-prefix` or `--run-dir`, or a
 path after `->` in the command's comment.
@@ -42,10 +42,14 @@ TINY = ("model.preset=tiny data.seq_length=32 train.train_samples=null train.tra
 OVERRIDES = {
     "bloomtrain demo": "train.train_iters=20 train.log_interval=5",
     "bloomtrain train --config my.yaml --nproc 4 'data.paths": TINY,
+    # The CPU-sized example: 20 of its 300 steps (the README gives the whole run's time).
+    "bloomtrain train --config cpu.yaml --nproc 2": "train.train_iters=20",
     "bloomtrain train --config my.yaml --nproc 4 train.eval_harness_tasks":
         TINY + " train.eval_harness_limit=5",
     # BLOOM's run from its step 3 to its step 8, on 4 processes where the README says 8.
     "bloomtrain train --config ckpt/bloomtrain.yaml": "--nproc 4 train.train_samples=64",
+    # The DeepSpeed run from its step 3 to its step 5, on sequences of 16 tokens.
+    "bloomtrain train --config ds_ckpt/bloomtrain.yaml": "train.train_iters=5 data.seq_length=16",
     "bloomtrain eval --checkpoint bloomtrain_demo/checkpoints --include-path": "--limit 5",
 }
 
@@ -76,6 +80,7 @@ NOT_RUN = {
 # first command of a block -> the fixtures it reads beyond the corpus, my.yaml and docs/.
 SETUP = {
     "bloomtrain import-config --megatron-args tr11-176B-ml.slurm": ["megatron"],
+    "bloomtrain import-deepspeed --input ds_run/": ["deepspeed_hf"],
     "bloomtrain status runs/mine": ["runs"],
     "bloomtrain eval --checkpoint bloomtrain_demo": ["demo"],
     "bloomtrain train --config my.yaml --nproc 4 train.eval_harness_tasks": ["mine"],
@@ -215,7 +220,7 @@ def test_the_tables_name_commands_that_exist():
         assert any(b.commands and b.commands[0].startswith(key) for b in BLOCKS), key
     for c in commands:
         assert not (entry(OVERRIDES, c) and entry(NOT_RUN, c)), c.text
-    assert "my.yaml" in YAMLS
+    assert {"my.yaml", "cpu.yaml"} <= set(YAMLS)
 
 
 # ---- what a command names --------------------------------------------------------------------
@@ -327,15 +332,29 @@ def _make_megatron(root: Path, get) -> Path:
     return out
 
 
-MAKERS = {"mine": _make_mine, "demo": _make_demo, "megatron": _make_megatron}
+def _make_deepspeed_hf(root: Path, get) -> Path:
+    """An HF BloomForCausalLM checkpoint DeepSpeed wrote (ZeRO-2, vocab 120) as a plain script
+    leaves it, its config.json kept elsewhere, and the dataset of ids below 100."""
+    out = root / "deepspeed_hf"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "deepspeed" / "hf_zero2_fp32" / "checkpoint",
+                    out / "ds_run")
+    shutil.move(out / "ds_run" / "config.json", out / "bloom-config.json")
+    shutil.copytree(get("megatron") / "data", out / "data")
+    return out
+
+
+MAKERS = {"mine": _make_mine, "demo": _make_demo, "megatron": _make_megatron,
+          "deepspeed_hf": _make_deepspeed_hf}
 # fixture name -> what a block's directory gets from it
 LAYOUT = {"mine": ["tok", "data"], "demo": ["bloomtrain_demo"], "runs": ["runs"],
-          "megatron": ["tr11-176B-ml.slurm", "ds_config.json", "checkpoints", "data"]}
+          "megatron": ["tr11-176B-ml.slurm", "ds_config.json", "checkpoints", "data"],
+          "deepspeed_hf": ["ds_run", "bloom-config.json", "data"]}
 
 
 def lay_out(block: Block, directory: Path, made) -> None:
     write_corpus(directory / "corpus")
-    (directory / "my.yaml").write_text(YAMLS["my.yaml"])
+    for name, text in YAMLS.items():  # my.yaml, cpu.yaml
+        (directory / name).write_text(text)
     (directory / "docs").symlink_to(ROOT / "docs")
     first = block.commands[0] if block.commands else None
     for name in (SETUP[entry(SETUP, first)] if first and entry(SETUP, first) else []):
