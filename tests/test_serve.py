@@ -117,7 +117,7 @@ def test_batched_equals_alone_and_hf(model_dir):
               SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.95, seed=i,
                              logprobs=2) for i in range(len(prompts))]
     batches = []
-    engine = make_engine(path, wrap=lambda f: lambda b: (batches.append(b), f(b))[1])
+    engine = make_engine(path, wrap=lambda f: lambda b, s: (batches.append(b), f(b, s))[1])
     batched = engine.generate(prompts, params, arrival_steps=[0, 0, 1, 2, 4, 7, 9, 12])
     # The batch really mixed prefill chunks and decodes of several sequences.
     assert max(len(b.seqs) for b in batches) >= 6
@@ -161,11 +161,11 @@ def test_scheduler_joins_leaves_and_chunks_beside_decodes(model_dir):
     engine = None
 
     def record(forward):
-        def execute(batch):
+        def execute(batch, sampling):
             by_block = {s.blocks[0]: s.id for s in engine.running if s.blocks}
             log.append([(by_block[s.blocks[0]], s.q_len, s.ctx_len) for s in batch.seqs])
             pool.append((engine.pool.num_used, {s.id: len(s.blocks) for s in engine.running}))
-            return forward(batch)
+            return forward(batch, sampling)
         return execute
 
     engine = make_engine(path, wrap=record)
@@ -272,9 +272,9 @@ class Gate:
         self.open = threading.Event()
         self.open.set()
 
-    def __call__(self, batch):
+    def __call__(self, batch, sampling):
         self.open.wait()
-        return self.execute(batch)
+        return self.execute(batch, sampling)
 
 
 @contextlib.asynccontextmanager

@@ -279,6 +279,20 @@ def all_to_all_single(output, input_, group, name: str, async_op: bool = False):
                  input_, group=group, async_op=async_op)
 
 
+def gather(tensor, dst: int, group, name: str) -> list[torch.Tensor] | None:
+    """Every rank's `tensor` (all of one shape), as a list in group-rank order on global rank
+    `dst`; None elsewhere. Only `dst` receives: what an all-gather would send to every rank."""
+    if group is None:
+        return [tensor]
+    check_devices("gather", name, group, tensor)
+    if STATS.enabled:
+        STATS.record("gather", name, tensor)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] \
+        if dist.get_rank() == dst else None
+    _call("gather", name, group, None, False, dist.gather, tensor, out, dst=dst, group=group)
+    return out
+
+
 def broadcast(tensor, src: int, group, name: str, async_op: bool = False):
     """`src` is a global rank, as in torch.distributed."""
     if group is None:

@@ -165,7 +165,7 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
     config = _engine_config(opts)
     engine = Engine(executor, config, vocab_size=model.shape.vocab_size,
                     vocab_limit=tokenizer.vocab_size, eos_token_id=eos, tokenizer=tokenizer,
-                    metrics=ServeMetrics())
+                    metrics=ServeMetrics(), device=runner.device)
     names = tuple(opts["served_model_name"] or [Path(opts["checkpoint"]).resolve().name])
     print(f"[serve] model {names[0]}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "

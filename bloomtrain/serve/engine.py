@@ -15,7 +15,7 @@ import time
 from bloomtrain.serve.config import EngineConfig
 from bloomtrain.serve.detokenize import TextStream, special_token_ids
 from bloomtrain.serve.interface import EngineClosed, QueueFull, SeqOutput, check_request
-from bloomtrain.serve.outputs import process_step
+from bloomtrain.serve.outputs import process_step, sampling_batch
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.scheduler import Scheduler, Sequence
 
@@ -23,16 +23,18 @@ __all__ = ["Engine", "generate_offline"]
 
 
 class Engine:
-    """`execute(StepBatch) -> logits [rows, vocab]` runs the model (a ModelRunner's forward,
-    or the tensor-parallel executor). `vocab_limit` masks the padded embedding rows beyond the
-    tokenizer; `eos_token_id` ends a sequence; `tokenizer` (optional) gives text and stop
-    strings."""
+    """`execute(StepBatch, SamplingBatch) -> SamplerOutput` runs the model and samples where
+    its logits are (a ModelRunner's forward, or the tensor-parallel executor). `vocab_limit`
+    masks the padded embedding rows beyond the tokenizer; `eos_token_id` ends a sequence;
+    `tokenizer` (optional) gives text and stop strings; `device`: where the logits are, so
+    where a seeded request's generator draws."""
 
     def __init__(self, execute, config: EngineConfig, *, vocab_size: int,
                  vocab_limit: int | None = None, eos_token_id: int | None = None,
-                 tokenizer=None, metrics=None):
+                 tokenizer=None, metrics=None, device="cpu"):
         config.check()
         self.execute = execute
+        self.device = device
         self.config = config
         self.vocab_size = vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None else vocab_size
@@ -104,7 +106,7 @@ class Engine:
             if self._queued >= self.config.max_queue:
                 raise QueueFull(f"{self._queued} requests are waiting "
                                 f"(--max-queue {self.config.max_queue})")
-            seq = Sequence(next(self._ids), prompt_ids, params, sink, text)
+            seq = Sequence(next(self._ids), prompt_ids, params, sink, text, self.device)
             self._inbox.append(seq)
             self._queued += 1
             self._live.add(seq.id)
@@ -176,11 +178,11 @@ class Engine:
         self._take_inbox()
         entries, batch = self.scheduler.schedule()
         if entries:
-            logits = self.execute(batch)
+            result = self.execute(batch, sampling_batch(entries, self.vocab_limit,
+                                                        self.eos_token_id))
             if self.metrics is not None:
                 self.metrics.step_done()
-            process_step(entries, logits, self.vocab_limit, self.eos_token_id, self.metrics,
-                         self._emit)
+            process_step(entries, result, self.eos_token_id, self.metrics, self._emit)
         self._flush()
         return bool(entries)
 

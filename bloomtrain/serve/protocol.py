@@ -228,7 +228,7 @@ class Sampling:
     prompt is sampled `best_of` times (default `n`); sample j of a request with `seed` s draws
     from a generator seeded s + j (vLLM's child requests), so `n: 4, seed: s` gives the samples
     of four requests with seeds s..s+3. With `best_of` > `n` the `n` samples of highest
-    cumulative log-probability (the model's own: bloomtrain.serve.sampling.logprob_entries)
+    cumulative log-probability (the model's own: bloomtrain.serve.sampler)
     are returned, best first; choice i*n + j is prompt i's j-th."""
 
     params: SamplingParams

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from bloomtrain.model.attention import PagedAttention
 from bloomtrain.model.bloom import alibi_bias
 from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
+from bloomtrain.serve.sampler import SamplingBatch, sample
 
 # CPU GEMMs (MKL) take a different kernel, with a different summation order, for a handful of
 # rows than for many, and from some row count on compute each output row the same way whatever
@@ -140,9 +141,10 @@ class StepBatch:
 class ModelRunner:
     """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
     keeping keys and values in `cache`. `tp_group` is None or the group the model is split
-    over; every rank of it runs the same batches, and `forward` returns the logits over the
-    whole vocabulary on each. `min_rows`: the rows every matmul is padded to (see MIN_ROWS;
-    build_runner measures it, the same on every rank of `tp_group`)."""
+    over; every rank of it runs the same batches, and the vocabulary-parallel logits meet on
+    the group's first rank alone (a gather, not an all-gather), which samples. `min_rows`: the
+    rows every matmul is padded to (see MIN_ROWS; build_runner measures it, the same on every
+    rank of `tp_group`)."""
 
     def __init__(self, model, cache: PagedKVCache, tp_group=None, min_rows: int = MIN_ROWS):
         self.model = model
@@ -204,21 +206,36 @@ class ModelRunner:
     # ---- the forward ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """Write the batch's keys and values into the cache and return the fp32 logits
-        [len(batch.logit_rows), vocab] (the padded vocabulary)."""
+    def forward(self, batch: StepBatch, sampling: SamplingBatch | None = None):
+        """Write the batch's keys and values into the cache; with `sampling`, return its
+        SamplerOutput (the tokens chosen and the log-probabilities asked for, sampled on the
+        logits' device: bloomtrain.serve.sampler). Without, return the fp32 logits
+        [len(batch.logit_rows), vocab] (the padded vocabulary). Under tensor parallelism only
+        the group's first rank gets either; the others get None."""
+        logits = self.logits(batch)
+        if logits is None:
+            return None
+        if sampling is None:
+            return logits[:len(batch.logit_rows)].float()
+        return sample(logits, sampling)
+
+    def logits(self, batch: StepBatch) -> torch.Tensor | None:
+        """The step's logits [>= len(batch.logit_rows), vocab] in the model's dtype (rows
+        padded to min_rows), on the group's first rank; None on the others."""
         ids, meta, logit_rows = self._plan(batch)
         hidden, _ = self.model.transformer(ids[None], paged=meta)  # [1, rows, h], after ln_f
         logits = self.model.lm_head(hidden[0].index_select(0, logit_rows))  # [R, V / tp]
         if self.tp_group is not None:
-            logits = self._gather_vocab(logits)
-        return logits[:len(batch.logit_rows)].float()
+            return self._gather_vocab(logits)
+        return logits
 
-    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+    def _gather_vocab(self, local: torch.Tensor) -> torch.Tensor | None:
+        """[R, V/tp] on each rank -> [R, V] on the group's first rank: rank i holds vocabulary
+        rows [i V/tp, (i+1) V/tp)."""
+        import torch.distributed as dist
+
         from bloomtrain.parallel import comm
 
-        tp = comm.group_size(self.tp_group)
-        out = local.new_empty((tp * local.shape[0], local.shape[1]))
-        comm.all_gather_into_tensor(out, local.contiguous(), self.tp_group, "tp")
-        # [tp * R, V/tp] -> [R, V]: rank i holds vocabulary rows [i V/tp, (i+1) V/tp).
-        return out.view(tp, local.shape[0], -1).transpose(0, 1).reshape(local.shape[0], -1)
+        pieces = comm.gather(local.contiguous(), dist.get_global_rank(self.tp_group, 0),
+                             self.tp_group, "tp")
+        return None if pieces is None else torch.cat(pieces, dim=1)

@@ -1,9 +1,14 @@
-"""Choosing the next token, shared by the serving engine and `bloomtrain generate`: the request's
-sampling parameters, the edits to a row of logits they ask for (`request_scores`, in vLLM's
-order), the choice (greedy, the first index on ties as torch and HF; or HF's warpers, then a
-draw from the request's own generator), and the log-probabilities reported back
-(`logprob_entries`). Every edit is made to one request's row alone, so a request's choice never
-depends on the other rows of the batch (the engine's batch invariance).
+"""A request's sampling parameters and the edits to a row of logits they ask for, one row at a
+time: `request_scores` (the vocabulary mask, logit_bias, min_tokens, the penalties, in vLLM's
+order) and `warp` (HF's temperature, top-k and top-p). The serving engine's sampler
+(bloomtrain.serve.sampler) makes the same edits to every row of a step at once on the logits'
+device; these per-row forms are its reference, and `bloomtrain generate`'s and the harness's
+choice until they run through the engine.
+
+The log-probabilities reported back are the model's own: log_softmax of the raw logits over the
+model's whole output, padded rows included, before any edit (the distribution HF's
+BloomForCausalLM defines, and vLLM's default "raw" logprobs), with the top alternatives among the
+tokenizer's real tokens; the sampler computes them.
 """
 from __future__ import annotations
 
@@ -161,62 +166,3 @@ def request_scores(logits: "torch.Tensor", params: SamplingParams, prompt_ids: l
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
         scores = apply_penalties(scores, prompt_ids, output_ids, params)
     return scores
-
-
-def sample_next(entries, logits: "torch.Tensor", vocab_limit: int,
-                eos_token_id: int | None = None) -> dict[int, int]:
-    """{sequence id: next token} for the scheduled entries that sample (scheduler.Entry), each
-    from the last of its logit rows: plain greedy rows in one argmax, the others each with its
-    own edits (`request_scores`) and generator."""
-    samplers = [e for e in entries if e.sample]
-    rows = [e.logit_row + e.num_logits - 1 for e in samplers]
-    out: dict[int, int] = {}
-    plain = [k for k, e in enumerate(samplers)
-             if not e.seq.params.do_sample and not e.seq.params.edits_logits]
-    if plain:
-        sel = [rows[k] for k in plain]
-        # The argmax over the tokenizer's tokens is mask_vocab's (the padded rows it masks
-        # come after them), without copying the rows: every step has these, one per decode.
-        if sel == list(range(sel[0], sel[0] + len(sel))):
-            greedy = logits[sel[0]:sel[0] + len(sel)]
-        else:
-            greedy = logits[sel]
-        picked = greedy[:, :vocab_limit].float().argmax(dim=-1)
-        for k, t in zip(plain, picked.tolist()):
-            out[samplers[k].seq.id] = t
-    for k, e in enumerate(samplers):
-        seq, p = e.seq, e.seq.params
-        if seq.id in out:
-            continue
-        scores = request_scores(logits[rows[k]:rows[k] + 1], p, seq.tokens[:seq.num_prompt],
-                                seq.tokens[seq.num_prompt:], vocab_limit, eos_token_id)
-        if p.do_sample:
-            scores = warp(scores, p.temperature, p.top_k, p.top_p)
-        out[seq.id] = int(choose(scores, p.do_sample, seq.generator)[0])
-    return out
-
-
-def logprob_entries(vocab_limit: int, rows: "torch.Tensor", chosen: list[int], top: int
-                    ) -> list[TokenLogprob]:
-    """Log-probabilities of `chosen` [n] under `rows` [n, V], each with the `top` most likely
-    tokens of the tokenizer's `vocab_limit`, and the chosen one after them when it is not among
-    them (vLLM's top_logprobs: `logprobs: 0` still names the token and its logprob).
-
-    They are the model's own, as is the cumulative log-probability `best_of` ranks by:
-    log_softmax of the raw logits over the model's whole output, padded rows included, before
-    any edit of request_scores. That is the distribution HF's BloomForCausalLM defines (so a
-    harness scores the same numbers through the server as through HF) and vLLM's default
-    ("raw" logprobs): they score the text, not the sampler. The alternatives named beside each
-    token are real tokens only."""
-    import torch
-
-    lp = torch.log_softmax(rows.float(), dim=-1)
-    picked = lp.gather(1, torch.tensor(chosen)[:, None])[:, 0].tolist()
-    tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
-    if top > 0:
-        values, indices = lp[:, :vocab_limit].topk(top, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-    for t, p, alternatives in zip(chosen, picked, tops):
-        if all(t != i for i, _ in alternatives):
-            alternatives.append((t, p))
-    return [TokenLogprob(t, p, alternatives) for t, p, alternatives in zip(chosen, picked, tops)]

@@ -23,7 +23,8 @@ class Sequence:
     """A prompt and what has been generated for it; `params` is its SamplingParams, `sink`
     receives its SeqOutputs, `text` is its TextStream (or None without a tokenizer)."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], params, sink, text=None):
+    def __init__(self, seq_id: int, prompt_ids: list[int], params, sink, text=None,
+                 device="cpu"):
         self.id = seq_id
         self.tokens = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
@@ -32,13 +33,12 @@ class Sequence:
         self.text = text
         self.num_computed = 0          # tokens whose keys and values are in the cache
         self.blocks: list[int] = []
+        # A seeded request draws from its own generator, on the logits' device, so that it
+        # gives the same tokens alone and batched; the others share the device's.
         self.generator = None
-        if params.do_sample:
-            self.generator = torch.Generator()
-            if params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(params.seed)
+        if params.do_sample and params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
         self.prompt_logprobs = [None] if params.prompt_logprobs else None
         self.prompt_logprobs_sent = False
         self.admitted = False

@@ -6,8 +6,8 @@ each rank's heads), and every rank keeps the keys and values of its own heads.
 Rank 0 runs the HTTP server and the scheduler. Each step it broadcasts the StepBatch (one int64
 tensor, after a one-element header giving its length, or -1 for "stop") to the tp group; then
 every rank runs the same forward, whose all-reduces sum the row-parallel partial products, and
-the vocab-parallel logits are all-gathered so rank 0 can sample. The other ranks only loop:
-receive a batch, run it.
+the vocab-parallel logits are gathered on rank 0 alone, which samples (the other ranks never
+hold the whole vocabulary). The other ranks only loop: receive a batch, run it.
 """
 from __future__ import annotations
 
@@ -167,9 +167,9 @@ class TensorParallelExecutor:
         self.runner = runner
         self.closed = False
 
-    def __call__(self, batch: StepBatch) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, sampling=None):
         _broadcast_batch(batch.pack(), self.runner.tp_group)
-        return self.runner.forward(batch)
+        return self.runner.forward(batch, sampling)
 
     def close(self) -> None:
         """Tell the other ranks to leave `worker_loop` (once)."""
