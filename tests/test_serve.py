@@ -1152,6 +1152,32 @@ def test_one_model_code_path_and_no_training_imports():
     assert "bloomtrain.runtime" in graph["bloomtrain.serve.cli"]
 
 
+def test_scheduler_owns_its_queues_and_the_runner_its_imports():
+    """Only the scheduler edits its waiting queue and running batch (add, abort, clear,
+    release); the scheduler's step output (serve/batch.py) is imported by the runner and the
+    scheduler, and neither imports the other."""
+    import ast
+
+    from tests.structure import import_graph
+
+    edits = []
+    for path in (ROOT / "bloomtrain" / "serve").glob("*.py"):
+        if path.name == "scheduler.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in (
+                    "append", "appendleft", "remove", "clear", "popleft", "pop", "extend") \
+                    and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr in ("waiting", "running"):
+                edits.append(f"{path.name}:{node.lineno}")
+    assert edits == []
+    graph = import_graph(ROOT)
+    assert "bloomtrain.serve.batch" in graph["bloomtrain.serve.runner"]
+    assert "bloomtrain.serve.batch" in graph["bloomtrain.serve.scheduler"]
+    assert "bloomtrain.serve.runner" not in graph["bloomtrain.serve.scheduler"]
+    assert "bloomtrain.serve.scheduler" not in graph["bloomtrain.serve.runner"]
+
+
 def test_both_engines_implement_the_engine_client_protocol(model_dir):
     """The front end drives one explicit interface: the in-process Engine and the pipe client
     (RemoteEngine) each have every member of interface.EngineClient, and the server probes

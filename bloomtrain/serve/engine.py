@@ -45,8 +45,6 @@ class Engine:
         self.scheduler = Scheduler(config, on_admit=self._admitted, on_preempt=self._preempted)
         self.pool = self.scheduler.pool
         self.blocks_total = self.pool.num_blocks
-        self.waiting = self.scheduler.waiting
-        self.running = self.scheduler.running
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -74,7 +72,12 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return self.scheduler.num_running
+
+    @property
+    def running(self) -> tuple[Sequence, ...]:
+        """The sequences of the running batch (a copy: the scheduler owns its queues)."""
+        return tuple(self.scheduler.running)
 
     @property
     def blocks_used(self) -> int:
@@ -148,8 +151,8 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not self._stop and not (self._inbox or self._aborts or self.waiting
-                                                  or self.running):
+                    while not self._stop and not (self._inbox or self._aborts
+                                                  or self.scheduler.has_work):
                         self._wake.wait()
                     if self._stop:
                         return
@@ -165,10 +168,9 @@ class Engine:
 
     def _finish_all(self, reason: str, error: str | None = None) -> None:
         with self._lock:
-            seqs = list(self._inbox) + list(self.waiting) + list(self.running)
+            seqs = list(self._inbox)
             self._inbox.clear()
-        self.waiting.clear()
-        self.running.clear()
+        seqs += self.scheduler.clear()
         for seq in seqs:
             self._finish(seq, reason, error=error, release=False)
         self._flush()
@@ -201,13 +203,10 @@ class Engine:
                 self._admitted(seq)
                 self._finish(seq, "length", release=False)  # nothing to compute
             else:
-                self.waiting.append(seq)
+                self.scheduler.add(seq)
         if aborts:
-            for seq in [s for s in self.waiting if s.id in aborts]:
-                self.waiting.remove(seq)
-                self._finish(seq, "abort")
-            for seq in [s for s in self.running if s.id in aborts]:
-                self._finish(seq, "abort")
+            for seq in self.scheduler.abort(aborts):
+                self._finish(seq, "abort", release=False)
 
     def _preempted(self, seq: Sequence) -> None:
         if self.metrics is not None:

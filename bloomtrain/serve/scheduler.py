@@ -16,7 +16,7 @@ import torch
 
 from bloomtrain.serve.config import EngineConfig, blocks_for
 from bloomtrain.serve.kv_cache import BlockPool
-from bloomtrain.serve.runner import SeqStep, StepBatch
+from bloomtrain.serve.batch import SeqStep, StepBatch
 
 
 class Sequence:
@@ -92,6 +92,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.on_admit, self.on_preempt = on_admit, on_preempt
 
+    # ---- the queues: nothing outside this class edits them ------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (first come, first served)."""
+        self.waiting.append(seq)
+
     def release(self, seq: Sequence) -> None:
         """Give a sequence's blocks back and take it out of the batch (it finished)."""
         if seq.blocks:
@@ -99,6 +105,34 @@ class Scheduler:
             seq.blocks = []
         if seq in self.running:
             self.running.remove(seq)
+
+    def abort(self, ids: set[int]) -> list[Sequence]:
+        """Take the sequences `ids` out of the queue and the batch, their blocks back in the
+        pool; returns them, waiting ones first."""
+        out = [s for s in self.waiting if s.id in ids] + [s for s in self.running if s.id in ids]
+        for seq in out:
+            self._drop(seq)
+        return out
+
+    def clear(self) -> list[Sequence]:
+        """Take every sequence out (the engine stops); returns them, waiting ones first."""
+        out = list(self.waiting) + list(self.running)
+        for seq in out:
+            self._drop(seq)
+        return out
+
+    def _drop(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.release(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         """When the pool runs dry, the youngest running sequence: its blocks are freed and it

@@ -15,7 +15,8 @@ import torch
 
 from bloomtrain.parallel import comm
 from bloomtrain.runtime import dtype_name, torch_dtype
-from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, StepBatch, batch_invariant_rows
+from bloomtrain.serve.batch import StepBatch
+from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, batch_invariant_rows
 
 COMM_NAME = "serve"
 _STOP = -1
