@@ -1,11 +1,10 @@
-"""Autoregressive generation with a KV cache, following HF transformers' `generate` semantics for
-greedy search and for temperature / top-k / top-p (nucleus, arXiv 1904.09751) sampling, applied in
-that order as HF's logits warpers are. The choice of each token is bloomtrain.serve.sampling's,
-the code the serving engine runs.
+"""Autoregressive generation following HF transformers' `generate` semantics for greedy search
+and for temperature / top-k / top-p (nucleus, arXiv 1904.09751) sampling, applied in that order
+as HF's logits warpers are. It runs through the serving engine (bloomtrain.serve.offline: its
+scheduler, paged KV cache, runner and on-device sampler), the one decode path bloomtrain has.
 
 ALiBi has no position embeddings, so the cache needs no position bookkeeping and prompts longer
-than the training sequence length work as they are. Prompts in a batch must have equal length:
-the model takes no padding mask.
+than the training sequence length work as they are.
 """
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bloomtrain.serve.sampling import next_tokens
 from bloomtrain.errors import UserError
 
 if TYPE_CHECKING:  # the CLI parser imports this module and must not wait for torch
@@ -27,11 +25,13 @@ def generate(model, input_ids: "torch.Tensor", max_new_tokens: int, do_sample: b
              use_cache: bool = True) -> "torch.Tensor":
     """Continue `input_ids` [b, s] by up to `max_new_tokens` tokens; returns [b, s + new].
 
-    Greedy picks `argmax` (first index on ties, like torch.argmax and HF). A sequence that emits
-    an `eos_token_id` is filled with that id afterwards (HF's default when no pad id is set), and
-    generation stops once every sequence has finished. `vocab_limit` masks the padded embedding
-    rows beyond the tokenizer's vocabulary. `use_cache=False` recomputes the whole sequence each
-    step (a reference for the cache).
+    Greedy picks `argmax` (first index on ties, like torch.argmax and HF). Sampling draws each
+    row from its own generator, seeded from `generator` (so a seeded `generator` gives the same
+    tokens every time). A sequence that emits `eos_token_id` is filled with it afterwards (HF's
+    default when no pad id is set), and generation stops once every sequence has finished.
+    `vocab_limit` masks the padded embedding rows beyond the tokenizer's vocabulary.
+    `use_cache=False` recomputes the whole sequence each step with the model's plain forward
+    (a reference for the engine's cache), greedy only.
     """
     import torch
 
@@ -43,39 +43,74 @@ def generate(model, input_ids: "torch.Tensor", max_new_tokens: int, do_sample: b
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    eos_t = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
+    if len(eos) > 1:
+        raise ValueError(f"one end-of-text token id, got {eos}")
+    if not use_cache and do_sample:
+        raise ValueError("use_cache=False is the greedy reference; sample with the cache")
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        try:
-            return _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k,
-                                top_p, eos_t, generator, vocab_limit, use_cache)
-        finally:
-            model.train(was_training)
+    try:
+        with torch.inference_mode():
+            if not use_cache:
+                return _recompute(model, input_ids, max_new_tokens, eos, vocab_limit)
+            return _through_engine(model, input_ids, max_new_tokens, do_sample, temperature,
+                                   top_k, top_p, eos, generator, vocab_limit)
+    finally:
+        model.train(was_training)
 
 
-def _decode_loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_t,
-                 generator, vocab_limit, use_cache):
+def _through_engine(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
+                    eos, generator, vocab_limit):
+    import torch
+
+    from bloomtrain.serve.offline import offline_engine
+    from bloomtrain.serve.sampling import SamplingParams
+
+    b, s = input_ids.shape
+    if max_new_tokens <= 0:
+        return input_ids
+    engine = offline_engine(model, num_seqs=b, max_len=s + max_new_tokens, longest_prompt=s,
+                            vocab_limit=vocab_limit, eos_token_id=eos[0] if eos else None)
+    seeds = [None] * b
+    if do_sample:
+        if generator is None:
+            generator = torch.Generator(device=input_ids.device)
+            generator.seed()
+        seeds = torch.randint(0, 2 ** 62, (b,), generator=generator,
+                              device=generator.device).tolist()
+    params = [SamplingParams(max_tokens=max_new_tokens,
+                             temperature=temperature if do_sample else 0.0,
+                             top_k=top_k or 0, top_p=top_p, seed=seed) for seed in seeds]
+    from bloomtrain.serve.interface import RequestError
+    try:
+        results = engine.generate(input_ids.tolist(), params)
+    except RequestError as e:
+        raise ValueError(str(e)) from None
+    # HF's shape: as many steps as the longest row took (its end-of-text token counted), the
+    # rows that ended earlier filled with the end-of-text token.
+    taken = [len(r["token_ids"]) + (r["finish_reason"] == "stop") for r in results]
+    width = max(taken)
+    new = [r["token_ids"] + [eos[0] if eos else 0] * (width - len(r["token_ids"]))
+           for r in results]
+    return torch.cat([input_ids, torch.tensor(new, dtype=input_ids.dtype,
+                                              device=input_ids.device)], dim=1)
+
+
+def _recompute(model, input_ids, max_new_tokens, eos, vocab_limit):
+    """Greedy decoding by a full forward over the whole sequence at every step."""
     import torch
 
     out = input_ids
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    past = None
-    step_input = input_ids
     for _ in range(max_new_tokens):
-        if use_cache:
-            logits, past = model(step_input, past_kvs=past, return_presents=True)
-        else:
-            logits = model(out)
-        next_tok = next_tokens(logits[:, -1, :], do_sample, temperature, top_k, top_p,
-                               vocab_limit, generator)
-        if len(eos_t):
-            next_tok = torch.where(finished, eos_t[0], next_tok)
-            finished |= torch.isin(next_tok, eos_t)
+        logits = model(out)[:, -1, :vocab_limit].float()
+        next_tok = logits.argmax(dim=-1)
+        if eos:
+            next_tok = torch.where(finished, torch.full_like(next_tok, eos[0]), next_tok)
+            finished |= next_tok == eos[0]
         out = torch.cat([out, next_tok[:, None]], dim=1)
-        if len(eos_t) and bool(finished.all()):
+        if eos and bool(finished.all()):
             break
-        step_input = next_tok[:, None]
     return out
 
 

@@ -111,9 +111,11 @@ def test_warpers_match_hf():
 def test_vocab_limit_and_eos(models, device):
     _, ours, _ = models
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(7)).to(device)
-    out = generate(ours, ids, 30, do_sample=True, temperature=5.0, vocab_limit=40,
+    out = generate(ours, ids % 40, 30, do_sample=True, temperature=5.0, vocab_limit=40,
                    generator=torch.Generator(device).manual_seed(0))
     assert out[:, 6:].max().item() < 40
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # a prompt of non-tokens
+        generate(ours, ids, 3, vocab_limit=40)
 
     free = generate(ours, ids[:1], 10)
     eos = int(free[0, 6 + 3])

@@ -1,0 +1,82 @@
+"""The serving engine on one process's thread, for offline work: `offline_engine` builds an
+engine over an in-memory single-device model (its KV cache sized for the batch at hand), and
+`generate_offline` serves prompts to completion. `bloomtrain generate` decodes through them: the
+one decode path (the engine's scheduler, paged KV cache, runner and sampler) serves the HTTP
+server, generation and tests alike.
+"""
+from __future__ import annotations
+
+from bloomtrain.serve.config import EngineConfig, blocks_for
+from bloomtrain.serve.engine import Engine
+from bloomtrain.serve.interface import SeqOutput
+from bloomtrain.serve.sampling import SamplingParams
+
+BLOCK = 16
+# Prompt tokens per step when a batch is prefilled: whole prompts in one step up to this, so
+# that the batch's first step is one forward; larger prompts go in chunks of PREFILL_CHUNK.
+MAX_STEP_TOKENS = 8192
+PREFILL_CHUNK = 512
+
+
+def offline_engine(model, *, num_seqs: int, max_len: int, longest_prompt: int,
+                   vocab_limit: int | None = None, eos_token_id: int | None = None,
+                   tokenizer=None) -> Engine:
+    """An engine over `model` (a single-device BloomForCausalLM, possibly int8) with a KV cache
+    for `num_seqs` sequences of up to `max_len` tokens, all admitted at once, their prompts
+    (up to `longest_prompt` tokens) prefilled together where the step budget allows. Matmuls are
+    not padded for batch invariance (min_rows 1): an offline batch is served once, as it is."""
+    from bloomtrain.serve.kv_cache import PagedKVCache
+    from bloomtrain.serve.runner import ModelRunner
+
+    chunk = max(1, min(longest_prompt, PREFILL_CHUNK))
+    # One free block per running sequence is kept back at admission (scheduler.py): room for
+    # every sequence's longest table plus that.
+    blocks = num_seqs * (blocks_for(max_len, BLOCK) + 1)
+    config = EngineConfig(max_model_len=max_len, block_size=BLOCK,
+                          kv_cache_tokens=blocks * BLOCK, max_num_seqs=num_seqs,
+                          max_batched_tokens=max(chunk * num_seqs, chunk + num_seqs)
+                          if chunk * num_seqs <= MAX_STEP_TOKENS else chunk + num_seqs,
+                          prefill_chunk=chunk, max_queue=num_seqs)
+    shape, weight = model.shape, model.transformer.word_embeddings_layernorm.weight
+    dtype, device = weight.dtype, weight.device
+    cache = PagedKVCache(shape.num_layers, config.num_blocks, BLOCK, shape.num_heads,
+                         shape.head_dim, dtype, device)
+    runner = ModelRunner(model, cache, min_rows=1)
+    return Engine(runner.forward, config, vocab_size=shape.vocab_size, vocab_limit=vocab_limit,
+                  eos_token_id=eos_token_id, tokenizer=tokenizer, device=device)
+
+
+def generate_offline(engine: Engine, prompts: list[list[int]],
+                     params: SamplingParams | list[SamplingParams],
+                     arrival_steps: list[int] | None = None) -> list[dict]:
+    """Serve `prompts` to completion on this thread, prompt i joining at step
+    `arrival_steps[i]` (default: all at once). Returns, per prompt, {"token_ids", "text",
+    "finish_reason", "logprobs", "prompt_logprobs"}. For offline use and tests; not
+    together with `Engine.start`."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    arrival_steps = arrival_steps or [0] * len(prompts)
+    results = [{"token_ids": [], "text": "", "finish_reason": None, "logprobs": [],
+                "prompt_logprobs": None} for _ in prompts]
+    ids = {}
+
+    def sink_for(i):
+        def sink(out: SeqOutput):
+            r = results[i]
+            r["token_ids"] += out.token_ids
+            r["text"] += out.text
+            r["logprobs"] += out.logprobs
+            if out.prompt_logprobs is not None:
+                r["prompt_logprobs"] = out.prompt_logprobs
+            if out.finish_reason is not None:
+                r["finish_reason"] = out.finish_reason
+        return sink
+
+    order = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
+    step = 0
+    while order or engine.num_live:
+        while order and arrival_steps[order[0]] <= step:
+            i = order.pop(0)
+            ids[i] = engine.submit(prompts[i], params[i], sink_for(i))
+        engine.step()
+        step += 1
+    return results
