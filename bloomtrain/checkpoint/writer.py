@@ -191,7 +191,10 @@ class CheckpointWriter:
         if self.rank == 0:
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)  # a previous, killed attempt
+                # Saves cut short (a kill, a second Ctrl-C) leave their temporary directories,
+                # which no reader takes up; one save writes at a time, so any found is stale.
+                for stale in root.glob(".step_*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
                 status = self._failure(final, tmp, f"rank 0: creating {tmp}: {e}")
