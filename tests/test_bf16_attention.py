@@ -116,7 +116,8 @@ def _heads_reversed(slopes, q_len, k_len, dtype, device=None):
 
 def _queries_one_early(slopes, q_len, k_len, dtype, device=None):
     # alibi_causal_bias with arange(k_len - q_len - 1, k_len - 1) for the query positions: every
-    # query sees the next key.
+    # query sees the next key. On the slopes' device unless told, as alibi_causal_bias.
+    device = device if device is not None else slopes.device
     q_pos = torch.arange(k_len - q_len - 1, k_len - 1, dtype=torch.float32, device=device)
     k_pos = torch.arange(k_len, dtype=torch.float32, device=device)
     rel = k_pos[None, :] - q_pos[:, None]
