@@ -43,16 +43,24 @@ def shape_from_args(args) -> BloomShape:
                       num_heads=args.heads, ffn_hidden_size=4 * args.hidden)
 
 
-def matmul_peak_tflops(device, n: int = 1024, dtype=torch.bfloat16, samples: int = 8) -> float:
+# The matmul size that reaches a device's rate: 1024³ is enough for a CPU's BLAS, but on an H200
+# it ran at 122-193 TFLOP/s, under a fifth of the datasheet's 989 (too small to fill the GPU),
+# so a step's fraction of it read 1.2-1.6; an 8192³ bf16 matmul runs at about 790 there.
+PEAK_MATMUL_N = {"cpu": 1024, "cuda": 8192}
+
+
+def matmul_peak_tflops(device, n: int | None = None, dtype=torch.bfloat16,
+                       samples: int = 8) -> float:
     """This device's achievable dense-matmul rate: the best of `samples` timings of an n x n x n
-    matmul (2·n³ FLOPs), in TFLOP/s. A measured peak rather than a datasheet one, so that a
-    fraction of it says how much of what this machine's BLAS can do a training step gets. On
-    CUDA each sample times a burst of matmuls: one 1024³ matmul is a few microseconds there,
-    which launch overhead would swamp."""
+    matmul (2·n³ FLOPs), in TFLOP/s, n by default the size that reaches the device's rate
+    (PEAK_MATMUL_N). A measured peak rather than a datasheet one, so that a fraction of it says
+    how much of what this machine's BLAS can do a training step gets. On CUDA each sample times
+    a burst of matmuls, so that launch overhead does not count."""
     device = torch.device(device)
+    n = n or PEAK_MATMUL_N.get(device.type, 1024)
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    burst = 50 if device.type == "cuda" else 1
+    burst = (50 if n <= 2048 else 5) if device.type == "cuda" else 1
     best = float("inf")
     for i in range(samples + 2):  # the first two warm up the kernel choice and the caches
         if device.type == "cuda":
