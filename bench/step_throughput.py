@@ -19,8 +19,8 @@ first alternates too), each timing `--steps` steps one by one (with torch.cuda.s
 CUDA); the median step time per side is reported, as tokens/s and Megatron-formula TFLOP/s
 (docs/bloom_facts.md §2; the recompute factor 4 only with full recompute).
 
-Speed figures: the bench also measures this device's bf16 matmul peak (1024³, best of 8, before
-and after the timed rounds; the higher is kept) and reports each side's TFLOP/s as a fraction of
+Speed figures: the bench also measures this device's bf16 matmul peak (1024³ on the CPU, 8192³ on
+CUDA: bench.common.PEAK_MATMUL_N; best of 8, before and after the timed rounds; the higher is kept) and reports each side's TFLOP/s as a fraction of
 it (`peak_fraction`), and MFU against `--peak-tflops` (default: that measured peak on the CPU, 989
 TFLOP/s, H100/H200 SXM dense bf16, on CUDA). `--profile` prints torch.profiler's top ops (self
 time) for one step of each side. Prints the figures, then one JSON line. Measures; asserts nothing.
@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (
+    PEAK_MATMUL_N,
     add_shape_args,
     alternate_rounds,
     matmul_peak_tflops,
@@ -239,7 +240,8 @@ def summarize(sides, times, shape, args, peaks) -> dict:
            "mfu_peak_source": ("--peak-tflops" if args.peak_tflops else
                                "H100/H200 dense bf16" if device.type == "cuda"
                                else "measured bf16 matmul peak")}
-    print(f"bf16 matmul peak (1024^3, best of 8, before/after): "
+    n = PEAK_MATMUL_N.get(device.type, 1024)
+    print(f"bf16 matmul peak ({n}^3, best of 8, before/after): "
           f"{' / '.join(f'{p:.2f}' for p in peaks)} TFLOP/s; MFU against {mfu_peak:.2f} "
           f"({out['mfu_peak_source']})")
     for name, (_, ran) in sides.items():
