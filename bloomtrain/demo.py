@@ -149,10 +149,16 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     log(f"[demo] 4/6 training {cfg.train.train_iters} steps (precision {cfg.train.precision}) on "
         f"{nproc} process(es): tp={p.tp} pp={p.pp} dp={run.layout.dp} "
         f"zero={p.zero_stage} schedule={p.pp_schedule}; config {config_path}")
+    from bloomtrain.train.control import exit_after_sigint, stopped_text, summary
     if nproc > 1:
-        launch_local(nproc, worker_entry, str(config_path), [], run)
+        stopped = launch_local(nproc, worker_entry, str(config_path), [], run,
+                               checkpoint_dir=cfg.checkpoint.dir)
     else:
-        train(cfg, log=log, run=run)
+        result = train(cfg, log=log, run=run)
+        stopped = (stopped_text(summary(result), cfg.checkpoint.dir)
+                   if result.exit_reason == "SIGINT" else None)
+    if stopped:  # Ctrl-C stops the demo too, once the run has saved
+        raise SystemExit(exit_after_sigint(stopped))
     records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
     return cfg, records
 

@@ -5,7 +5,8 @@ environment, and the local launcher (torch's elastic launcher, the machinery beh
 Importing this module loads no torch: the CLI parsers take `DTYPE_NAMES` from here.
 
 The launcher knows nothing of training. `bloomtrain.train.launch` wraps it with the hang
-watchdog's reports; `bloomtrain serve --nproc N` uses it as it is.
+watchdog's reports and its Ctrl-C stop (SigintStop); `bloomtrain serve --nproc N` uses it as it
+is.
 """
 from __future__ import annotations
 
@@ -244,10 +245,130 @@ class _AgentNoise(logging.Filter):
                 logger.removeFilter(self)
 
 
+# Set in the environment of workers whose launcher takes Ctrl-C itself (SigintStop): a file
+# that the launcher creates at the first SIGINT and the workers look for at their next safe point.
+STOP_FILE_ENV = "BLOOMTRAIN_STOP_FILE"
+
+
+@dataclass
+class SigintStop:
+    """Ctrl-C for workers that stop cleanly at a point of their own (training: the end of its
+    step, after a save). torch's agent would pass SIGINT on and SIGKILL the workers 30 s later,
+    whatever they were doing; instead the launcher takes SIGINT itself. The first creates the
+    file STOP_FILE_ENV names in the workers' environment, and the launcher waits for the workers
+    to end as they do, then returns `outcome` of their return values for the caller's last line
+    (exit code 130 is the caller's to give); a second SIGKILLs them at once, says so with
+    `outcome(None)` and exits 130. Ctrl-C in a terminal reaches the whole foreground process
+    group, `kill -INT` the launcher alone: the workers leave SIGINT to the launcher, whose count
+    is the one that counts either way."""
+
+    hint: str  # what the first SIGINT starts, in words
+    # What the stop left, for the last line: from the workers' return values, or None when they
+    # did not end on their own (SIGKILLed, or failed).
+    outcome: Callable[[dict | None], str]
+
+
+class _QuitNow(BaseException):
+    """A second SIGINT, raised out of torch's agent wherever it is (a BaseException: the agent
+    catches Exception in places)."""
+
+
+class _SigintTaker:
+    """The launcher's SIGINT handling while the workers run (SigintStop); with `stop` None,
+    none: SIGINT is torch's agent's, as SIGTERM is."""
+
+    def __init__(self, stop: SigintStop | None, stack: contextlib.ExitStack):
+        self.stop, self.count, self.stop_file = stop, 0, None
+        if stop is not None:
+            import tempfile
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bloomtrain-stop-"))
+            self.stop_file = os.path.join(folder, "SIGINT")
+
+    def worker_env(self, lc) -> dict[str, str]:
+        """The stop file's variable; and torch's agent, configured by `lc`, told to leave
+        SIGINT alone (LaunchConfig.signals_to_handle; a torch older than that field takes SIGINT
+        as it always did: launch_local's SignalException path)."""
+        if self.stop is None:
+            return {}
+        handled = getattr(lc, "signals_to_handle", None)
+        if handled is not None:
+            lc.signals_to_handle = ",".join(
+                s for s in handled.split(",") if s.strip() != "SIGINT") or "SIGTERM"
+        return {STOP_FILE_ENV: self.stop_file}
+
+    def __call__(self, _signum, _frame) -> None:
+        self.count += 1
+        if self.count == 1:
+            with open(self.stop_file, "w"):
+                pass
+            say_in_handler(f"bloomtrain: SIGINT: {self.stop.hint}; Ctrl-C again quits at "
+                           f"once without saving")
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit is under way
+        _kill_children()
+        raise _QuitNow
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = None
+        if self.stop is not None:
+            with contextlib.suppress(ValueError):  # off the main thread torch's agent cannot
+                previous = signal.signal(signal.SIGINT, self)  # take it either
+        try:
+            yield
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def outcome(self, results: dict | None) -> str | None:
+        return self.stop.outcome(results) if self.stop is not None else None
+
+    def quit_now(self, nproc: int) -> None:
+        """After the second SIGINT."""
+        _kill_children()  # any the agent started after the handler's SIGKILL
+        _sigint_exit(f"SIGINT again: this node's {nproc} worker(s) ended at once (SIGKILL), "
+                     f"without saving; {self.outcome(None)}")
+
+    def after(self, results: dict | None, failure: str | None = None) -> str | None:
+        """After the agent returned the workers' `results`: what the SIGINT, if there was one,
+        left. After a worker's `failure`: the SIGINT's exit, if there was one."""
+        if self.count and failure:
+            _sigint_exit(f"SIGINT: then {failure}; {self.outcome(None)}")
+        return self.outcome(results) if self.count else None
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's workers (torch's agent starts them as multiprocessing children)
+    and reap them."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+    for child in children:
+        child.join()
+
+
+def say_in_handler(line: str) -> None:
+    """A line on stderr from a signal handler: os.write, since the interrupted code may be
+    inside a write to the same stream (a buffered stream refuses a reentrant call); on a
+    terminal, on a line of its own (^C or a progress line may be on the current one)."""
+    start = "\n" if sys.stderr is not None and sys.stderr.isatty() else ""
+    with contextlib.suppress(OSError):
+        os.write(2, f"{start}{line}\n".encode())
+
+
+def _sigint_exit(text: str) -> None:
+    print(f"bloomtrain: {text}; exit code {128 + signal.SIGINT}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signal.SIGINT) from None
+
+
 def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
                  worker_env: dict[str, str] | None = None,
                  explain: Callable[[int, object], str] | None = None,
-                 signalled: Callable[[str], None] | None = None) -> None:
+                 signalled: Callable[[str], None] | None = None,
+                 sigint: SigintStop | None = None) -> str | None:
     """Start this node's workers running `entry(*args)` (a module-level function) with torch's
     elastic launcher (what torchrun uses). One node: `nproc` workers on a free localhost port.
     Several nodes (`spec`): every node runs this with the same --nnodes and --rdzv-endpoint and
@@ -258,7 +379,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     that failed first (default: `failure_text`). A SIGTERM/SIGINT to the launcher, passed on
     to the workers, ends it with exit code 128+signal; with `signalled` (for a program whose
     normal end is a signal, such as a server that drains) `signalled(name)` is called and
-    launch_local returns."""
+    launch_local returns. With `sigint`, Ctrl-C is the launcher's own (SigintStop)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import (RendezvousConnectionError,
@@ -275,27 +396,34 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     env = {**(worker_env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
     with contextlib.ExitStack() as stack:
+        taker = _SigintTaker(sigint, stack)
+        env.update(taker.worker_env(lc))
         for key, value in env.items():
             stack.enter_context(environ(key, value))
         noise = stack.enter_context(_AgentNoise().installed())
         try:
-            elastic_launch(lc, entry)(*args)
+            with taker.installed():
+                results = elastic_launch(lc, entry)(*args)
+        except _QuitNow:
+            taker.quit_now(spec.nproc)
         except SignalException as e:
-            # torch's agent passed the signal on to the workers and ended them: an end the
-            # caller asked for, said in one line rather than a traceback.
+            # torch's agent passed it on and ended the workers: one line, not a traceback.
             if signalled is not None:
                 signalled(signal.Signals(e.sigval).name)
                 return
-            _signalled_exit(e.sigval, spec.nproc, noise.forced)
+            _signalled_exit(e.sigval, spec.nproc, noise.forced, taker.outcome(None))
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
-            raise UserError((explain or failure_text)(rank, failure)) from None
+            text = (explain or failure_text)(rank, failure)
+            taker.after(None, failure=text)
+            raise UserError(text) from None
         except RendezvousTimeoutError:
             raise UserError(_timeout_text(spec, endpoint)) from None
         except RendezvousConnectionError as e:
             raise UserError(_connection_text(spec, endpoint, e)) from None
         finally:
             _ARRIVALS.clear()  # node 0's store server goes with its last reference
+    return taker.after(results)
 
 
 def _launch_config(spec: LaunchSpec):
@@ -326,13 +454,14 @@ def _launch_config(spec: LaunchSpec):
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn"), endpoint
 
 
-def _signalled_exit(sigval: int, nproc: int, forced: int) -> None:
-    """A launcher ended by a signal: one line saying what torch's agent did, then exit code
-    128+signal."""
+def _signalled_exit(sigval: int, nproc: int, forced: int, after: str | None) -> None:
+    """A launcher ended by a signal: one line saying what torch's agent did and, with `after`,
+    what the workers left (the caller looks: a worker may or may not have finished what it did
+    on the signal before the agent ended it), then exit code 128+signal."""
     forced_text = f" ({forced} still running 30 s later, with SIGKILL)" if forced else ""
+    after_text = f"; {after}" if after else ""
     print(f"bloomtrain: {signal.Signals(sigval).name}: torch's elastic agent passed it to this "
-          f"node's {nproc} worker(s) and ended them{forced_text}; a training worker saves a "
-          f"checkpoint at the end of its step first (the [checkpoint] lines above); exit code "
+          f"node's {nproc} worker(s) and ended them{forced_text}{after_text}; exit code "
           f"{128 + sigval}", file=sys.stderr, flush=True)
     raise SystemExit(128 + sigval) from None
 

@@ -55,6 +55,7 @@ SLOW: list[str] = [
     "tests/test_train_parallel.py::test_cli_nproc4_pp4_1f1b_matches_nproc1",
     "tests/test_checkpoint.py::test_preemption_signal_saves_and_exits_cleanly[[]SIGUSR1[]]",
     "tests/test_checkpoint.py::test_kill_switch_saves_and_exits",
+    "tests/test_checkpoint.py::test_a_second_ctrl_c_quits_at_once_without_a_partial_checkpoint",
     "tests/test_plan.py::test_cli_json_and_table",
     "tests/test_serve.py::test_cli_tp2_equals_tp1_and_sigterm_drains",
     "tests/test_serve.py::test_cli_front_end_failures_end_the_server",

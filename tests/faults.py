@@ -11,6 +11,9 @@ as soon as its training thread is inside an op (or at the step's end, should eve
 between two polls); entry i applies to restart i of the elastic launcher
 (TORCHELASTIC_RESTART_COUNT, which torch counts per node), so each kill fires once and a
 restarted job runs into the next.
+BLOOMTRAIN_TEST_SAVE_SLEEP="RANK:STEP:SECONDS": global rank RANK sleeps SECONDS in its first save
+of a step >= STEP, once it has written its files into the save's temporary directory: a save
+still in progress when a test cuts it short (a kill, a second Ctrl-C).
 """
 from __future__ import annotations
 
@@ -25,18 +28,19 @@ from pathlib import Path
 
 SLEEP_ENV = "BLOOMTRAIN_TEST_SLEEP"
 KILL_ENV = "BLOOMTRAIN_TEST_KILL"
+SAVE_SLEEP_ENV = "BLOOMTRAIN_TEST_SAVE_SLEEP"
 SITE = Path(__file__).resolve().parent / "fault_site"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def parse_sleep(value: str | None) -> tuple[int, int, float] | None:
+def parse_sleep(value: str | None, name: str = SLEEP_ENV) -> tuple[int, int, float] | None:
     if not value:
         return None
     try:
         rank, step, seconds = value.split(":")
         return int(rank), int(step), float(seconds)
     except ValueError:
-        raise ValueError(f"{SLEEP_ENV}={value!r}: expected RANK:STEP:SECONDS, e.g. 1:2:600") \
+        raise ValueError(f"{name}={value!r}: expected RANK:STEP:SECONDS, e.g. 1:2:600") \
             from None
 
 
@@ -54,7 +58,8 @@ def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
     return kills[restart] if restart < len(kills) else None
 
 
-def env(sleep: str | None = None, kill: str | None = None) -> dict[str, str]:
+def env(sleep: str | None = None, kill: str | None = None,
+        save_sleep: str | None = None) -> dict[str, str]:
     """The variables that make a job's interpreters inject these faults."""
     path = [str(SITE), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
                                      else [])
@@ -63,6 +68,8 @@ def env(sleep: str | None = None, kill: str | None = None) -> dict[str, str]:
         out[SLEEP_ENV] = sleep
     if kill is not None:
         out[KILL_ENV] = kill
+    if save_sleep is not None:
+        out[SAVE_SLEEP_ENV] = save_sleep
     return out
 
 
@@ -107,6 +114,9 @@ def install() -> None:
     """Wrap Trainer.train_step with the faults this interpreter's environment names. They are
     read at the first step: a launched worker gets its restart count from the elastic agent
     after its interpreter started."""
+    save_sleep = parse_sleep(os.environ.get(SAVE_SLEEP_ENV), SAVE_SLEEP_ENV)
+    if save_sleep is not None:
+        _sleep_in_save(*save_sleep)
     if not (os.environ.get(SLEEP_ENV) or os.environ.get(KILL_ENV)):
         return
     from bloomtrain.train.loop import Trainer
@@ -124,3 +134,26 @@ def install() -> None:
 @functools.cache
 def _faults() -> Faults:
     return Faults.from_env()
+
+
+def _sleep_in_save(rank: int, first_step: int, seconds: float) -> None:
+    """Wrap the checkpoint writer's shard writing (called on the thread that writes the save,
+    the async one too) with SAVE_SLEEP_ENV's sleep."""
+    import re
+
+    from bloomtrain.checkpoint import writer
+
+    write_shard, fired = writer._write_shard, []
+
+    @functools.wraps(write_shard)
+    def write_shard_then_sleep(tmp, shard_rank, fragments):
+        out = write_shard(tmp, shard_rank, fragments)
+        step = int(re.fullmatch(r"\.step_(\d+)\.tmp", Path(tmp).name).group(1))
+        if shard_rank == rank and step >= first_step and not fired:
+            fired.append(step)
+            print(f"[bloomtrain] {SAVE_SLEEP_ENV}: rank {rank} sleeps {seconds:g} s in its save "
+                  f"of step {step}, its files written to {tmp} (fault injection for tests)",
+                  file=sys.stderr, flush=True)
+            time.sleep(seconds)
+        return out
+    writer._write_shard = write_shard_then_sleep

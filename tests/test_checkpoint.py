@@ -13,6 +13,7 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer, train
+from tests import faults
 from tests.dist import run_ranks
 from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
 from tests.test_train_parallel import _write_config
@@ -198,9 +199,9 @@ def test_malicious_pickle_is_refused(dataset, tmp_path, monkeypatch):
     assert not marker.exists()
 
 
-def _start_training(tmp_path, dataset, *overrides):
+def _start_training(tmp_path, dataset, *overrides, env=None):
     cfg = _write_config(tmp_path, dataset, "sig")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "bloomtrain", "train", "--config", str(cfg),
          "train.train_iters=100000", "train.log_interval=1", "optim.decay_samples=10000000",
@@ -227,6 +228,57 @@ def test_preemption_signal_saves_and_exits_cleanly(dataset, tmp_path, sig):
     assert "stopping at step" in out and "signal" in out
     (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
     assert step >= 3 and ckpt.verify(path)
+
+
+def test_ctrl_c_saves_the_step_it_was_in_and_exits_130(dataset, tmp_path):
+    """Ctrl-C (SIGINT) on a plain `bloomtrain train`: it says what it will do, finishes the step
+    it is in, saves that step and exits 130, its last line naming the checkpoint.
+    tests/test_runtime.py does the same under --nproc 2, with resumes checked bit for bit."""
+    proc = _start_training(tmp_path, dataset)
+    seen = _wait_for_steps(proc, 3)
+    proc.send_signal(signal.SIGINT)
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, out
+    assert ("bloomtrain: SIGINT: stopping at the end of this step to save a checkpoint; Ctrl-C "
+            "again quits at once without saving") in out
+    step = [int(line.split()[1]) for line in out.splitlines() if line.startswith("step")][-1]
+    assert f"[train] stopping at step {step}: SIGINT; saving" in out, out
+    path = tmp_path / "ck" / ckpt.step_dir_name(step)
+    assert ckpt.list_checkpoints(tmp_path / "ck") == [(step, path)] and ckpt.verify(path)
+    assert ckpt.read_manifest(path)["train_state"]["step"] == step
+    assert out.strip().splitlines()[-1] == (f"bloomtrain: SIGINT: stopped at the end of step "
+                                            f"{step} and saved {path}; exit code 130")
+
+
+def test_a_second_ctrl_c_quits_at_once_without_a_partial_checkpoint(dataset, tmp_path):
+    """The second Ctrl-C lands in the stop's save (rank 0 sleeps 600 s in it, once its files
+    are written): the process ends at once, and the checkpoint of step 2 is still the newest."""
+    proc = _start_training(tmp_path, dataset, "checkpoint.save_interval=2",
+                           env=faults.env(sleep="0:3:5", save_sleep="0:3:600"))
+    try:
+        seen = []
+        for wait_for in (f"{faults.SLEEP_ENV}: rank 0 sleeps", f"{faults.SAVE_SLEEP_ENV}: rank 0 "
+                                                                 f"sleeps"):
+            for line in proc.stdout:
+                seen.append(line)
+                if wait_for in line:
+                    break
+            # In step 3, where rank 0 sleeps: it stops there. Then in the save of step 3.
+            proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)  # not 600 s later
+        out = "".join(seen) + rest
+        assert proc.returncode == 130, out
+    finally:
+        proc.kill()
+    ck = tmp_path / "ck"
+    two = ck / ckpt.step_dir_name(2)
+    assert "[train] stopping at step 3: SIGINT; saving" in out, out
+    assert out.strip().splitlines()[-1] == (f"bloomtrain: SIGINT again: quit at once without "
+                                            f"saving; the newest checkpoint is {two}; exit "
+                                            f"code 130")
+    assert (ck / ".step_00000003.tmp").is_dir()  # cut short, and taken up by nothing
+    assert [p for _, p in ckpt.list_checkpoints(ck)] == [two]
+    assert ckpt.find_latest_valid(ck) == ckpt.resolve(ck) == two
 
 
 def test_kill_switch_saves_and_exits(dataset, tmp_path):

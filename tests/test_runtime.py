@@ -1,6 +1,13 @@
 """The local launcher's output (bloomtrain.runtime.launch_local): torch's elastic agent logs a
 warning per worker it signals ("W... Closing process 4242 via signal SIGTERM"); bloomtrain
-leaves those out and says in its last line what happened."""
+leaves those out and says in its last line what happened.
+
+Ctrl-C under `bloomtrain train --nproc 2`, from a terminal (the whole process group gets SIGINT)
+or as `kill -INT` to the launcher alone: the workers finish the step they are in and save it,
+the launcher's last line names that checkpoint and it exits 130, and a resume from it ends
+bitwise equal to an uninterrupted run. A second Ctrl-C during that save ends the workers at
+once: no checkpoint of the step appears, the previous one is still the newest, and a resume
+from it is bitwise equal too."""
 from __future__ import annotations
 
 import inspect
@@ -10,10 +17,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from bloomtrain import checkpoint as ckpt
 from bloomtrain.runtime import _AgentNoise
+from tests import faults
+from tests.chaos import Job, compare, group_left_after
 from tests.synthetic import write_synthetic_dataset
 
 NOISE = re.compile(r"Closing process|Terminating process|closing signal|death signal|"
@@ -81,10 +92,13 @@ def test_a_signalled_launcher_ends_in_one_line(tmp_path):
     assert proc.wait(timeout=180) == 128 + signal.SIGTERM, out
     assert not NOISE.search(out), out
     last = out.strip().splitlines()[-1]
+    # The checkpoint it names is the newest on disk, whatever the workers managed in the 30 s.
+    newest = ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None)
+    assert newest is not None, out
     assert re.fullmatch(r"bloomtrain: SIGTERM: torch's elastic agent passed it to this node's 2 "
                         r"worker\(s\) and ended them( \(2 still running 30 s later, with "
-                        r"SIGKILL\))?; a training worker saves a checkpoint at the end of its "
-                        r"step first \(the \[checkpoint\] lines above\); exit code 143", last), last
+                        rf"SIGKILL\))?; the newest checkpoint is {re.escape(str(newest))}; exit "
+                        r"code 143", last), last
     assert "[checkpoint] saved" in out
 
 
@@ -98,3 +112,132 @@ def test_a_failed_worker_ends_in_its_own_line(tmp_path):
     assert not re.search(r"Closing process|Terminating process|closing signal", out), out
     assert out.strip().splitlines()[-1].startswith(
         "bloomtrain train: error: rank 0 (local rank 0, pid "), out
+
+
+# ---- Ctrl-C -------------------------------------------------------------------------------------
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def sigint_job(tmp_path_factory):
+    """The config of the Ctrl-C tests and the final checkpoint and run directory of its
+    uninterrupted run (--nproc 2)."""
+    root = tmp_path_factory.mktemp("sigint")
+    dataset = write_synthetic_dataset(root / "data" / "synth_text_document")
+    cfg = root / "sigint.yaml"
+    # As tests/test_restart.py's: the lr changes every step, so a resume at the wrong place in
+    # the schedule would show; dp=2 with ZeRO-1 shards the optimizer state over the workers.
+    cfg.write_text(
+        f"model: {{preset: tiny, vocab_size: 256}}\n"
+        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
+        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: {STEPS * 8}}}\n"
+        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: {STEPS},"
+        f" precision: fp32, log_interval: 1, device: cpu, eval_iters: 1}}\n"
+        f"parallel: {{zero_stage: 1, timeout_minutes: 0.5}}\n"
+        f"checkpoint: {{keep_last: 3, resume: auto}}\n")
+    rc, out = _job(cfg, root / "ref")
+    assert rc == 0, out[-6000:]
+    return cfg, ckpt.resolve(root / "ref" / "ck"), root / "ref" / "run"
+
+
+def _job(cfg, where, *extra, env=None, until=None) -> tuple[int, str]:
+    """`bloomtrain train --nproc 2` of `cfg` into `where`, in a session of its own; `until(job)`
+    drives it while it runs. Its exit code and output, once every process of it is gone."""
+    job = Job(["train", "--config", str(cfg), "--nproc", "2", f"checkpoint.dir={where / 'ck'}",
+               f"run_dir={where / 'run'}", *extra], env=env)
+    try:
+        if until is not None:
+            until(job)
+        # A job that does not end (a second Ctrl-C that did not end the workers sleeping in
+        # their save) fails here, well before that sleep would have ended.
+        rc = job.wait(300)
+        assert group_left_after(job.pgid) == [], job.output()[-6000:]
+    finally:
+        job.kill()
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "job.log").write_text(job.output())
+    return rc, job.output()
+
+
+def _when(job, text: str, timeout: float = 240) -> None:
+    """Wait for the first line holding `text`."""
+    deadline = time.monotonic() + timeout
+    while job.first(text) is None:
+        assert job.proc.poll() is None and time.monotonic() < deadline, \
+            f"no line with {text!r}:\n{job.output()[-6000:]}"
+        time.sleep(0.05)
+
+
+def _ctrl_c(job, delivery: str) -> None:
+    if delivery == "terminal":  # Ctrl-C: the terminal signals the whole foreground group
+        os.killpg(job.pgid, signal.SIGINT)
+    else:  # `kill -INT` of the launcher only
+        job.proc.send_signal(signal.SIGINT)
+
+
+def _resume_and_compare(sigint_job, where, resumed_at: int) -> None:
+    """Resume `where` (checkpoint.resume=auto) to the end: bitwise what the uninterrupted run
+    ended with."""
+    cfg, ref_final, ref_run = sigint_job
+    rc, out = _job(cfg, where)
+    assert rc == 0, out[-6000:]
+    assert re.search(rf"\[checkpoint\] resumed from \S+ at step {resumed_at},", out), out[-6000:]
+    got_final = ckpt.resolve(where / "ck")
+    assert got_final.name == ref_final.name == ckpt.step_dir_name(STEPS)
+    problems, n_tensors = compare(ref_final, got_final, ref_run, where / "run")
+    assert not problems and n_tensors > 0, problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delivery", ["terminal", "kill"])
+def test_ctrl_c_saves_the_step_it_was_in_and_resumes_bitwise(sigint_job, tmp_path, delivery):
+    cfg = sigint_job[0]
+
+    def interrupt(job):
+        _when(job, f"{faults.SLEEP_ENV}: rank 0 sleeps")
+        _ctrl_c(job, delivery)  # inside step 3, where rank 0 sleeps
+
+    rc, out = _job(cfg, tmp_path, env=faults.env(sleep="0:3:5"), until=interrupt)
+    assert rc == 130, out[-6000:]
+    assert not NOISE.search(out), out
+    assert ("bloomtrain: SIGINT: the workers stop at the end of this step and save a checkpoint; "
+            "Ctrl-C again quits at once without saving") in out
+    step = 3  # the step it was in, the last it logged
+    assert re.findall(r"^step\s+(\d+) \|", out, re.M)[-1] == "3", out
+    assert f"[train] stopping at step {step}: SIGINT; saving" in out, out
+    path = tmp_path / "ck" / ckpt.step_dir_name(step)
+    assert [p for _, p in ckpt.list_checkpoints(tmp_path / "ck")] == [path]
+    assert ckpt.find_latest_valid(tmp_path / "ck") == ckpt.resolve(tmp_path / "ck") == path
+    assert out.strip().splitlines()[-1] == (f"bloomtrain: SIGINT: stopped at the end of step "
+                                            f"{step} and saved {path}; exit code 130")
+    _resume_and_compare(sigint_job, tmp_path, step)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_ends_the_workers_at_once_without_a_partial_checkpoint(sigint_job,
+                                                                             tmp_path):
+    cfg = sigint_job[0]
+
+    def interrupt_twice(job):
+        _when(job, f"{faults.SLEEP_ENV}: rank 0 sleeps")
+        _ctrl_c(job, "terminal")  # inside step 3, where rank 0 sleeps: it stops there
+        _when(job, f"{faults.SAVE_SLEEP_ENV}: rank 0 sleeps")  # inside the save of step 3
+        _ctrl_c(job, "terminal")
+
+    # Step 2 is saved (every 2 steps); rank 0's save of step 3 would take 600 s.
+    rc, out = _job(cfg, tmp_path, "checkpoint.save_interval=2",
+                   env=faults.env(sleep="0:3:5", save_sleep="0:3:600"), until=interrupt_twice)
+    assert rc == 130, out[-6000:]
+    assert not NOISE.search(out), out
+    assert "[train] stopping at step 3: SIGINT; saving" in out, out[-6000:]
+    ck = tmp_path / "ck"
+    two = ck / ckpt.step_dir_name(2)
+    assert out.strip().splitlines()[-1] == (
+        f"bloomtrain: SIGINT again: this node's 2 worker(s) ended at once (SIGKILL), without "
+        f"saving; the newest checkpoint is {two}; exit code 130")
+    # The save was cut short: its files are in its temporary directory, which nothing takes up.
+    assert (ck / ".step_00000003.tmp").is_dir()
+    assert [p for _, p in ckpt.list_checkpoints(ck)] == [two]
+    assert ckpt.find_latest_valid(ck) == ckpt.resolve(ck) == two
+    _resume_and_compare(sigint_job, tmp_path, 2)
+    assert not list(ck.glob(".step_*")), sorted(p.name for p in ck.iterdir())  # cleaned up

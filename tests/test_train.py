@@ -184,7 +184,7 @@ def test_a_run_leaves_no_global_state_behind(dataset, tmp_path):
     import signal
 
     from bloomtrain.parallel import comm
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     enabled = comm.STATS.enabled
     records = train(make_cfg(dataset, tmp_path, train__train_iters=2,
                              parallel={"comm_stats": True}), log=lambda *a: None)

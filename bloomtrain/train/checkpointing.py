@@ -198,10 +198,14 @@ class TrainCheckpoints:
         return self._save(state, final=False)
 
     def save_final(self, state: TrainState) -> Path | None:
-        """Save `state` (collective) as the run's last save: at its end or on a stop signal. A
-        failure raises whatever checkpoint.on_save_error says: there is no next interval, and a
-        run never exits 0 without its final state on disk."""
-        return self._save(state, final=True)
+        """Save `state` (collective) as the run's last save: at its end or on a stop signal,
+        committed before it returns (an async one too: the stop's signal handlers are still
+        there while it is written, so a second Ctrl-C can cut it short). A failure raises
+        whatever checkpoint.on_save_error says: there is no next interval, and a run never exits
+        0 without its final state on disk."""
+        path = self._save(state, final=True)
+        self._settle()
+        return path
 
     def _save(self, state: TrainState, final: bool) -> Path | None:
         if self.writer is None:

@@ -8,7 +8,7 @@ import sys
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import validate
-from bloomtrain.runtime import LaunchSpec, env_from_slurm, world_size_from_env
+from bloomtrain.runtime import STOP_FILE_ENV, LaunchSpec, env_from_slurm, world_size_from_env
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
 LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": 600,
@@ -16,9 +16,15 @@ LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_tim
 
 
 def worker_entry(config_path, overrides, run):
-    """A launched worker: `run` is what the launcher's `validate` returned for the job."""
+    """A launched worker: `run` is what the launcher's `validate` returned for the job. Returns
+    the run's summary (bloomtrain.train.control.summary) to the launcher."""
+    import signal
+
+    if STOP_FILE_ENV in os.environ:  # the launcher takes Ctrl-C (runtime.SigintStop), which
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal sends the workers too
     import torch.distributed as dist
 
+    from bloomtrain.train.control import summary
     from bloomtrain.train.loop import train
 
     cfg = Config.load(config_path, overrides)
@@ -28,7 +34,7 @@ def worker_entry(config_path, overrides, run):
               f"every worker started again after one failed; resuming "
               f"(checkpoint.resume={cfg.checkpoint.resume})", file=sys.stderr, flush=True)
     try:
-        train(cfg, run=run)
+        return summary(train(cfg, run=run))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -70,19 +76,24 @@ def cmd_train(args) -> int:
     from bloomtrain.data.check import check_data
     check_data(cfg, run)
     if spec is not None:
+        from bloomtrain.train.control import exit_after_sigint
         from bloomtrain.train.launch import launch_local
-        launch_local(spec.nproc, worker_entry, args.config, args.overrides, run, spec=spec)
+        stopped = launch_local(spec.nproc, worker_entry, args.config, args.overrides, run,
+                               spec=spec, checkpoint_dir=cfg.checkpoint.dir)
         if spec.node_rank == 0:  # the launcher of rank 0's node: its console
             print_closing(cfg.run_dir, cfg.checkpoint.dir)
-        return 0
+        return exit_after_sigint(stopped) if stopped else 0
     import torch.distributed as dist
 
+    from bloomtrain.train.control import exit_after_sigint, stopped_text, summary
     from bloomtrain.train.loop import train
-    train(cfg, run=run)
+    result = train(cfg, run=run)
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":  # alone, or rank 0 under torchrun / srun
         print_closing(cfg.run_dir, cfg.checkpoint.dir)
+    if result.exit_reason == "SIGINT":  # Ctrl-C: the step it stopped at, last, and exit 130
+        return exit_after_sigint(stopped_text(summary(result), cfg.checkpoint.dir))
     return 0
 
 

@@ -6,19 +6,32 @@ agree, or one would wait forever in the save's collectives: the decision is redu
 world (max) every step, and the time-based save interval is decided by rank 0, whose clock the
 others follow. The signal handlers are installed for the run only and the previous ones
 restored after it.
+
+Ctrl-C (SIGINT) does the same, and the process then exits 130; a second Ctrl-C quits at once
+without saving (a save cut short leaves only its hidden `.step_N.tmp`, which no reader takes up).
+Who counts the Ctrl-Cs: a process started by bloomtrain's launcher leaves SIGINT to the launcher,
+which creates the file named by `runtime.STOP_FILE_ENV` at the first and ends the workers at the
+second (bloomtrain.runtime.SigintStop); a process started by another elastic agent (torchrun)
+gets each Ctrl-C twice, from the terminal and from the agent, so any SIGINT only asks for the
+stop; any other process (a plain `bloomtrain train`, an srun task) counts its own. A process
+started with SIGINT ignored (nohup, a background job) leaves it ignored.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import sys
 import time
 
 import torch
 
+from bloomtrain import checkpoint as ckpt
 from bloomtrain.parallel import comm
+from bloomtrain.runtime import STOP_FILE_ENV, say_in_handler
 
-STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minutes"}
+STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minutes", 4: "SIGINT"}
+SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
 
 
 class RunControl:
@@ -27,7 +40,9 @@ class RunControl:
         # The flags travel on the training device, which every backend of the job serves (NCCL
         # has no CPU tensors).
         self.device = device
-        self.signal: int | None = None
+        self.signal: int | None = None  # SIGTERM or SIGUSR1
+        self.interrupted = False  # a SIGINT reached this process
+        self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by bloomtrain's launcher
         self.started = self.last_save = time.time()
 
     @contextlib.contextmanager
@@ -35,10 +50,13 @@ class RunControl:
         """Catch the stop signals while the block runs; restore the previous handlers after."""
         def handler(signum, _frame):
             self.signal = signum
+        handlers = {signal.SIGTERM: handler, signal.SIGUSR1: handler}
+        if self.stop_file or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            handlers[signal.SIGINT] = self._sigint
         saved = {}
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig, new in handlers.items():
             try:
-                saved[sig] = signal.signal(sig, handler)
+                saved[sig] = signal.signal(sig, new)
             except ValueError:  # not the main thread (e.g. some notebook runners)
                 pass
         self.started = self.last_save = time.time()
@@ -50,11 +68,30 @@ class RunControl:
                 # closest Python can put back.
                 signal.signal(sig, signal.SIG_DFL if old is None else old)
 
+    def _sigint(self, _signum, _frame) -> None:
+        # Under an elastic agent (bloomtrain's launcher, torchrun) every SIGINT only asks for
+        # the stop: the agent, not this process, decides when to end it.
+        counts = "TORCHELASTIC_RUN_ID" not in os.environ
+        if self.interrupted and counts:
+            say_in_handler(f"bloomtrain: SIGINT again: quit at once without saving; "
+                           f"{newest_checkpoint_text(self.c.dir)}; exit code "
+                           f"{SIGINT_EXIT_CODE}")
+            for stream in (sys.stdout, sys.stderr):  # what is buffered (a reentrant flush
+                with contextlib.suppress(Exception):  # refuses: its lines are lost)
+                    stream.flush()
+            os._exit(SIGINT_EXIT_CODE)
+        if not self.interrupted and counts and os.environ.get("RANK", "0") == "0":
+            say_in_handler("bloomtrain: SIGINT: stopping at the end of this step to save a "
+                           "checkpoint; Ctrl-C again quits at once without saving")
+        self.interrupted = True
+
     def should_stop(self) -> str | None:
         """Operator and scheduler controls, agreed across ranks so every rank saves together."""
         t = self.t
         reason = 0
-        if self.signal is not None:
+        if self.interrupted or (self.stop_file and os.path.exists(self.stop_file)):
+            reason = 4
+        elif self.signal is not None:
             reason = 1
         elif t.kill_switch_path and os.path.exists(t.kill_switch_path):
             reason = 2
@@ -77,3 +114,43 @@ class RunControl:
 
     def saved(self) -> None:
         self.last_save = time.time()
+
+
+def newest_checkpoint_text(directory) -> str:
+    """The newest complete checkpoint under `directory`, as the end of a sentence: what a
+    resume with checkpoint.resume=auto takes up (sizes checked, not checksums: a quick look)."""
+    if not directory:
+        return "nothing is saved (checkpoint.dir is not set)"
+    found = ckpt.find_latest_valid(directory, log=lambda *_: None, check_sums=False)
+    if found is None:
+        return f"there is no checkpoint in {directory}"
+    return f"the newest checkpoint is {found}"
+
+
+def summary(result) -> dict:
+    """What a worker hands back to the launcher about its run (bloomtrain.train.cli)."""
+    return {"exit_reason": result.exit_reason, "step": result.state.step,
+            "checkpoint": result.checkpoint}
+
+
+def stopped_text(run: dict | None, directory) -> str:
+    """After a Ctrl-C: the step the run stopped at and the checkpoint it saved there, from its
+    summary(); or, without one (the process did not end on its own), what is on disk."""
+    if run is None:
+        return newest_checkpoint_text(directory)
+    if run["exit_reason"] == "SIGINT":
+        ended = f"stopped at the end of step {run['step']}"
+    else:  # it reached its end (or another stop) before it looked for the SIGINT
+        ended = f"the run ended at step {run['step']} ({run['exit_reason']})"
+    if run["checkpoint"]:
+        return f"{ended} and saved {run['checkpoint']}"
+    return f"{ended}; {newest_checkpoint_text(directory)}"
+
+
+def exit_after_sigint(stopped: str) -> int:
+    """The last line of a run a Ctrl-C stopped (stopped_text, or what launch_local returned;
+    rank 0's, in a job of several), and its exit code."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"bloomtrain: SIGINT: {stopped}; exit code {SIGINT_EXIT_CODE}", file=sys.stderr,
+              flush=True)
+    return SIGINT_EXIT_CODE

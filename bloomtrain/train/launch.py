@@ -19,6 +19,7 @@ from bloomtrain.config import Config
 from bloomtrain.runtime import (LaunchSpec, env_from_slurm, process_group_backend,
                                 world_size_from_env)
 from bloomtrain.train import watchdog
+from bloomtrain.train.control import stopped_text
 
 __all__ = ["LaunchSpec", "env_from_slurm", "failure_text", "init_distributed", "launch_local",
            "process_group_backend", "resolve_device", "world_size_from_env"]
@@ -40,11 +41,18 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes), **kw)
 
 
-def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None) -> None:
+def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
+                 checkpoint_dir: str | None = None) -> str | None:
     """runtime.launch_local, with each worker's hang watchdog leaving its report's path in a
     folder read back when the job fails; the workers resume from the last checkpoint after a
-    restart when checkpoint.resume=auto."""
+    restart when checkpoint.resume=auto. Ctrl-C makes the workers finish their step and save
+    (a second quits at once, naming what is in `checkpoint_dir`): then the step and checkpoint
+    they stopped at are returned, for control.exit_after_sigint (`entry` returns
+    control.summary of its run)."""
     spec = spec or LaunchSpec(nproc=nproc)
+    sigint = runtime.SigintStop(
+        hint="the workers stop at the end of this step and save a checkpoint",
+        outcome=lambda results: stopped_text(_run_summary(results), checkpoint_dir))
     with tempfile.TemporaryDirectory(prefix="bloomtrain-hang-") as reports:
         def explain(rank, failure) -> str:
             lost = failure.exitcode < 0  # killed by a signal: not a hang, a rank gone
@@ -59,8 +67,15 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None) -> No
             hung = "; the job hung (see the reports above)" if lines and not lost else ""
             return f"{failure_text(rank, failure)}{restarts}{hung}"
 
-        runtime.launch_local(nproc, entry, *args, spec=spec,
-                             worker_env={watchdog.REPORTS_ENV: reports}, explain=explain)
+        return runtime.launch_local(nproc, entry, *args, spec=spec,
+                                    worker_env={watchdog.REPORTS_ENV: reports},
+                                    explain=explain, sigint=sigint)
+
+
+def _run_summary(results: dict | None) -> dict | None:
+    """A worker's summary of the run from the launcher's results (every rank's is the same);
+    None without one."""
+    return next((r for r in (results or {}).values() if isinstance(r, dict)), None)
 
 
 def failure_text(rank: int, failure) -> str:
