@@ -19,7 +19,7 @@ from bloomtrain.serve.outputs import process_step, sampling_batch
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.scheduler import Scheduler, Sequence
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "generate_offline"]
 
 
 class Engine:
@@ -189,8 +189,7 @@ class Engine:
         return bool(entries)
 
     def generate(self, prompts: list[list[int]], params, arrival_steps=None) -> list[dict]:
-        """Serve `prompts` to completion on this thread (see serve.offline.generate_offline)."""
-        from bloomtrain.serve.offline import generate_offline
+        """Serve `prompts` to completion on this thread (see `generate_offline`)."""
         return generate_offline(self, prompts, params, arrival_steps)
 
     # ---- scheduling ----------------------------------------------------------------------------
@@ -265,3 +264,39 @@ class Engine:
         if self.metrics is not None:
             self.metrics.finished(reason, time.monotonic() - seq.arrival)
         self._deliver(seq, out)
+
+
+def generate_offline(engine: "Engine", prompts: list[list[int]],
+                     params: SamplingParams | list[SamplingParams],
+                     arrival_steps: list[int] | None = None) -> list[dict]:
+    """Serve `prompts` to completion on this thread, prompt i joining at step
+    `arrival_steps[i]` (default: all at once). Returns, per prompt, {"token_ids", "text",
+    "finish_reason", "logprobs", "prompt_logprobs"}. For offline use and tests; not
+    together with `Engine.start`."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    arrival_steps = arrival_steps or [0] * len(prompts)
+    results = [{"token_ids": [], "text": "", "finish_reason": None, "logprobs": [],
+                "prompt_logprobs": None} for _ in prompts]
+    ids = {}
+
+    def sink_for(i):
+        def sink(out: SeqOutput):
+            r = results[i]
+            r["token_ids"] += out.token_ids
+            r["text"] += out.text
+            r["logprobs"] += out.logprobs
+            if out.prompt_logprobs is not None:
+                r["prompt_logprobs"] = out.prompt_logprobs
+            if out.finish_reason is not None:
+                r["finish_reason"] = out.finish_reason
+        return sink
+
+    order = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
+    step = 0
+    while order or engine.num_live:
+        while order and arrival_steps[order[0]] <= step:
+            i = order.pop(0)
+            ids[i] = engine.submit(prompts[i], params[i], sink_for(i))
+        engine.step()
+        step += 1
+    return results

@@ -1,15 +1,13 @@
-"""The serving engine on one process's thread, for offline work: `offline_engine` builds an
-engine over an in-memory single-device model (its KV cache sized for the batch at hand), and
-`generate_offline` serves prompts to completion. `bloomtrain generate` decodes through them: the
-one decode path (the engine's scheduler, paged KV cache, runner and sampler) serves the HTTP
-server, generation and tests alike.
+"""The serving engine over an in-memory single-device model, for offline work: `offline_engine`
+sizes its KV cache for the batch at hand, and its `generate` (engine.generate_offline) serves
+prompts to completion on the caller's thread. `bloomtrain generate` decodes through it: the one
+decode path (the engine's scheduler, paged KV cache, runner and sampler) serves the HTTP server,
+generation and tests alike.
 """
 from __future__ import annotations
 
 from bloomtrain.serve.config import EngineConfig, blocks_for
 from bloomtrain.serve.engine import Engine
-from bloomtrain.serve.interface import SeqOutput
-from bloomtrain.serve.sampling import SamplingParams
 
 BLOCK = 16
 # Prompt tokens per step when a batch is prefilled: whole prompts in one step up to this, so
@@ -44,39 +42,3 @@ def offline_engine(model, *, num_seqs: int, max_len: int, longest_prompt: int,
     runner = ModelRunner(model, cache, min_rows=1)
     return Engine(runner.forward, config, vocab_size=shape.vocab_size, vocab_limit=vocab_limit,
                   eos_token_id=eos_token_id, tokenizer=tokenizer, device=device)
-
-
-def generate_offline(engine: Engine, prompts: list[list[int]],
-                     params: SamplingParams | list[SamplingParams],
-                     arrival_steps: list[int] | None = None) -> list[dict]:
-    """Serve `prompts` to completion on this thread, prompt i joining at step
-    `arrival_steps[i]` (default: all at once). Returns, per prompt, {"token_ids", "text",
-    "finish_reason", "logprobs", "prompt_logprobs"}. For offline use and tests; not
-    together with `Engine.start`."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    arrival_steps = arrival_steps or [0] * len(prompts)
-    results = [{"token_ids": [], "text": "", "finish_reason": None, "logprobs": [],
-                "prompt_logprobs": None} for _ in prompts]
-    ids = {}
-
-    def sink_for(i):
-        def sink(out: SeqOutput):
-            r = results[i]
-            r["token_ids"] += out.token_ids
-            r["text"] += out.text
-            r["logprobs"] += out.logprobs
-            if out.prompt_logprobs is not None:
-                r["prompt_logprobs"] = out.prompt_logprobs
-            if out.finish_reason is not None:
-                r["finish_reason"] = out.finish_reason
-        return sink
-
-    order = sorted(range(len(prompts)), key=lambda i: arrival_steps[i])
-    step = 0
-    while order or engine.num_live:
-        while order and arrival_steps[order[0]] <= step:
-            i = order.pop(0)
-            ids[i] = engine.submit(prompts[i], params[i], sink_for(i))
-        engine.step()
-        step += 1
-    return results
