@@ -83,8 +83,14 @@ class ParallelConfig:
     # A collective that waits longer than this fails with an error instead of hanging.
     timeout_minutes: float = 10.0
     # ZeRO-Offload (arXiv 2101.06840): keep this rank's fp32 masters and Adam moments in host
-    # memory (pinned on CUDA) and run the optimizer step there.
+    # memory (12 bytes per owned parameter) and run the optimizer step there. The copies to and
+    # from the device go through a small pinned staging ring; the states stay pageable.
     offload_optimizer: bool = False
+    # With offload_optimizer: page-lock the states too (DeepSpeed's offload_optimizer.pin_memory,
+    # off by default as there), so that they are never swapped out. The copies go through the
+    # ring either way; locked memory cannot be reclaimed, counts against ulimit -l, and torch's
+    # pinned allocator rounds each buffer up to a power of two (up to twice its size).
+    offload_pin_memory: bool = False
     # The wire format of the data-parallel gradient reduction (parallel/zero/compress.py): fp32
     # (exact), bf16, or int8 (blockwise absmax, ZeRO++'s qgZ: ~0.26x fp32's bytes). The sums
     # are taken in fp32 either way.
@@ -314,6 +320,7 @@ DOMAINS: dict[str, Domain] = {
     "parallel.backend": choice(Backend),
     "parallel.timeout_minutes": POSITIVE,
     "parallel.offload_optimizer": BOOL,
+    "parallel.offload_pin_memory": BOOL,
     "parallel.grad_reduce_dtype": choice(GradReduceDtype),
     "parallel.grad_error_feedback": BOOL,
     "parallel.weight_gather_dtype": choice(WeightGatherDtype),
@@ -478,6 +485,9 @@ class Config:
         if p.grad_error_feedback and p.grad_reduce_dtype == "fp32":
             problems.append("parallel.grad_error_feedback needs a compressed reduction: set "
                             "parallel.grad_reduce_dtype to bf16 or int8 (fp32 loses nothing)")
+        if p.offload_pin_memory and not p.offload_optimizer:
+            problems.append("parallel.offload_pin_memory pins the offloaded optimizer states: it "
+                            "needs parallel.offload_optimizer=true")
         if p.weight_gather_dtype != "auto" and p.zero_stage != 3:
             problems.append(f"parallel.weight_gather_dtype={p.weight_gather_dtype} needs "
                             f"parallel.zero_stage=3 (got {p.zero_stage}): only ZeRO-3 gathers "

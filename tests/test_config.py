@@ -330,7 +330,7 @@ PROBES: dict[str, tuple[list, list]] = {  # key -> (values accepted, values refu
 FREE_KEYS = {
     "model.preset", "parallel.pp_partition", "parallel.pp_timeline", "parallel.sequence_parallel",
     "parallel.comm_stats", "parallel.offload_optimizer", "parallel.grad_error_feedback",
-    "parallel.zero_secondary_shard",
+    "parallel.zero_secondary_shard", "parallel.offload_pin_memory",
     "data.tokenizer", "data.cache_dir", "data.eod_mask_loss", "train.rampup_batch_size",
     "train.compile", "train.ignore_plan", "train.kill_switch_path", "train.eval_harness_tasks",
     "train.eval_harness_include_path", "checkpoint.dir", "checkpoint.resume",

@@ -8,55 +8,98 @@ from torch.optim.adamw import adamw as torch_adamw
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from bloomtrain.parallel.zero.buffers import FlatBuffers
-from bloomtrain.parallel.zero.segments import Segment, clip_ranges
+from bloomtrain.parallel.zero.segments import Segment
+
+# (segment, a, b): elements [a, b) of the segment's own range (FlatBuffers.chunks).
+Chunk = tuple[Segment, int, int]
 
 
 def fused_supported(device: torch.device) -> bool:
     return device.type in _get_fused_kernels_supported_devices()
 
 
-@torch.no_grad()
-def adamw(bufs: FlatBuffers, segments: list[Segment], grad: torch.Tensor | None, cfg, lr: float,
-          step_count: int, coeff: float) -> None:
-    """One AdamW update of this rank's own range of `segments`, by torch's own AdamW on views of
-    the flat buffers, wherever they live (the device; the host under offload). `grad` is the
-    buffer the own gradients are read from, laid out like the masters (offload: the host copy),
-    or None for the reduced gradient buffer itself. `coeff` unscales and clips the gradients
-    first.
+def all_chunks(bufs: FlatBuffers, segments: list[Segment]) -> list[Chunk]:
+    return [(seg, a, b) for seg in segments for a, b in bufs.chunks(seg)]
 
-    One tensor per segment, whichever caller: torch's kernels treat each tensor on its own, so
-    the offloaded step (a call per segment, to overlap copies) and the plain one (one call) make
-    the same bits. Weight decay is torch AdamW's own `param.mul_(1 - lr * wd)` before the update,
-    applied here to the decayed ranges only (no biases, no LayerNorms); the update then runs
-    with weight_decay 0.
+
+@torch.no_grad()
+def adamw(bufs: FlatBuffers, chunks: list[Chunk], grads: list[torch.Tensor] | None, cfg,
+          lr: float, step_count: int, coeff: float) -> None:
+    """One AdamW update of `chunks` of this rank's own ranges, by torch's own AdamW on views of
+    the flat buffers, wherever they live (the device; the host under offload). `grads` holds
+    each chunk's gradients (offload: the staging slots they landed in), or None for the reduced
+    gradient buffer itself. `coeff` unscales and clips the gradients first.
+
+    The tensors torch sees are the same whichever caller: every chunk (the optimizer's unit,
+    FlatBuffers.chunks), cut where weight decay starts or stops. torch's kernels treat each
+    tensor on its own, vectorized from its first element with a scalar tail, so the offloaded
+    step (a call per chunk, to overlap the copies) and the plain one (one call) make the same
+    bits. Weight decay is the kernel's own (torch AdamW's `param *= 1 - lr * wd` before the
+    update, in the same pass over memory), on the decayed ranges only (no biases, no
+    LayerNorms): one call for those, one with weight_decay 0 for the rest.
 
     Kernel: the fused one (torch._fused_adamw_, on CPU too since torch 2.4) where the device has
     it, else the foreach one. Both are torch AdamW; fused reads and writes each element once
-    where foreach makes a pass per operation, which matters most on the host (ZeRO-Offload):
-    about 3x faster there."""
-    b1, b2, eps, wd = cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay
-    params = [bufs.state_view(bufs.master, s) for s in segments]
-    grads = [bufs.state_view(grad, s) if grad is not None else bufs.grad_view(s)
-             for s in segments]
+    where foreach makes a pass per operation, which matters most on the host (ZeRO-Offload)."""
+    if not chunks:
+        return
+    decayed: tuple[list, list, list, list] = ([], [], [], [])
+    plain: tuple[list, list, list, list] = ([], [], [], [])
+    all_grads = []
+    for i, (seg, a, b) in enumerate(chunks):
+        states = [bufs.state_view(buf, seg) for buf in (bufs.master, bufs.exp_avg,
+                                                         bufs.exp_avg_sq)]
+        g = grads[i] if grads is not None else bufs.grad_view(seg)[a:b]
+        all_grads.append(g)
+        lo = bufs.own(seg)[0]
+        for x, y, decay in decay_runs(seg, lo + a, lo + b):
+            x, y = x - lo, y - lo
+            out = decayed if decay else plain
+            out[0].append(states[0][x:y])
+            out[1].append(g[x - a:y - a])
+            out[2].append(states[1][x:y])
+            out[3].append(states[2][x:y])
     if coeff != 1.0:
-        torch._foreach_mul_(grads, coeff)
-    if wd:
-        decayed = []
-        for seg, w in zip(segments, params):
-            lo, hi = bufs.own(seg)
-            decayed += [w[a - lo:b - lo] for a, b in clip_ranges(seg.decay, lo, hi)]
-        if decayed:
-            torch._foreach_mul_(decayed, 1.0 - lr * wd)
-    device = params[0].device if params else bufs.host
-    fused = fused_supported(device)
-    # Steps as torch keeps them, one per tensor (the kernel adds 1 before using them): fp32, on
-    # the device for the fused kernel, on the CPU for foreach.
-    steps = list(torch.full((len(params),), float(step_count - 1),
-                            device=device if fused else "cpu").unbind())
-    torch_adamw(params, grads, [bufs.state_view(bufs.exp_avg, s) for s in segments],
-                [bufs.state_view(bufs.exp_avg_sq, s) for s in segments], [], steps,
-                foreach=not fused, fused=fused, amsgrad=False, beta1=b1, beta2=b2, lr=lr,
-                weight_decay=0.0, eps=eps, maximize=False)
+        torch._foreach_mul_(all_grads, coeff)
+    for (params, gs, ms, vs), wd in ((decayed, cfg.weight_decay), (plain, 0.0)):
+        if params:
+            _torch_adamw(params, gs, ms, vs, cfg, lr, step_count, wd)
+
+
+def decay_runs(seg: Segment, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """[lo, hi) of `seg` (segment coordinates) cut into runs with and without weight decay."""
+    out, at = [], lo
+    for a, b in seg.decay:
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if at < a:
+            out.append((at, a, False))
+        out.append((a, b, True))
+        at = b
+    if at < hi:
+        out.append((at, hi, False))
+    return out
+
+
+def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, cfg, lr, step_count, wd) -> None:
+    device = params[0].device
+    if fused_supported(device):
+        # The kernel torch.optim.AdamW(fused=True) runs, called as its _fused_adam calls it
+        # less the grouping by device and dtype (ours are all fp32 on one device) and the step
+        # counters' increment: called per chunk under offload, that Python was a tenth of the
+        # host step. The step is read, never written: one tensor serves every parameter.
+        step = torch.tensor(float(step_count), device=device)
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
+                            amsgrad=False, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                            weight_decay=wd, eps=cfg.eps, maximize=False, grad_scale=None,
+                            found_inf=None)
+        return
+    # Steps as torch keeps them, one per tensor (the foreach kernel adds 1 before using them).
+    steps = list(torch.full((len(params),), float(step_count - 1)).unbind())
+    torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, fused=False,
+                amsgrad=False, beta1=cfg.beta1, beta2=cfg.beta2, lr=lr, weight_decay=wd,
+                eps=cfg.eps, maximize=False)
 
 
 def clip_coefficient(norm: float, clip: float, loss_scale: float | None) -> float:

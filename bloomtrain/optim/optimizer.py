@@ -12,13 +12,14 @@ refreshed from them. The train step calls it in torchtitan's order:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
 from bloomtrain.optim import grad_stats
-from bloomtrain.optim.adamw import adamw, clip_coefficient
+from bloomtrain.optim.adamw import adamw, all_chunks, clip_coefficient
 from bloomtrain.optim.grad_stats import GradStats
 from bloomtrain.optim.scaler import DynamicLossScaler
 
@@ -127,17 +128,24 @@ class ZeroAdamW:
         def observed(seg):
             return analysed.update(seg) if analysed is not None else contextlib.nullcontext()
         if engine.host:
-            for seg in engine.host.landed():
-                with observed(seg):
-                    adamw(bufs, [seg], bufs.host_grad, self.cfg, lr, self.step_count, coeff)
-                engine.host.send(seg)
+            # Chunk by chunk as each lands in the staging ring, each sent back before the next
+            # is stepped; the analyser sees a segment's masters around all of its chunks.
+            for _, chunks in itertools.groupby(engine.host.landed(), key=lambda c: c.seg.index):
+                first = next(chunks)
+                with observed(first.seg):
+                    for c in itertools.chain([first], chunks):
+                        adamw(bufs, [(c.seg, c.a, c.b)], [c.grad], self.cfg, lr,
+                              self.step_count, coeff)
+                        engine.host.send(c)
             return
         if analysed is not None:
             for seg in bufs.layout.segments:  # the same bits as one call (adamw's docstring)
                 with observed(seg):
-                    adamw(bufs, [seg], None, self.cfg, lr, self.step_count, coeff)
+                    adamw(bufs, all_chunks(bufs, [seg]), None, self.cfg, lr, self.step_count,
+                          coeff)
         else:
-            adamw(bufs, bufs.layout.segments, None, self.cfg, lr, self.step_count, coeff)
+            adamw(bufs, all_chunks(bufs, bufs.layout.segments), None, self.cfg, lr,
+                  self.step_count, coeff)
         engine.refresh_compute()
 
     def discard(self) -> StepResult:

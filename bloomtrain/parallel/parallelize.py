@@ -125,6 +125,7 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
                                   bucket_size_mb=cfg.parallel.bucket_size_mb, device=device,
                                   values=_values(model.shape, topo, t.seed),
                                   offload=cfg.parallel.offload_optimizer,
+                                  offload_pin_memory=cfg.parallel.offload_pin_memory,
                                   grad_reduce_dtype=cfg.parallel.grad_reduce_dtype,
                                   error_feedback=cfg.parallel.grad_error_feedback,
                                   weight_gather_dtype=cfg.parallel.weight_gather_dtype,

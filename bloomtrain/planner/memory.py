@@ -33,7 +33,8 @@ from functools import lru_cache
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.pipeline.schedules import SCHEDULES, zb_h1_schedule
-from bloomtrain.parallel.zero.segments import flat_sizes
+from bloomtrain.parallel.zero.memory import host_bytes, staging_chunk
+from bloomtrain.parallel.zero.segments import bucket_elements, flat_sizes, segment_sizes
 
 # The engine keeps at most this many reduce-scatters in flight, each with its fp32 staging bucket,
 # plus the one being filled (bloomtrain.parallel.zero.reduce.MAX_IN_FLIGHT + 1).
@@ -96,12 +97,17 @@ def padded(numel: int, dp: int) -> int:
 
 
 def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: int,
-                 offload: bool) -> dict:
+                 offload: bool, bucket_size_mb: float = 25.0) -> dict:
     """Bytes of the engine's flat buffers by category, as `ZeroEngine.memory_report()` measures
-    them (`device`), and the host's under offload."""
+    them (`device`), and the host's under offload (the states and the staging ring, whose
+    chunk follows the largest segment: `own_numel` and `chunk` give host_bytes' inputs)."""
     full = flat_numel(groups, dp, per_group=zero_stage == 3)
     shard = full // dp
     state = shard if zero_stage >= 1 else full
+    sizes = segment_sizes([[(g.numel, g.tied)] for g in groups], dp,
+                          bucket_elements(bucket_size_mb), zero_stage == 3)
+    chunk = staging_chunk(max(sizes) // (dp if zero_stage >= 1 else 1),
+                          bucket_elements(bucket_size_mb))
     on_device = 0 if offload else 1
     device = {
         "compute_params": (compute_bytes * full if zero_stage < 3
@@ -111,9 +117,9 @@ def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: i
         "adam_m": 4 * state * on_device,
         "adam_v": 4 * state * on_device,
     }
-    host = ({"fp32_master": 4 * state, "adam_m": 4 * state, "adam_v": 4 * state,
-             "fp32_grads": 4 * state} if offload else {})
-    return {"device": device, "host": host, "flat_numel": full, "own_numel": state}
+    host = host_bytes(state, chunk) if offload else {}
+    return {"device": device, "host": host, "flat_numel": full, "own_numel": state,
+            "chunk": chunk}
 
 
 def megatron_states(groups: list[Group], zero_stage: int, dp: int, precision: str) -> dict:
@@ -356,14 +362,16 @@ def activation_spec(cand, work) -> ActivationSpec:
 
 @lru_cache(maxsize=65536)
 def rank_states(shape: BloomShape, layout: ParallelLayout, pp_rank: int, system: str,
-                precision: str, offload: bool) -> tuple[list[Group], dict]:
+                precision: str, offload: bool,
+                bucket_size_mb: float = 25.0) -> tuple[list[Group], dict]:
     """A rank's parameter groups and model-state bytes (cached: a search asks for the same
     ranks of many candidates)."""
     groups = rank_groups(shape, layout, pp_rank)
     if system == "megatron-deepspeed":
         return groups, megatron_states(groups, layout.zero_stage, layout.dp, precision)
     c = 4 if precision == "fp32" else 2
-    return groups, model_states(groups, layout.zero_stage, layout.dp, c, offload)
+    return groups, model_states(groups, layout.zero_stage, layout.dp, c, offload,
+                                bucket_size_mb)
 
 
 def stage_activations(cand, work, pp_rank: int, m: int) -> tuple[tuple, dict, float]:
@@ -441,7 +449,7 @@ def stage_memory(cand, work, pp_rank: int, m: int, context_bytes: int,
     (other sizes) come on top of them rather than reusing them."""
     layout, c = cand.layout, work.compute_bytes
     groups, states = rank_states(work.shape, layout, pp_rank, work.system, work.precision,
-                                 cand.offload)
+                                 cand.offload, work.bucket_size_mb)
     states = {**states, "device": {**states["device"],
                                    **compression_states(cand, work, states, node_size)}}
     flight, acts, working = stage_activations(cand, work, pp_rank, m)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from bloomtrain.model.params import ParamSpec
+from bloomtrain.parallel.zero.memory import RING_SLOTS, pinned_size, staging_chunk
 from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
 from bloomtrain.parallel.zero.stages import StageRules
 from bloomtrain.utils import replace_parameters
@@ -31,21 +32,26 @@ Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
 
 class FlatBuffers:
     """One rank's flat buffers (the module's table). With ZeRO-Offload (arXiv 2101.06840,
-    `offload`) the master and Adam columns (12Ψ/N; 12Ψ at stage 0) live in host memory, pinned
-    when the device is CUDA, where the step runs (offload.py). The host also gets a copy of the
-    own fp32 gradient range (4Ψ/N), the step's input; after the step the same bytes carry the
-    compute-dtype cast of the updated masters back. Stage 3 then keeps on the device the
-    compute-dtype copy of its own shard (cΨ/N) that its gathers read, since the masters they
-    would cast from are on the host:
+    `offload`) the master and Adam columns (12Ψ/N; 12Ψ at stage 0) live in host memory, where
+    the step runs (offload.py), in ordinary pageable memory (`pin_states`: page-locked on CUDA,
+    parallel.offload_pin_memory). What crosses between device and host, the own fp32 gradients
+    on their way to the step and the compute-dtype cast of the updated masters on their way
+    back, goes chunk by chunk through `staging`, a ring of RING_SLOTS pinned fp32 buffers of
+    `chunk` elements each (R bytes, about one reduction bucket whatever Ψ): the only memory
+    pinned by default. A pageable buffer would turn every asynchronous copy into a synchronous
+    staged one, and pinning 12-16 bytes per parameter exhausts a host that holds them. Stage 3
+    then keeps on the device the compute-dtype copy of its own shard (cΨ/N) that its gathers
+    read, since the masters they would cast from are on the host:
 
         stage  device (bf16)           host
-        0-2    as above, less 12Ψ/N    12Ψ/N + 4Ψ/N     (stage 0: 12Ψ + 4Ψ)
-        3      4Ψ/N + 2Ψ/N + W         12Ψ/N + 4Ψ/N
+        0-2    as above, less 12Ψ/N    12Ψ/N + R     (stage 0: 12Ψ + R)
+        3      4Ψ/N + 2Ψ/N + W         12Ψ/N + R
     """
 
     def __init__(self, layout: SegmentLayout, rules: StageRules, dp_size: int, dp_rank: int,
                  compute_dtype: torch.dtype, device, offload: bool = False,
-                 error_feedback: bool = False):
+                 error_feedback: bool = False, bucket: int | None = None,
+                 pin_states: bool = False):
         self.layout, self.rules = layout, rules
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.compute_dtype, self.device = compute_dtype, torch.device(device)
@@ -56,19 +62,31 @@ class FlatBuffers:
                      else torch.device("cpu"))
         full, shard = layout.full_numel, layout.shard_numel
         state = shard if rules.shard_optimizer else full
+        # The optimizer steps every segment's own range in chunks of this many elements, with
+        # or without offload (memory.staging_chunk); `bucket` None: one chunk per segment.
+        largest = max((s.shard if rules.shard_optimizer else s.padded
+                       for s in layout.segments), default=1)
+        self.chunk = staging_chunk(largest, bucket or largest * RING_SLOTS)
+        # Bytes of host memory page-locked on CUDA, as torch's pinned allocator takes them
+        # (memory.pinned_size). A CPU device pins nothing (no copy engine to serve; torch
+        # refuses pin_memory without an accelerator), but the count is the same: it comes from
+        # the flag each allocation passes.
+        self.pinned = 0
 
-        def zeros(n, dtype=torch.float32, device=self.device):
-            # Pinned host memory: the device copies to and from it asynchronously (a pageable
-            # buffer would make every non_blocking copy a synchronous staged one).
-            pin = device.type == "cpu" and self.device.type == "cuda"
+        def zeros(n, dtype=torch.float32, device=self.device, pinned=False):
+            if pinned:
+                self.pinned += pinned_size(n * torch.empty(0, dtype=dtype).element_size())
+            pin = pinned and device.type == "cpu" and self.device.type == "cuda"
             return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
-        self.master, self.exp_avg, self.exp_avg_sq = (zeros(state, device=self.host)
-                                                      for _ in range(3))
+        pin_states = offload and pin_states
+        self.master, self.exp_avg, self.exp_avg_sq = (
+            zeros(state, device=self.host, pinned=pin_states) for _ in range(3))
         self.grad = zeros(shard if rules.shard_grads else full)
         self.compute = None if rules.shard_params else zeros(full, compute_dtype)
-        # Offload: the own fp32 gradient range on the host (laid out like the masters), the
-        # step's input; then the cast masters on their way back (offload.py).
-        self.host_grad = zeros(state, device=self.host) if offload else None
+        # Offload: the staging ring (offload.py). A slot carries a chunk of fp32 gradients to
+        # the host, then the same bytes carry the chunk's cast masters back.
+        self.staging = ([zeros(self.chunk, device=self.host, pinned=True)
+                         for _ in range(RING_SLOTS)] if offload else [])
         # Offload, stage 3: the compute-dtype copy of the own shard that gathers read.
         self.compute_shard = (zeros(shard, compute_dtype) if offload and rules.shard_params
                               else None)
@@ -92,6 +110,12 @@ class FlatBuffers:
         lo, hi = self.own(seg)
         off = seg.shard_off if self.rules.shard_optimizer else seg.full_off
         return buf[off:off + hi - lo]
+
+    def chunks(self, seg: Segment) -> list[tuple[int, int]]:
+        """[a, b) ranges of `seg`'s own range (state_view coordinates) that the optimizer
+        steps as one, offloaded or not."""
+        lo, hi = self.own(seg)
+        return [(a, min(a + self.chunk, hi - lo)) for a in range(0, hi - lo, self.chunk)]
 
     def grad_view(self, seg: Segment) -> torch.Tensor:
         """fp32 gradient of the own range (valid after the dp reduction)."""
@@ -188,7 +212,8 @@ class FlatBuffers:
         """Offload: the bytes held in host memory, by category (all 0 without offload)."""
         off = self.offload
         return {"fp32_master": _size(self.master) * off, "adam_m": _size(self.exp_avg) * off,
-                "adam_v": _size(self.exp_avg_sq) * off, "fp32_grads": _size(self.host_grad)}
+                "adam_v": _size(self.exp_avg_sq) * off,
+                "staging_ring": sum(_size(t) for t in self.staging)}
 
 
 def _size(t: torch.Tensor | None) -> int:

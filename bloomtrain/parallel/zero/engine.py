@@ -22,7 +22,7 @@ from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit, secondary_grou
 from bloomtrain.parallel.zero.memory import Counters, formula
 from bloomtrain.parallel.zero.offload import HostCopies
 from bloomtrain.parallel.zero.reduce import GradReducer, global_grad_norm
-from bloomtrain.parallel.zero.segments import build_layout
+from bloomtrain.parallel.zero.segments import bucket_elements, build_layout
 from bloomtrain.parallel.zero.stages import stage_rules
 from bloomtrain.parallel.zero.waits import WaitClock
 from bloomtrain.runtime import torch_dtype
@@ -77,7 +77,8 @@ class ZeroEngine:
                  zero_stage: int = 0, bucket_size_mb: float = 25, device=None,
                  values: Values | None = None, prefetch: bool = True,
                  unit_types: tuple = (BloomBlock,), offload: bool = False,
-                 grad_reduce_dtype: str = "fp32", error_feedback: bool = False,
+                 offload_pin_memory: bool = False, grad_reduce_dtype: str = "fp32",
+                 error_feedback: bool = False,
                  weight_gather_dtype: str = "auto", secondary_per_node: int | None = None):
         self.topo, self.precision = topo, precision
         self.rules = stage_rules(zero_stage)
@@ -89,14 +90,15 @@ class ZeroEngine:
         groups, units = _group_units(modules, specs, unit_types)
         if not groups:
             raise UserError("the engine got no trainable parameters")
-        bucket = max(1, int(bucket_size_mb * 2 ** 20 / 4))
+        bucket = bucket_elements(bucket_size_mb)
         layout = build_layout(groups, topo.dp_size, topo.tp_rank, bucket,
                               per_group=self.rules.shard_params)
         if device is None:
             device = groups[0][0][1].device
         self.bufs = FlatBuffers(layout, self.rules, topo.dp_size, topo.dp_rank,
                                 self.compute_dtype, device, offload=offload,
-                                error_feedback=error_feedback and topo.dp_size > 1)
+                                error_feedback=error_feedback and topo.dp_size > 1,
+                                bucket=bucket, pin_states=offload_pin_memory)
         self.host = HostCopies(self.bufs, topo) if offload else None
         if self.bufs.device.type != "meta":
             self.bufs.materialize(values or _copy_values)
@@ -173,11 +175,14 @@ class ZeroEngine:
     def memory_report(self) -> dict:
         """Model-state bytes on the training device by category from the buffers, next to
         formula(); plus the transient terms of the step's peak (memory.py). Under offload,
-        `measured["host"]` holds the host's bytes by category (formula: `["host"]`)."""
+        `measured["host"]` holds the host's bytes by category (formula: `["host"]`, the states),
+        and `measured["host_pinned"]` the bytes of them allocated page-locked (on CUDA; what a
+        CUDA run would pin, on the CPU)."""
         measured = self.bufs.nbytes()
         measured["total"] = sum(measured.values())
         host = self.bufs.host_nbytes()
         measured["host"] = {**host, "total": sum(host.values())}
+        measured["host_pinned"] = self.bufs.pinned
         measured["gathered_peak"] = self.counters.gathered_peak
         measured["grad_staging_peak"] = self.counters.staging_peak
         measured["compute_grads_held"] = self.compute_grads_held()

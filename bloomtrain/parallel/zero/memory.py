@@ -14,6 +14,55 @@ from dataclasses import dataclass
 
 from bloomtrain.parallel.zero.stages import stage_rules
 
+# ZeRO-Offload's staging ring (offload.py): every device-to-host gradient copy and host-to-device
+# weight copy goes through one of RING_SLOTS page-locked fp32 buffers of one chunk each, so that
+# only the ring is pinned, not the states. Four slots keep a copy landing, one being stepped and
+# one going back in flight at once.
+RING_SLOTS = 4
+# The smallest chunk: a whole number of pages, cache lines and any SIMD width.
+CHUNK_ALIGN = 4096
+# The largest: a ring of 8 MiB, the locked-memory limit most Linux distributions set by default
+# (ulimit -l 8192), so that the ring alone never needs it raised; a 2 MiB copy still runs at
+# PCIe's rate, and the host steps 512K elements between two calls.
+CHUNK_MAX = 1 << 19
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def staging_chunk(largest_own: int, bucket: int) -> int:
+    """Elements of one chunk of the optimizer step: the unit the host steps and the ring's slot
+    size. Both the offloaded step and the plain one cut every segment's own range at multiples of
+    it, so that torch's kernels see the same tensors either way (the same bits; adamw.py). A
+    power of two, which torch's pinned allocator would round a slot up to anyway: a quarter of a
+    reduction bucket rounded down (the ring then holds half to one bucket) up to CHUNK_MAX, or the
+    largest own segment range rounded up where that is smaller."""
+    want = max(CHUNK_ALIGN, 1 << (max(1, bucket // RING_SLOTS).bit_length() - 1))
+    return min(pow2_ceil(largest_own), want, CHUNK_MAX)
+
+
+def host_bytes(own: int, chunk: int) -> dict[str, int]:
+    """One offloading rank's host memory, by category: the fp32 masters and Adam moments of its
+    own range (`own` elements; 12 bytes each) and the pinned staging ring (RING_SLOTS fp32
+    chunks)."""
+    return {"fp32_master": 4 * own, "adam_m": 4 * own, "adam_v": 4 * own,
+            "staging_ring": 4 * RING_SLOTS * chunk}
+
+
+def pinned_size(nbytes: int) -> int:
+    """What a page-locked allocation of `nbytes` takes: torch's pinned (caching host) allocator
+    rounds every request up to a power of two before cudaHostAlloc."""
+    return pow2_ceil(nbytes) if nbytes else 0
+
+
+def pinned_bytes(own: int, chunk: int, pin_states: bool) -> int:
+    """The page-locked part of a rank's host memory on CUDA: the ring, and with
+    `parallel.offload_pin_memory` the three state buffers too, each rounded up to a power of
+    two (pinned_size: up to twice their size)."""
+    return (RING_SLOTS * pinned_size(4 * chunk)
+            + (3 * pinned_size(4 * own) if pin_states else 0))
+
 
 @dataclass
 class Counters:
@@ -39,10 +88,10 @@ def formula(stage: int, psi: int, dp: int, compute_bytes: int = 2,
     `working` is stage 3's gathered working set in bytes, reported beside ours.
 
     `offload` (ZeRO-Offload, arXiv 2101.06840): the masters and moments (K = 12 bytes per
-    parameter, over N where sharded) leave the device for the host, which also holds a copy of
-    the own fp32 gradient range; stage 3 then keeps its own shard in the compute dtype on the
-    device (cΨ/N), which its gathers read. `host` holds the host's bytes by category; the
-    paper's figure is its own less the same 12Ψ/N."""
+    parameter, over N where sharded) leave the device for the host; stage 3 then keeps its own
+    shard in the compute dtype on the device (cΨ/N), which its gathers read. `host` holds the
+    host's state bytes by category (the staging ring, a fixed size that does not grow with Ψ, is
+    host_bytes'); the paper's figure is its own less the same 12Ψ/N."""
     rules = stage_rules(stage)
     n = dp
     state = 4 * psi / (n if rules.shard_optimizer else 1)
@@ -55,8 +104,7 @@ def formula(stage: int, psi: int, dp: int, compute_bytes: int = 2,
         "adam_m": state * on_device,
         "adam_v": state * on_device,
     }
-    host = {k: state * (1.0 - on_device) for k in ("fp32_master", "adam_m", "adam_v",
-                                                    "fp32_grads")}
+    host = {k: state * (1.0 - on_device) for k in ("fp32_master", "adam_m", "adam_v")}
     host["total"] = sum(host.values())
     # fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, each
     # over N where the stage shards it.

@@ -131,14 +131,26 @@ def _cap(dp: int, bucket: int) -> int:
     return max(dp, bucket // dp * dp)
 
 
+def bucket_elements(bucket_size_mb: float) -> int:
+    """fp32 elements of one bucket of `parallel.bucket_size_mb`: the segments' cap."""
+    return max(1, int(bucket_size_mb * 2 ** 20 / 4))
+
+
+def segment_sizes(groups: list[list[tuple[int, bool]]], dp: int, bucket: int,
+                  per_group: bool) -> list[int]:
+    """The padded size P of every segment `build_layout` makes for `groups` (each a module's
+    parameters as (numel, is a tied-embedding copy), in forward order), without the parameters:
+    what the planner sizes a rank with."""
+    runs = _runs(groups, per_group, tied=lambda item: item[1])
+    return [padded for run in runs
+            for _, _, padded in _segment_sizes(sum(n for n, _ in run), _cap(dp, bucket), dp)]
+
+
 def flat_sizes(groups: list[list[tuple[int, bool]]], dp: int, bucket: int,
                per_group: bool) -> int:
-    """Elements of the full-size flat buffers `build_layout` makes for `groups` (each a module's
-    parameters as (numel, is a tied-embedding copy), in forward order), without the parameters:
-    what the planner sizes a rank with. The shards are this / dp."""
-    runs = _runs(groups, per_group, tied=lambda item: item[1])
-    return sum(padded for run in runs
-               for _, _, padded in _segment_sizes(sum(n for n, _ in run), _cap(dp, bucket), dp))
+    """Elements of the full-size flat buffers for `groups` (segment_sizes' sum). The shards are
+    this / dp."""
+    return sum(segment_sizes(groups, dp, bucket, per_group))
 
 
 def build_layout(groups: list[list[tuple[str, nn.Parameter, ParamSpec]]], dp: int, tp_rank: int,
