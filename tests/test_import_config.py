@@ -163,7 +163,8 @@ def test_batch_rule_mismatch_shows_the_arithmetic(tmp_path, capsys):
 def test_auto_values_resolve(tmp_path, capsys):
     ds = _ds(tmp_path, train_micro_batch_size_per_gpu="auto", train_batch_size="auto",
              gradient_accumulation_steps="auto", gradient_clipping="auto", bf16={"enabled": "auto"},
-             zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"},
+             zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu",
+                                                                  "pin_memory": True},
                                 "overlap_comm": True})
     out_yaml = tmp_path / "auto.yaml"
     rc, out, err = _run(capsys, "--megatron-args", TR11, *ENV, "--deepspeed-config", ds,
@@ -173,6 +174,7 @@ def test_auto_values_resolve(tmp_path, capsys):
     assert converted["train"]["precision"] == "bf16" and converted["optim"]["clip_grad"] == 1.0
     assert converted["parallel"]["zero_stage"] == 1
     assert converted["parallel"]["offload_optimizer"] is True
+    assert converted["parallel"]["offload_pin_memory"] is True
     for line in ("ds_config train_micro_batch_size_per_gpu -> (no key: 2)\n      note: auto",
                  "ds_config train_batch_size -> (no key: 2048)\n      note: auto",
                  # at 384 GPUs: 2048 / (2 x dp 8)
@@ -180,7 +182,9 @@ def test_auto_values_resolve(tmp_path, capsys):
                  "--clip-grad -> optim.clip_grad = 1.0\n      note: ds_config gradient_clipping "
                  "\"auto\"",
                  "ds_config zero_optimization.offload_optimizer.device -> "
-                 "parallel.offload_optimizer = true"):
+                 "parallel.offload_optimizer = true",
+                 "ds_config zero_optimization.offload_optimizer.pin_memory -> "
+                 "parallel.offload_pin_memory = true"):
         assert line in out, line
     assert "ds_config zero_optimization.overlap_comm: True: a memory or speed setting" in out
 

@@ -49,7 +49,7 @@ _ZERO_SPEED = ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce
                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
                "stage3_gather_fp16_weights_on_model_save", "memory_efficient_linear",
                "use_multi_rank_bucket_allreduce", "cpu_offload_params",
-               "cpu_offload_use_pin_memory", "prefetch_bucket_size",
+               "prefetch_bucket_size",
                "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
                "gather_16bit_weights_on_model_save", "log_trace_cache_warnings")
 _DYNAMIC = {"initial_scale_power": ("optim.initial_loss_scale", 16),
@@ -167,7 +167,8 @@ def _zero(c: Conversion, ds: Mapping | None, precision: str) -> None:
     for key, value in zero.items():
         if key in _ZERO_SPEED:
             _skip(c, f"zero_optimization.{key}", value, _SPEED)
-        elif key not in ("stage", "offload_optimizer", "offload_param", "cpu_offload"):
+        elif key not in ("stage", "offload_optimizer", "offload_param", "cpu_offload",
+                         "cpu_offload_use_pin_memory"):
             _skip(c, f"zero_optimization.{key}", value,
                   "a ZeRO setting import-config does not know", "unsupported")
 
@@ -203,6 +204,13 @@ def _offload(c: Conversion, zero: Mapping) -> None:
         device, path = "cpu", "zero_optimization.cpu_offload"
     if device == "cpu":
         _mapped(c, "parallel.offload_optimizer", True, path)
+        pin, pin_path = (_section(zero, "offload_optimizer").get("pin_memory"),
+                         "zero_optimization.offload_optimizer.pin_memory")
+        if zero.get("cpu_offload") is True:
+            pin, pin_path = (zero.get("cpu_offload_use_pin_memory"),
+                             "zero_optimization.cpu_offload_use_pin_memory")
+        if pin is not None:
+            _mapped(c, "parallel.offload_pin_memory", bool(pin), pin_path)
     elif device == "nvme":
         _skip(c, path, device, "optimizer state on NVMe (ZeRO-Infinity); bloomtrain offloads "
                                "to host memory only (parallel.offload_optimizer)", "unsupported")
