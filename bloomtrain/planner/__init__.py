@@ -45,7 +45,8 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
                 intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
                 global_batch: int | None = None, seq: int | None = None,
                 system: str = "bloomtrain", efficiency: float | None = None,
-                calibrate: str | None = None) -> tuple[Config, Workload, Cluster]:
+                calibrate: str | None = None,
+                host_memory_gib: float | None = None) -> tuple[Config, Workload, Cluster]:
     """The config, workload and cluster a plan is made for."""
     overrides = list(overrides)
     if model:
@@ -62,7 +63,8 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
     spec = gpu(gpu_name)
     work = workload_from_config(cfg, seq, global_batch, system, device=spec.kind,
                                 shape=config_shape(cfg))
-    cluster = Cluster(spec, gpus, gpus_per_node, intra_node_gbps, inter_node_gbps, efficiency)
+    cluster = Cluster(spec, gpus, gpus_per_node, intra_node_gbps, inter_node_gbps, efficiency,
+                      None if host_memory_gib is None else host_memory_gib * GIB)
     if calibrate:
         from bloomtrain.planner.calibrate import calibrate_efficiency
         fitted = calibrate_efficiency(calibrate, cluster)
@@ -76,7 +78,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
          intra_node_gbps: float | None = None, inter_node_gbps: float | None = None,
          tokens: float | None = None, system: str = "bloomtrain", only: str | None = None,
          efficiency: float | None = None, calibrate: str | None = None,
-         top: int | None = 5) -> list[Plan]:
+         top: int | None = 5, host_memory_gib: float | None = None) -> list[Plan]:
     """The records `bloomtrain plan` prints: with `layout` ("tp=4 pp=12 mbs=2 zero=1 ...") that
     layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
     first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
@@ -86,7 +88,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
                                    intra_node_gbps=intra_node_gbps,
                                    inter_node_gbps=inter_node_gbps, global_batch=global_batch,
                                    seq=seq, system=system, efficiency=efficiency,
-                                   calibrate=calibrate)
+                                   calibrate=calibrate, host_memory_gib=host_memory_gib)
     comp = config_compression(cfg)
     if layout:
         return [evaluate(parse_layout(layout, gpus, work.partition, comp), work, cluster,

@@ -67,8 +67,12 @@ def format_breakdown(p: Plan) -> str:
     lines.append(f"    allocator     {'fragmentation allowance':<24} {_gib(s['allocator']):>8}")
     if s["context"]:
         lines.append(f"    context       {'CUDA, cuBLAS, NCCL':<24} {_gib(s['context']):>8}")
-    if s["host"]:
-        lines.append(f"    host (offload) {_gib(sum(s['host'].values()))} GiB per GPU")
+    if p.host_per_node:
+        h = p.host_per_node
+        lines.append(f"  host memory per node (offload), GiB: {_gib(h['total'])} of "
+                     f"{_gib(p.host_limit)} GiB planned "
+                     f"({h['total']:,.0f} bytes, the node that needs the most):")
+        lines += [f"    {k:<38} {_gib(v):>8}" for k, v in h.items() if k != "total"]
     lines.append("  per stage, GiB: " + " ".join(_gib(x["total"]) for x in p.stages))
     t = p.time
     lo, hi = p.step_time_band_s
@@ -92,7 +96,8 @@ def cmd_plan(args) -> int:
         gpu_name=args.gpu, gpus_per_node=args.gpus_per_node,
         intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
         global_batch=args.global_batch, seq=args.seq, system=args.system,
-        efficiency=args.efficiency, calibrate=args.calibrate)
+        efficiency=args.efficiency, calibrate=args.calibrate,
+        host_memory_gib=args.host_memory_gib)
     shape = work.shape
     what = (f"{count(shape.num_parameters())} parameters (L={shape.num_layers}, "
             f"h={shape.hidden_size}, heads={shape.num_heads}, vocab={shape.vocab_size}), global "
@@ -153,6 +158,10 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-node-gbps", type=float, help="NVLink Gbit/s one way per GPU")
     p.add_argument("--inter-node-gbps", type=float, help="network Gbit/s per node")
+    p.add_argument("--host-memory-gib", type=float,
+                   help="host memory of a node, GiB: what offload layouts must fit in, less 10%% "
+                        "(default: the GPU's usual node, 2048 for a100-80g, h100, h200; 1024 "
+                        "for a100-40g; this machine's for cpu)")
     p.add_argument("--global-batch", type=int, help="samples per step (default: the config's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the config's)")
     p.add_argument("--tokens", type=float, help="tokens to train: report days")

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import megatron_tflops
+from bloomtrain.planner import host
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.hardware import Cluster
 from bloomtrain.planner.steptime import step_time
@@ -42,6 +43,10 @@ class Plan:
     days: float | None = None
     comm_bytes: dict = field(default_factory=dict)   # rank 0's, per "kind/group", per step
     ties: list = field(default_factory=list)         # ranks (1-based) within each other's band
+    # Offload: the host bytes of the node that needs the most, by item (planner.host), and
+    # what a node may use of its host memory.
+    host_per_node: dict = field(default_factory=dict)
+    host_limit: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,10 +82,28 @@ def evaluate(cand: Candidate, work: Workload, cluster: Cluster, tokens: float | 
                 memory_limit=limit, stages=[asdict(s) for s in stages])
     if not plan.fits:
         plan.reason = over_reason(worst.pp_rank, worst.total, limit)
+    if cand.offload:
+        node = host_of(cand, work, cluster)
+        plan.host_per_node = {**node.items, "total": node.total}
+        plan.host_limit = cluster.host_bytes * (1 - HEADROOM)
+        if plan.fits and node.total > plan.host_limit:
+            plan.fits = False
+            plan.reason = host_reason(node.total, plan.host_limit)
     if plan.fits or all_stages:  # a search keeps no time for what it rejects
         _time(plan, cand, work, cluster, m, tokens)
     return plan
 
+
+
+def host_of(cand: Candidate, work: Workload, cluster: Cluster) -> host.NodeHost:
+    return host.worst_node(work.shape, cand.layout, cluster.node_size, work.precision,
+                           work.bucket_size_mb, work.offload_pin_memory, cluster.gpu.kind)
+
+
+def host_reason(total: float, limit: float) -> str:
+    return (f"out of host memory: offload needs {total / 2 ** 30:.1f} GiB per node of "
+            f"{limit / 2 ** 30:.1f} GiB ({(total - limit) / 2 ** 30:.1f} GiB over; "
+            f"--host-memory-gib sets a node's)")
 
 
 def over_reason(pp_rank: int, total: float, limit: float) -> str:

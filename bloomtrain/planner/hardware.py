@@ -28,6 +28,12 @@ HOST_ADAM_GBS = 20.0
 # CUDA context, cuBLAS workspaces and NCCL's buffers: outside torch's allocator, present on every
 # GPU of a job (~0.5-1 GiB measured on A100/H100); a CPU process has none of them.
 CUDA_CONTEXT_BYTES = GIB
+# Host memory of one training process besides what the engine allocates (Python, torch and its
+# libraries, gloo, the data's indices; on CUDA the driver's and the CUDA libraries' host side).
+# cpu: 346 MiB resident after the first step of a tiny-model worker (torch 2.13 on the 2-core CI
+# machine), rounded up. cuda: an estimate, not yet measured on a GPU host (bench/largest_fit.py
+# reports a worker's resident memory before it builds: that figure).
+PROCESS_HOST_BYTES = {"cpu": 384 * MIB, "cuda": 3 * GIB}
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class GPU:
     latency_s: float = INTRA_LATENCY_S
     kind: str = "cuda"
     tile_elements: int = 256 * 128  # cuBLAS's largest bf16 tile on A100/H100
+    host_bytes: int = 2048 * GIB  # a node's host memory (the DGX of the GPU; cpu: this host)
 
     @property
     def wave(self) -> int:
@@ -62,13 +69,15 @@ def _host_memory() -> int:
 
 
 GPUS: dict[str, GPU] = {
-    "a100-40g": GPU("a100-40g", 40960 * MIB, 312.0, 1555.0, 2400.0, 1600.0, 108),
+    "a100-40g": GPU("a100-40g", 40960 * MIB, 312.0, 1555.0, 2400.0, 1600.0, 108,
+                    host_bytes=1024 * GIB),
     "a100-80g": GPU("a100-80g", 81920 * MIB, 312.0, 2039.0, 2400.0, 1600.0, 108),
     "h100": GPU("h100", 81559 * MIB, 989.0, 3350.0, 3600.0, 3200.0, 132),
     "h200": GPU("h200", 143771 * MIB, 989.0, 4800.0, 3600.0, 3200.0, 132),
     # One core per rank: ~90 GFLOP/s fp32 GEMMs (AVX2 FMA), ~20 GB/s of memory, gloo over
     # loopback; the GEMM's tile is the core's register block (6 x 16).
-    "cpu": GPU("cpu", _host_memory(), 0.1, 20.0, 16.0, 16.0, 1, CPU, 100e-6, "cpu", 96),
+    "cpu": GPU("cpu", _host_memory(), 0.1, 20.0, 16.0, 16.0, 1, CPU, 100e-6, "cpu", 96,
+               _host_memory()),
 }
 
 
@@ -86,6 +95,7 @@ class Cluster:
     intra_node_gbps: float | None = None  # None: the GPU's NVLink figure
     inter_node_gbps: float | None = None  # None: the GPU's typical node network
     efficiency: float | None = None       # None: the fitted GEMM fraction of the GPU type
+    host_memory_bytes: float | None = None  # per node; None: the GPU's (GPU.host_bytes)
 
     def __post_init__(self):
         if self.num_gpus < 1:
@@ -98,7 +108,8 @@ class Cluster:
                             f"{self.num_gpus // self.gpus_per_node * self.gpus_per_node} or "
                             f"{-(-self.num_gpus // self.gpus_per_node) * self.gpus_per_node}")
         for what, v in (("--intra-node-gbps", self.intra_node_gbps),
-                        ("--inter-node-gbps", self.inter_node_gbps)):
+                        ("--inter-node-gbps", self.inter_node_gbps),
+                        ("--host-memory-gib", self.host_memory_bytes)):
             if v is not None and v <= 0:
                 raise UserError(f"{what} must be positive, got {v}")
         # a GPU's GEMMs reach at most its peak; the cpu device's peak is one core's, which a
@@ -111,6 +122,11 @@ class Cluster:
     @property
     def node_size(self) -> int:
         return min(self.gpus_per_node, self.num_gpus)
+
+    @property
+    def host_bytes(self) -> float:
+        """A node's host memory."""
+        return self.gpu.host_bytes if self.host_memory_bytes is None else self.host_memory_bytes
 
     @property
     def rates(self) -> Efficiency:

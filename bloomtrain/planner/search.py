@@ -64,7 +64,8 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
                     global_batch=global_batch or t.global_batch_size, precision=t.precision,
                     attention=attention, bucket_size_mb=cfg.parallel.bucket_size_mb,
                     mask_bytes=1 if device == "cuda" else c, system=system,
-                    partition=cfg.parallel.pp_partition)
+                    partition=cfg.parallel.pp_partition,
+                    offload_pin_memory=cfg.parallel.offload_pin_memory)
 
 
 def config_compression(cfg: Config) -> dict:
@@ -209,7 +210,12 @@ def mark_ties(plans: list[Plan], band: float) -> None:
                      and abs(math.log(q.step_time_s / plan.step_time_s)) <= band]
 
 
+OUT_OF_MEMORY = ("out of memory", "out of host memory")
+
+
 def _reason_kind(reason: str) -> str:
+    if reason.startswith("out of host memory"):
+        return "out of host memory"
     if reason.startswith("out of memory"):
         return "out of memory"
     if reason.startswith("tp ("):
@@ -234,7 +240,7 @@ def plan_or_explain(work: Workload, cluster: Cluster, tokens: float | None = Non
 
 def explain_no_fit(result: SearchResult, work: Workload, cluster: Cluster,
                    memory_limit: float | None, only: str | None = None) -> str:
-    oom = [p for p in result.rejected if p.reason and p.reason.startswith("out of memory")]
+    oom = [p for p in result.rejected if p.reason and p.reason.startswith(OUT_OF_MEMORY)]
     if oom:
         closest = oom[0]
         head = (f"no layout of {cluster.num_gpus} x {cluster.gpu.name} fits "
@@ -276,22 +282,28 @@ def _smallest_fix(work: Workload, cluster: Cluster, memory_limit, oom: bool,
 
 
 def _more_gpus(work, cluster, memory_limit, only) -> int | None:
-    """Double until a layout fits, then bisect over whole nodes (memory per GPU falls as GPUs
-    are added, so the first count that fits is the smallest)."""
-    unit = cluster.gpus_per_node if cluster.num_gpus >= cluster.gpus_per_node else 1
-    lo, hi = cluster.num_gpus // unit, None
-    for k in range(1, 11):
-        if _fits(work, replace(cluster, num_gpus=lo * 2 ** k * unit), memory_limit, only):
-            hi = lo * 2 ** k
-            lo = hi // 2
+    """Double until a layout fits, then bisect between the last two counts (memory per GPU
+    falls as GPUs are added, so the first count that fits is the smallest). Past one node only
+    whole nodes are counts (a cluster of 28 GPUs of 8 per node is not one)."""
+    node = cluster.gpus_per_node
+
+    def valid(count):
+        return count if count <= node else -(-count // node) * node
+    lo, hi = cluster.num_gpus, None
+    for _ in range(10):
+        count = valid(lo * 2)
+        if _fits(work, replace(cluster, num_gpus=count), memory_limit, only):
+            hi = count
             break
+        lo = count
     if hi is None:
         return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        fits = _fits(work, replace(cluster, num_gpus=mid * unit), memory_limit, only)
+    while True:
+        mid = valid((lo + hi) // 2)
+        if mid <= lo or mid >= hi:
+            return hi
+        fits = _fits(work, replace(cluster, num_gpus=mid), memory_limit, only)
         lo, hi = (lo, mid) if fits else (mid, hi)
-    return hi * unit
 
 
 def _nearby_count(work, cluster, memory_limit, only) -> int | None:

@@ -42,6 +42,8 @@ class Workload:
     mask_bytes: int = 1
     system: str = "bloomtrain"
     partition: str = "type:transformer|embedding"
+    # parallel.offload_pin_memory: under offload the states are page-locked too.
+    offload_pin_memory: bool = False
     # Bytes on the wire per byte of the dp gradient reduction and of the parameter gathers that
     # the step time prices (1: uncompressed; an int8 reduction of fp32 gradients about 1/4).
     dp_reduce_bytes_ratio: float = 1.0

@@ -74,8 +74,14 @@ def cmd_train(args) -> int:
     # The datasets and the tokenizer too (numpy, no torch): a missing file or a token id past
     # the model's vocabulary is refused here, not in every worker after the launch.
     from bloomtrain.data.check import check_data
-    check_data(cfg, run)
+    _, checked = check_data(cfg, run)
     if spec is not None:
+        # ZeRO-Offload's host memory on this node, before any worker starts (each checks again
+        # with its own device and resident memory before it allocates).
+        from bloomtrain.planner.host import check_host, launch_device_kind
+        first = spec.node_rank * spec.nproc
+        check_host(cfg, checked.shape, checked.layout, launch_device_kind(cfg.train.device),
+                   range(first, first + spec.nproc))
         from bloomtrain.train.control import exit_after_sigint
         from bloomtrain.train.launch import launch_local
         stopped = launch_local(spec.nproc, worker_entry, args.config, args.overrides, run,

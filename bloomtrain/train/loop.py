@@ -24,6 +24,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
 from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
 from bloomtrain.planner import plan_for_run
+from bloomtrain.planner.host import check_host, node_ranks, resident_bytes
 from bloomtrain.topology import Topology
 from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
 from bloomtrain.train.control import RunControl
@@ -110,6 +111,13 @@ class Trainer:
         # The planner's memory prediction for this layout, before any process group: on CUDA a
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
+        # ZeRO-Offload's host memory on this node, checked before anything is allocated: the
+        # node's ranks are all here (none passes init_distributed before the others arrive),
+        # each holding what this one holds now.
+        self.host_resident = resident_bytes()  # the process before it allocates
+        self.host = check_host(cfg, run.shape, run.layout,
+                               "cuda" if self.device.type == "cuda" else "cpu",
+                               node_ranks(world), self.host_resident)
         open_sinks(cfg, Path(cfg.run_dir), False, None, [])  # a required viewer's package
         self.harness = HarnessHook.from_config(cfg, self.tokenizer, self.print)
         init_distributed(cfg, self.device)
