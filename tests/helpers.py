@@ -113,3 +113,35 @@ def sum_partial_grads(parts: ModelParts) -> None:
                         ("tied", parts.topo.embedding_group)):
         grads = [p.grad for n, p in named if getattr(parts.specs[n], flag) and p.grad is not None]
         comm.all_reduce_coalesced(grads, group, "test")
+
+
+def paged_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits [b, S - prefill, V] (fp32, on the CPU) of positions prefill..S-1 of `ids` [b, S]
+    decoded as inference does, through the serving engine's paged KV cache and the model's paged
+    attention: each row's first `prefill` tokens in one step, then one token per step (queries
+    at the end of a growing key range)."""
+    from bloomtrain.serve.batch import SeqStep, StepBatch
+    from bloomtrain.serve.kv_cache import PagedKVCache
+    from bloomtrain.serve.runner import ModelRunner
+
+    b, seq = ids.shape
+    shape, weight = model.shape, model.transformer.word_embeddings_layernorm.weight
+    block = 8
+    per = -(-seq // block)
+    cache = PagedKVCache(shape.num_layers, b * per, block, shape.num_heads, shape.head_dim,
+                         weight.dtype, weight.device)
+    runner = ModelRunner(model, cache, min_rows=1)
+    rows = ids.tolist()
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+    with torch.no_grad():
+        runner.forward(StepBatch(sum((r[:prefill] for r in rows), []),
+                                 [SeqStep(i * prefill, prefill, prefill, tables[i])
+                                  for i in range(b)], []))
+        steps = []
+        for t in range(prefill, seq):
+            n = -(-(t + 1) // block)
+            batch = StepBatch([r[t] for r in rows],
+                              [SeqStep(i, 1, t + 1, tables[i][:n]) for i in range(b)],
+                              list(range(b)))
+            steps.append(runner.forward(batch).cpu())  # [b, V]
+    return torch.stack(steps, dim=1)

@@ -2,8 +2,8 @@
 causal BlockMask against SDPA with the float bias (`train.attention`'s resolution is
 tests/test_layout.py's).
 
-Compiled flex_attention runs forward on CPU, so logits, the KV cache and HF parity are checked
-everywhere. It has no backward on CPU (torch 2.13), so gradient parity runs with `--device cuda`
+Compiled flex_attention runs forward on CPU, so logits, queries at an offset and HF parity are
+checked everywhere. It has no backward on CPU (torch 2.13), so gradient parity runs with `--device cuda`
 (tests/conftest.py). Each compiled shape costs seconds on CPU; the tests share three: batch 2,
 head_dim 16, (4 heads, 32 x 32), (6 heads, 32 x 32) and (4 heads, 8 queries x 32 keys).
 
@@ -59,16 +59,25 @@ def test_flex_logits_match_sdpa(num_heads, ids, device):
     assert (got - want).abs().max().item() < LOGITS_ATOL
 
 
-def test_flex_kv_cache_matches_full_sequence(ids, device):
-    """Queries are the last 8 of 32 positions: the score_mod and the BlockMask take the offset."""
+def _offset_core(impl: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the last 8 of 32 queries attended alone, with the bias of 8 queries over 32 keys; the
+    same rows of all 32 attended with SDPA's full bias) for random q, k, v of 4 heads."""
     model = build_model(tiny(4), seed=1, device=device).eval()
-    x = ids[:, :SEQ].to(device)
-    full = _logits(model, x, "sdpa")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(BATCH, 4, SEQ, 16, generator=g).to(device) for _ in range(3))
+    tr = model.transformer
+    full = attention_core(q, k, v, tr.attention_bias(SEQ, SEQ, torch.float32))[:, :, 24:]
+    tr.attention_impl = impl
     with torch.no_grad():
-        _, past = model(x[:, :24], return_presents=True)  # the cache, filled by SDPA
-        model.transformer.attention_impl = "flex"
-        step, _ = model(x[:, 24:], past_kvs=past, return_presents=True)
-    assert (step.cpu() - full[:, 24:]).abs().max().item() < LOGITS_ATOL
+        part = attention_core(q[:, :, 24:], k, v, tr.attention_bias(8, SEQ, torch.float32))
+    return part.cpu(), full.cpu()
+
+
+def test_flex_queries_at_an_offset_match_the_full_sequence(device):
+    """Queries are the last 8 of 32 positions: the score_mod and the BlockMask take the offset
+    (inference reads the paged cache through the engine; the kernel keeps the general form)."""
+    part, full = _offset_core("flex", device)
+    assert (part - full).abs().max().item() < LOGITS_ATOL
 
 
 def test_flex_matches_hf_logits(ids, tmp_path):
@@ -149,10 +158,8 @@ def test_eager_matches_sdpa_logits_grads_and_kv_cache(ids):
     got = _logits(model, x, "eager")
     assert isinstance(model.transformer.attention_bias(SEQ, SEQ, torch.float32), EagerBias)
     assert (got - want).abs().max().item() < LOGITS_ATOL
-    with torch.no_grad():  # queries at an offset: the last 8 of 32 positions
-        _, past = model(x[:, :24], return_presents=True)
-        step, _ = model(x[:, 24:], past_kvs=past, return_presents=True)
-    assert (step - want[:, 24:]).abs().max().item() < LOGITS_ATOL
+    part, full = _offset_core("eager", "cpu")  # queries at an offset: the last 8 of 32
+    assert (part - full).abs().max().item() < LOGITS_ATOL
     want_loss, want_g = _loss_and_grads("sdpa", "none", ids)
     for mode in ("none", "selective"):  # attention_core is the recompute unit
         loss, grads = _loss_and_grads("eager", mode, ids)

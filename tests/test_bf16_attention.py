@@ -71,20 +71,18 @@ def reference(request, tmp_path_factory):
 
 def our_logits(path, ids, device, impl="sdpa") -> tuple[torch.Tensor, torch.Tensor]:
     """Ours in bf16 with the `impl` kernel: the whole sequence at once, and the last
-    SEQ - PREFILL positions again by cached decoding one token at a time (queries at the end of a
-    longer key range)."""
+    SEQ - PREFILL positions again by decoding one token at a time through the serving engine's
+    paged KV cache (queries at the end of a longer key range; its own attention, whatever
+    `impl`)."""
+    from tests.helpers import paged_logits
+
     model = bloomtrain.load_model(path, dtype="bf16", device=device)
     model.transformer.attention_impl = impl
     assert model.lm_head.weight.dtype == torch.bfloat16
     ids = ids.to(device)
     with torch.no_grad():
         full = model(ids).float().cpu()
-        _, past = model(ids[:, :PREFILL], return_presents=True)
-        steps = []
-        for i in range(PREFILL, SEQ):
-            step, past = model(ids[:, i:i + 1], past_kvs=past, return_presents=True)
-            steps.append(step.float().cpu())
-    return full, torch.cat(steps, dim=1)
+    return full, paged_logits(model, ids, PREFILL)
 
 
 def excess(ours: torch.Tensor, hf16: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -103,33 +101,32 @@ def test_bf16_logits_match_hf_bf16_at_every_position(reference, device, impl):
 
 
 # ---- the bound is tight: each of these one-line slips in the ALiBi bias fails it -----------------
-_correct_bias = bloom.alibi_causal_bias
+# The slips are made in model.bloom.alibi_bias, which every ALiBi bias of the package comes from
+# (the training forward's through alibi_causal_bias, and each paged inference step's).
+_correct_bias = bloom.alibi_bias
 
 
-def _scaled_bias(slopes, q_len, k_len, dtype, device=None):
-    return _correct_bias(slopes * 0.75, q_len, k_len, dtype, device)
+def _scaled_bias(slopes, q_pos, k_len, dtype):
+    return _correct_bias(slopes * 0.75, q_pos, k_len, dtype)
 
 
-def _heads_reversed(slopes, q_len, k_len, dtype, device=None):
-    return _correct_bias(slopes.flip(0), q_len, k_len, dtype, device)
+def _heads_reversed(slopes, q_pos, k_len, dtype):
+    return _correct_bias(slopes.flip(0), q_pos, k_len, dtype)
 
 
-def _queries_one_early(slopes, q_len, k_len, dtype, device=None):
-    # alibi_causal_bias with arange(k_len - q_len - 1, k_len - 1) for the query positions: every
-    # query sees the next key. On the slopes' device unless told, as alibi_causal_bias.
-    device = device if device is not None else slopes.device
-    q_pos = torch.arange(k_len - q_len - 1, k_len - 1, dtype=torch.float32, device=device)
-    k_pos = torch.arange(k_len, dtype=torch.float32, device=device)
-    rel = k_pos[None, :] - q_pos[:, None]
-    bias = slopes.to(device=device, dtype=torch.float32)[:, None, None] * rel
-    return bias.masked_fill(rel > 0, float("-inf")).unsqueeze(0).to(dtype)
+def _queries_one_late(slopes, q_pos, k_len, dtype):
+    # Every query sees the next key (and its ALiBi distances are off by one).
+    return _correct_bias(slopes, q_pos + 1, k_len, dtype)
 
 
-@pytest.mark.parametrize("wrong", [_scaled_bias, _heads_reversed, _queries_one_early],
+@pytest.mark.parametrize("wrong", [_scaled_bias, _heads_reversed, _queries_one_late],
                          ids=["bias-x0.75", "slopes-reversed", "position-off-by-one"])
 def test_a_wrong_alibi_fails_the_bound(reference, device, monkeypatch, wrong):
+    from bloomtrain.serve import runner
+
     path, ids, hf16, bound = reference
-    monkeypatch.setattr(bloom, "alibi_causal_bias", wrong)
+    monkeypatch.setattr(bloom, "alibi_bias", wrong)
+    monkeypatch.setattr(runner, "alibi_bias", wrong)
     full, cached = our_logits(path, ids, device)
     assert (excess(full, hf16, bound) > 0).any()
     assert (excess(cached, hf16[:, PREFILL:], bound[:, PREFILL:]) > 0).any()

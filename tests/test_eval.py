@@ -598,9 +598,9 @@ class _Recording:
     def __init__(self, executor):
         self.executor, self.steps = executor, []
 
-    def prefill(self, rows):
+    def prefill(self, rows, max_len):
         self.rows, self.active = [list(r) for r in rows], list(range(len(rows)))
-        logits = self.executor.prefill(rows)
+        logits = self.executor.prefill(rows, max_len)
         self.steps.append(([list(r) for r in self.rows], logits))
         return logits
 

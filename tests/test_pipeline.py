@@ -175,7 +175,7 @@ def _freeing_check(topo):
     chunk = chunks[0]
     blocks = list(chunk.transformer.h.values())
     outputs, seen_at_forward = [], []
-    blocks[-1].register_forward_hook(lambda mod, args, out: outputs.append(out[0]))
+    blocks[-1].register_forward_hook(lambda mod, args, out: outputs.append(out))
     blocks[0].register_forward_pre_hook(
         lambda mod, args: seen_at_forward.append([o.untyped_storage().nbytes() for o in outputs]))
     loss = pipeline_train_step("1f1b", chunks, _micro_batches(0, 4), topo,

@@ -31,23 +31,51 @@ class ScoreBatch:
     q_target: torch.Tensor  # [Q]
 
 
-class KVCache:
-    """The keys and values of each local model chunk's blocks, for a batch being generated."""
+class EvalCache:
+    """The keys and values of a batch being generated, in the serving engine's paged KV cache
+    (the one KV cache and attention path of inference: bloomtrain.serve.kv_cache and the
+    model's paged backend): this rank's layers only, every row a sequence with a block table of
+    its own, sized at prefill for `max_len` tokens a row. Finished rows leave (`keep`)."""
 
-    def __init__(self):
-        self.chunks: dict[int, list] = {}
+    BLOCK = 16
 
-    def past(self, index: int):
-        return self.chunks.get(index)
+    def __init__(self, model: EvalModel, rows: int, max_len: int):
+        from bloomtrain.serve.kv_cache import PagedKVCache
 
-    def store(self, index: int, presents: list) -> None:
-        self.chunks[index] = presents
+        layers = [b.self_attention.layer_idx for c in model.chunks
+                  for b in c.transformer.h.values()]
+        per = -(-max_len // self.BLOCK)
+        shape = model.shape
+        self.kv = PagedKVCache(shape.num_layers, rows * per, self.BLOCK,
+                               shape.num_heads // model.topo.tp_size, shape.head_dim,
+                               model.dtype, model.device, layers=layers)
+        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+        self.lengths = [0] * rows
+        self.max_len = max_len
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the batch, in that order (finished sequences leave)."""
-        for index, presents in self.chunks.items():
-            self.chunks[index] = [(k.index_select(0, rows.to(k.device)),
-                                   v.index_select(0, rows.to(v.device))) for k, v in presents]
+        order = rows.tolist()
+        self.tables = [self.tables[r] for r in order]
+        self.lengths = [self.lengths[r] for r in order]
+
+    def step(self, inputs: list[list[int]], last: int):
+        """The StepBatch that feeds every row's `inputs` (one list per row, all of one
+        length) after its cached tokens, with each row's logits at position `last` of its
+        new tokens."""
+        from bloomtrain.serve.batch import SeqStep, StepBatch
+
+        q = len(inputs[0])
+        seqs, ids = [], []
+        for i, new in enumerate(inputs):
+            ctx = self.lengths[i] + q
+            if ctx > self.max_len:
+                raise ValueError(f"row {i} grows to {ctx} tokens, past the {self.max_len} its "
+                                 f"cache was sized for")
+            seqs.append(SeqStep(i * q, q, ctx, self.tables[i][:-(-ctx // self.BLOCK)]))
+            ids += new
+            self.lengths[i] = ctx
+        return StepBatch(ids, seqs, [i * q + last for i in range(len(inputs))])
 
 
 # ---- the pipeline --------------------------------------------------------------------------------
@@ -62,11 +90,12 @@ def _pad_multiple(model: EvalModel) -> int:
 
 
 def _run_stages(model: EvalModel, micro_inputs: list[torch.Tensor], on_last,
-                cache: KVCache | None = None) -> None:
+                paged=None) -> None:
     """Run each micro-batch of token ids [m, S] through this rank's chunks, in (chunk,
     micro-batch) order: embed or receive, the chunk's blocks, then send on or, on the last
     virtual stage, `on_last(micro_index, hidden)` with the hidden states [m, S(/tp), h]
-    before ln_f."""
+    before ln_f. `paged`: a generation step's paged-KV metadata (one micro-batch of [1, T]
+    packed tokens), which the blocks then attend through."""
     sends = []
     local_seq = micro_inputs[0].shape[1] // _pad_multiple(model)
     for index, chunk in enumerate(model.chunks):
@@ -78,10 +107,7 @@ def _run_stages(model: EvalModel, micro_inputs: list[torch.Tensor], on_last,
                 x = torch.empty((ids.shape[0], local_seq, model.shape.hidden_size),
                                 dtype=model.dtype, device=model.device)
                 comm.recv(x, _peer(model, vs - 1), COMM_NAME)
-            past = cache.past(index) if cache is not None else None
-            x, presents = chunk.transformer.run_blocks(x, chunk.transformer.h.values(), past)
-            if cache is not None:
-                cache.store(index, presents)
+            x = chunk.transformer.run_blocks(x, chunk.transformer.h.values(), paged=paged)
             if chunk.is_last:
                 on_last(m, x)
             else:
@@ -223,28 +249,42 @@ def _score_queries(model: EvalModel, hidden: torch.Tensor, rows: torch.Tensor,
 
 @torch.no_grad()
 def next_logits(model: EvalModel, inputs: torch.Tensor, last: int,
-                cache: KVCache | None) -> torch.Tensor:
+                cache: EvalCache | None) -> torch.Tensor:
     """fp32 logits [b, V] at position `last` of `inputs` [b, S] (the new tokens, after the
-    cache's), complete on the first pipeline stage; the chunks' keys and values go into
-    `cache` (None: not kept). Every replica runs the whole batch; the last stage gathers the
-    last position's logits over tp and broadcasts them to the first stage, where rank 0 chooses
-    the next tokens. Under sequence parallelism hidden states are sequence shards, which a
+    cache's), complete on the first pipeline stage; with `cache`, the new tokens' keys and
+    values go into it and attention reads it (the serving engine's paged path: the rows packed
+    into one, each its own sequence). Every replica runs the whole batch; the last stage
+    gathers the logits over tp and broadcasts them to the first stage, where rank 0 chooses the
+    next tokens. Under sequence parallelism hidden states are sequence shards, which a
     one-token step cannot be: there the cache is off and each step runs the whole sequence,
     padded to a multiple of tp."""
+    from bloomtrain.serve.runner import plan_step
+
     topo = model.topo
     b = inputs.shape[0]
     out = torch.empty((b, model.shape.vocab_size), dtype=torch.float32, device=model.device)
+    model.train(False)
+    if cache is None:
+        def on_last(_: int, hidden: torch.Tensor) -> None:
+            chunk = _last_chunk(model)
+            if model.sequence_parallel:
+                local = chunk.lm_head(chunk.transformer.ln_f(hidden))[:, last]  # [b, V/tp]
+            else:
+                local = chunk.lm_head(chunk.transformer.ln_f(hidden[:, last]))  # [b, V/tp]
+            out.copy_(_gather_vocab(local.float().contiguous(), topo.tp_group))
 
-    def on_last(_: int, hidden: torch.Tensor) -> None:
+        _run_stages(model, [inputs.to(model.device)], on_last)
+        return _from_last_stage(model, out).cpu()
+    batch = cache.step(inputs.tolist(), last)
+    slopes = model.chunks[0].transformer.alibi_slopes  # this rank's heads
+    ids, meta, rows = plan_step(batch, cache.kv, slopes, model.dtype, model.device)
+
+    def on_paged(_: int, hidden: torch.Tensor) -> None:  # hidden [1, T, h]
         chunk = _last_chunk(model)
-        if model.sequence_parallel:
-            local = chunk.lm_head(chunk.transformer.ln_f(hidden))[:, last]  # [b, V/tp]
-        else:
-            local = chunk.lm_head(chunk.transformer.ln_f(hidden[:, last]))  # [b, V/tp]
+        local = chunk.lm_head(chunk.transformer.ln_f(hidden[0].index_select(0, rows)))
         out.copy_(_gather_vocab(local.float().contiguous(), topo.tp_group))
 
-    model.train(False)
-    _run_stages(model, [inputs.to(model.device)], on_last, cache)
+    _run_stages(model, [ids[None]], on_paged, paged=meta)
     return _from_last_stage(model, out).cpu()
 
 

@@ -92,7 +92,7 @@ class Generator:
         streams = [TextStream(self.tokenizer, settings.stops, self.skip_ids) for _ in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
-        logits = self.executor.prefill(prompts)
+        logits = self.executor.prefill(prompts, len(prompts[0]) + settings.max_new_tokens)
         for step in range(settings.max_new_tokens):
             tokens = self._choose(logits, settings.sampling, [prompts[i] for i in active],
                                   [outputs[i] for i in active])

@@ -58,7 +58,7 @@ class Executor:
     def __init__(self, model: EvalModel, micro_rows: int | None = None):
         self.model, self.micro_rows = model, micro_rows
         self.group = comm.world_group()
-        self.cache: forward.KVCache | None = None
+        self.cache: forward.EvalCache | None = None
         self.rows: torch.Tensor | None = None  # the generated batch so far, without a cache
         self.closed = False
         self.busy = False
@@ -84,16 +84,20 @@ class Executor:
         return self._run(SCORE, (len(rows), seq, len(queries)), payload,
                          lambda: forward.score(self.model, batch, self.micro_rows))
 
-    def prefill(self, rows: list[list[int]]) -> torch.Tensor:
-        """Start generating from `rows` (prompts of one length): the logits [b, V] after each."""
+    def prefill(self, rows: list[list[int]], max_len: int) -> torch.Tensor:
+        """Start generating from `rows` (prompts of one length, to grow to `max_len` tokens at
+        most): the logits [b, V] after each."""
         ids = torch.tensor(rows, dtype=torch.int64)
         if not forward.uses_cache(self.model):
             self.rows = ids
             return self._whole(ids)
-        self.cache = forward.KVCache()
-        return self._run(PREFILL, (ids.shape[0], ids.shape[1], ids.shape[1] - 1), ids.view(-1),
-                         lambda: forward.next_logits(self.model, ids, ids.shape[1] - 1,
-                                                     self.cache))
+        b, s = ids.shape
+
+        def start():
+            self.cache = forward.EvalCache(self.model, b, max_len)
+            return forward.next_logits(self.model, ids, s - 1, self.cache)
+
+        return self._run(PREFILL, (b, s, max_len), ids.view(-1), start)
 
     def decode(self, tokens: list[int], keep: list[int]) -> torch.Tensor:
         """Continue rows `keep` of the batch (the others have finished) by `tokens`, one each:
@@ -129,7 +133,7 @@ class Executor:
 def worker_loop(model: EvalModel, micro_rows: int | None = None) -> int:
     """Every rank but 0: run the commands rank 0 broadcasts until STOP. Returns how many ran."""
     group = comm.world_group()
-    cache = forward.KVCache()
+    cache = None
     count = 0
     while True:
         op, (a, b, c), payload = _receive(group)
@@ -138,9 +142,13 @@ def worker_loop(model: EvalModel, micro_rows: int | None = None) -> int:
         if op == SCORE:
             forward.score(model, _score_batch(payload, a, b, c), micro_rows)
         elif op == PREFILL:
-            cache = forward.KVCache()
-            forward.next_logits(model, payload.view(a, b), c,
-                                cache if forward.uses_cache(model) else None)
+            # With the cache: (rows, prompt length, tokens a row may reach); without:
+            # (rows, padded length, the position whose logits are wanted).
+            if forward.uses_cache(model):
+                cache = forward.EvalCache(model, a, c)
+                forward.next_logits(model, payload.view(a, b), b - 1, cache)
+            else:
+                forward.next_logits(model, payload.view(a, b), c, None)
         elif op == DECODE:
             cache.keep(payload[a:])
             forward.next_logits(model, payload[:a, None], 0, cache)

@@ -82,7 +82,7 @@ class BloomAttention(nn.Module):
         # dropout on different heads differs across ranks (see parallel/tensor/rng.py).
         self.rng_context = contextlib.nullcontext
 
-    def forward(self, x, bias, past_kv=None, recompute_core=False):
+    def forward(self, x, bias, recompute_core=False):
         b, s, _ = x.shape
         qkv = self.query_key_value(x)
         # The fused projection is laid out per head, so a tensor-parallel shard of its rows is a
@@ -90,13 +90,10 @@ class BloomAttention(nn.Module):
         num_heads = qkv.shape[-1] // (3 * self.head_dim)
         qkv = qkv.view(b, s, num_heads, 3, self.head_dim)  # [b, s, nh, 3, hd]
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, nh, s, hd]
-        if isinstance(bias, PagedAttention):  # serving: keys and values live in paged blocks
+        if isinstance(bias, PagedAttention):  # inference: keys and values live in paged blocks
             ctx = bias.attend(self.layer_idx, q, k, v)
             ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)
-            return self.dense(ctx), None
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
+            return self.dense(ctx)
         p = self.attention_dropout if self.training else 0.0
         with self.rng_context():
             if recompute_core:
@@ -106,7 +103,7 @@ class BloomAttention(nn.Module):
             else:
                 ctx = attention_core(q, k, v, bias, p)
         ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)  # [b, s, h_local]
-        return self.dense(ctx), (k, v)
+        return self.dense(ctx)
 
 
 class BloomMLP(nn.Module):
@@ -130,11 +127,10 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(shape)
         self.hidden_dropout = shape.hidden_dropout
 
-    def forward(self, x, bias, past_kv=None, recompute_core=False):
+    def forward(self, x, bias, recompute_core=False):
         # Pre-LN; the residual is the un-normalized input (apply_residual_connection_post_layernorm
         # = False in every BLOOM config).
-        attn, present = self.self_attention(self.input_layernorm(x), bias, past_kv,
-                                            recompute_core)
+        attn = self.self_attention(self.input_layernorm(x), bias, recompute_core)
         if self.training:  # (out of training F.dropout is the identity: not even called)
             attn = F.dropout(attn, self.hidden_dropout, True)
         x = x + attn
@@ -142,7 +138,7 @@ class BloomBlock(nn.Module):
         if self.training:
             mlp = F.dropout(mlp, self.hidden_dropout, True)
         x = x + mlp
-        return x, present
+        return x
 
 
 class BloomModel(nn.Module):
@@ -187,37 +183,30 @@ class BloomModel(nn.Module):
                              f"{ACTIVATION_CHECKPOINTING}, got {mode!r}")
         self.activation_checkpointing = mode
 
-    def run_blocks(self, x, blocks, past_kvs=None, paged: PagedAttention | None = None):
-        """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]. Returns (x, presents).
-        `paged`: a serving step's paged-KV metadata, which then is the attention's bias."""
+    def run_blocks(self, x, blocks, paged: PagedAttention | None = None):
+        """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]; returns x. `paged`: an
+        inference step's paged-KV metadata (bloomtrain.serve: the one KV cache), which then is
+        the attention's bias; without it every position attends to the positions before it in
+        x, as training does."""
         if paged is not None:
             bias = paged
         else:
-            past_len = 0 if not past_kvs else past_kvs[0][0].shape[2]
             q_len = x.shape[1] * self.sequence_parallel_size
-            bias = self.attention_bias(q_len, past_len + q_len, x.dtype)
+            bias = self.attention_bias(q_len, q_len, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute = self.activation_checkpointing if training else "none"
-        presents = []
-        for i, block in enumerate(blocks):
-            past = past_kvs[i] if past_kvs else None
+        for block in blocks:
             if recompute == "full":
                 # Recompute every block in backward, as BLOOM did (--checkpoint-activations).
-                # Training has no use for the KV cache, and keeping each layer's k and v (the
-                # block's qkv output) until the forward ends would undo most of the saving.
-                x, _ = checkpoint(block, x, bias, past, use_reentrant=False)
-                present = None
+                x = checkpoint(block, x, bias, use_reentrant=False)
             else:
-                x, present = block(x, bias, past, recompute_core=recompute == "selective")
-            presents.append(present)
-        return x, presents
+                x = block(x, bias, recompute_core=recompute == "selective")
+        return x
 
-    def forward(self, input_ids, past_kvs=None, paged: PagedAttention | None = None):
-        """Hidden states [b, s, h] (after ln_f) and each layer's (k, v). With `paged` (b = 1:
-        a serving step's tokens packed into one row), attention reads and writes the paged
-        KV cache it describes instead, and the presents are None."""
-        x, presents = self.run_blocks(self.embed(input_ids), self.h, past_kvs, paged)
-        return self.ln_f(x), presents
+    def forward(self, input_ids, paged: PagedAttention | None = None):
+        """Hidden states [b, s, h] after ln_f. With `paged` (b = 1: an inference step's tokens
+        packed into one row), attention reads and writes the paged KV cache it describes."""
+        return self.ln_f(self.run_blocks(self.embed(input_ids), self.h, paged))
 
 
 class BloomForCausalLM(nn.Module):
@@ -230,15 +219,13 @@ class BloomForCausalLM(nn.Module):
         # Tensor parallelism replaces this with the vocab-parallel cross-entropy.
         self.loss_fn = lm_loss
 
-    def forward(self, input_ids, labels=None, loss_mask=None, past_kvs=None, return_presents=False):
+    def forward(self, input_ids, labels=None, loss_mask=None):
         """input_ids [b, s] -> logits [b, s, vocab] (padded vocab), or the mean masked
-        cross-entropy when labels are given."""
-        hidden, presents = self.transformer(input_ids, past_kvs)
-        logits = self.lm_head(hidden)
+        cross-entropy when labels are given. Generation decodes through the serving engine's
+        paged KV cache (bloomtrain.serve), the model's one inference protocol."""
+        logits = self.lm_head(self.transformer(input_ids))
         if labels is not None:
             return self.loss_fn(logits, labels, loss_mask)
-        if return_presents:
-            return logits, presents
         return logits
 
     def set_activation_checkpointing(self, mode: str) -> None:

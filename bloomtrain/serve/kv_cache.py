@@ -68,19 +68,21 @@ class PagedKVCache:
     finite value stays 0)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
-                 head_dim: int, dtype: torch.dtype, device):
+                 head_dim: int, dtype: torch.dtype, device, layers=None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         shape = (2, num_heads, num_blocks, block_size, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # By global layer index: `layers` (a pipeline stage's own) or all of them.
+        layers = range(num_layers) if layers is None else layers
+        self.kv = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         # Each layer as rows of one block of one plane ([2 * heads * num_blocks, block_size *
         # head_dim] views, made once): a gather is then one index_select of whole rows.
-        self._rows = [kv.view(-1, block_size * head_dim) for kv in self.kv]
+        self._rows = {i: kv.view(-1, block_size * head_dim) for i, kv in self.kv.items()}
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in self.kv.values())
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keys and values of n tokens, k and v [heads, n, head_dim], into `slots` [n]."""
@@ -93,11 +95,12 @@ class PagedKVCache:
         to reuse at every layer of a step: a layer's attention is done with what it read
         before the next layer reads. None on CUDA, where `read` gathers in one kernel into a
         new tensor."""
-        if self.kv[0].is_cuda:
+        first = next(iter(self.kv.values()))
+        if first.is_cuda:
             return None
         planes = torch.arange(2 * self.num_heads, device=tables.device)[:, None]
         rows = (planes * self.num_blocks + tables.reshape(1, -1)).reshape(-1)
-        return self.kv[0].new_empty((rows.numel(), self.block_size * self.head_dim)), rows
+        return first.new_empty((rows.numel(), self.block_size * self.head_dim)), rows
 
     def read(self, layer: int, tables: torch.Tensor, buffer=None
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,6 +94,53 @@ def batch_invariant_rows(model, max_rows: int, dtype: torch.dtype, matmul=F.line
     return fits[0] if fits else None
 
 
+def plan_step(batch: StepBatch, cache: PagedKVCache, slopes: torch.Tensor, dtype: torch.dtype,
+              device, min_rows: int = 1) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
+    """A step's (token ids [rows] padded to `min_rows`, its attention metadata for the model's
+    paged backend, the logit rows [>= min_rows]), built the same way on every rank that runs
+    it: each prompt chunk's block table and ALiBi bias (`slopes`: this rank's heads), the
+    decodes' tables and biases padded to a common width, and the slot of every new token."""
+    dev, bs = device, cache.block_size
+    num_tokens = len(batch.input_ids)
+    ids = batch.input_ids + [0] * (max(num_tokens, min_rows) - num_tokens)
+    write_slots = [0] * num_tokens
+    prefills, decoding = [], []
+    for s in batch.seqs:
+        if s.q_len > 1:
+            table = torch.tensor([s.blocks], device=dev)
+            slots = slots_of(table[0], s.ctx_len, bs)
+            write_slots[s.row:s.row + s.q_len] = slots[s.ctx_len - s.q_len:].tolist()
+            q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=dev,
+                                 dtype=torch.float32)
+            bias = alibi_bias(slopes, q_pos[None], s.ctx_len, dtype)[:, 0]
+            prefills.append((s.row, s.row + s.q_len, table, cache.buffer(table), s.ctx_len,
+                             bias))
+        else:
+            decoding.append(s)
+            p = s.ctx_len - 1
+            write_slots[s.row] = s.blocks[p // bs] * bs + p % bs
+    decodes = []
+    if decoding:
+        longest = max(s.ctx_len for s in decoding)
+        # Whole blocks, and a multiple of DECODE_BUCKET keys (why: at DECODE_BUCKET).
+        bucket = math.lcm(DECODE_BUCKET, bs)
+        padded = -(-longest // bucket) * bucket
+        width = padded // bs
+        # Padding blocks point at block 0: real memory, finite values, masked below.
+        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
+                              device=dev)  # [D, width]
+        q_pos = torch.tensor([[s.ctx_len - 1] for s in decoding], device=dev,
+                             dtype=torch.float32)  # [D, 1]
+        bias = alibi_bias(slopes, q_pos, padded, dtype)  # [nh, D, 1, Lp]
+        rows = torch.tensor([s.row for s in decoding], device=dev)
+        decodes.append((rows, tables, cache.buffer(tables), bias.view(-1, 1, padded)))
+    meta = PagedAttention(cache, torch.tensor(write_slots, device=dev, dtype=torch.int64),
+                          num_tokens, prefills, decodes)
+    num_logits = len(batch.logit_rows)
+    logit_rows = batch.logit_rows + [0] * (max(num_logits, min_rows) - num_logits)
+    return (torch.tensor(ids, device=dev), meta, torch.tensor(logit_rows, device=dev))
+
+
 class ModelRunner:
     """Runs StepBatches through a (possibly tensor-parallel, possibly int8) BloomForCausalLM,
     keeping keys and values in `cache`. `tp_group` is None or the group the model is split
@@ -112,52 +159,8 @@ class ModelRunner:
         self.dtype = tr.word_embeddings_layernorm.weight.dtype
         self.device = tr.word_embeddings_layernorm.weight.device
 
-    # ---- the plan -------------------------------------------------------------------------------
-
     def _plan(self, batch: StepBatch) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
-        """(token ids [rows] padded to min_rows, the step's attention metadata, the logit rows
-        [>= min_rows]), built the same way on every rank."""
-        dev, bs = self.device, self.cache.block_size
-        num_tokens = len(batch.input_ids)
-        ids = batch.input_ids + [0] * (max(num_tokens, self.min_rows) - num_tokens)
-        write_slots = [0] * num_tokens
-        prefills, decoding = [], []
-        for s in batch.seqs:
-            if s.q_len > 1:
-                table = torch.tensor([s.blocks], device=dev)
-                slots = slots_of(table[0], s.ctx_len, bs)
-                write_slots[s.row:s.row + s.q_len] = slots[s.ctx_len - s.q_len:].tolist()
-                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=dev,
-                                     dtype=torch.float32)
-                bias = alibi_bias(self.slopes, q_pos[None], s.ctx_len, self.dtype)[:, 0]
-                prefills.append((s.row, s.row + s.q_len, table, self.cache.buffer(table),
-                                 s.ctx_len, bias))
-            else:
-                decoding.append(s)
-                p = s.ctx_len - 1
-                write_slots[s.row] = s.blocks[p // bs] * bs + p % bs
-        decodes = []
-        if decoding:
-            longest = max(s.ctx_len for s in decoding)
-            # Whole blocks, and a multiple of DECODE_BUCKET keys (why: at DECODE_BUCKET).
-            bucket = math.lcm(DECODE_BUCKET, bs)
-            padded = -(-longest // bucket) * bucket
-            width = padded // bs
-            # Padding blocks point at block 0: real memory, finite values, masked below.
-            tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
-                                  device=dev)  # [D, width]
-            q_pos = torch.tensor([[s.ctx_len - 1] for s in decoding], device=dev,
-                                 dtype=torch.float32)  # [D, 1]
-            bias = alibi_bias(self.slopes, q_pos, padded, self.dtype)  # [nh, D, 1, Lp]
-            rows = torch.tensor([s.row for s in decoding], device=dev)
-            decodes.append((rows, tables, self.cache.buffer(tables),
-                            bias.view(-1, 1, padded)))
-        meta = PagedAttention(self.cache, torch.tensor(write_slots, device=dev,
-                                                       dtype=torch.int64),
-                              num_tokens, prefills, decodes)
-        num_logits = len(batch.logit_rows)
-        logit_rows = batch.logit_rows + [0] * (max(num_logits, self.min_rows) - num_logits)
-        return (torch.tensor(ids, device=dev), meta, torch.tensor(logit_rows, device=dev))
+        return plan_step(batch, self.cache, self.slopes, self.dtype, self.device, self.min_rows)
 
     # ---- the forward ----------------------------------------------------------------------------
 
@@ -179,7 +182,7 @@ class ModelRunner:
         """The step's logits [>= len(batch.logit_rows), vocab] in the model's dtype (rows
         padded to min_rows), on the group's first rank; None on the others."""
         ids, meta, logit_rows = self._plan(batch)
-        hidden, _ = self.model.transformer(ids[None], paged=meta)  # [1, rows, h], after ln_f
+        hidden = self.model.transformer(ids[None], paged=meta)  # [1, rows, h], after ln_f
         logits = self.model.lm_head(hidden[0].index_select(0, logit_rows))  # [R, V / tp]
         if self.tp_group is not None:
             return self._gather_vocab(logits)

@@ -62,7 +62,7 @@ class PipelineChunk(nn.Module):
         Returns hidden states, or on the last virtual stage the loss (logits without labels)."""
         if self.is_first:
             x = self.transformer.embed(x)
-        x, _ = self.transformer.run_blocks(x, self.transformer.h.values())
+        x = self.transformer.run_blocks(x, self.transformer.h.values())
         if not self.is_last:
             return x
         logits = self.lm_head(self.transformer.ln_f(x))
