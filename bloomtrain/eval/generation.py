@@ -1,8 +1,9 @@
 """The harness's `generate_until` on rank 0: continue prompts until a stop sequence, the
 end-of-text token or the token limit, with the serving engine's token choice
-(bloomtrain.serve.sampling: greedy, or temperature, top-k and top-p in HF's order; HF's
-repetition penalty) and its incremental detokenizer (bloomtrain.serve.detokenize: special tokens
-give no text, a stop sequence ends the text before it, as the harness's HF backend cuts it).
+(bloomtrain.serve.sampler: greedy, or temperature, top-k and top-p in HF's order; HF's
+repetition penalty), its paged KV cache (eval.forward.EvalCache) and its incremental
+detokenizer (bloomtrain.serve.detokenize: special tokens give no text, a stop sequence ends the
+text before it, as the harness's HF backend cuts it).
 
 The model takes no padding mask, so a batch holds prompts of one length; a sequence that
 finishes leaves the batch (and the KV cache) at once. Sampling draws from torch's global
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from bloomtrain.serve.detokenize import TextStream
-from bloomtrain.serve.sampling import (SamplingParams, choose, next_tokens, request_scores,
-                                       warp)
+from bloomtrain.serve.sampler import SampleRow, SamplingBatch, sample
+from bloomtrain.serve.sampling import SamplingParams
 
 # The generation keywords a task's generation_kwargs may set (the harness's max-token aliases
 # included); anything else is refused rather than silently ignored.
@@ -114,16 +115,9 @@ class Generator:
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, prompts, outputs
                 ) -> list[int]:
-        """The next token of each row [n, V]: one call for plain greedy or sampling, row by
-        row with a repetition penalty (which depends on each row's own tokens)."""
-        if not params.edits_logits:
-            return next_tokens(logits, params.do_sample, params.temperature, params.top_k,
-                               params.top_p, self.vocab_limit).tolist()
-        out = []
-        for r in range(logits.shape[0]):
-            scores = request_scores(logits[r:r + 1], params, prompts[r], outputs[r],
-                                    self.vocab_limit, self.eos_id)
-            if params.do_sample:
-                scores = warp(scores, params.temperature, params.top_k, params.top_p)
-            out.append(int(choose(scores, params.do_sample)[0]))
-        return out
+        """The next token of each row [n, V], by the serving engine's sampler (greedy, or
+        temperature, top-k and top-p in HF's order; the repetition penalty on each row's own
+        tokens); sampled rows draw from torch's global generator, which the harness seeds."""
+        rows = [SampleRow(r, params, None, prompts[r], outputs[r])
+                for r in range(logits.shape[0])]
+        return sample(logits, SamplingBatch(rows, [], self.vocab_limit, self.eos_id)).tokens

@@ -57,7 +57,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]     # the most likely tokens, most likely first, and the chosen
 
 
-# ---- the warpers and the choice (also bloomtrain generate's) ---------------------------------
+# ---- the vocabulary mask and HF's warpers ---------------------------------------------------
 
 def mask_vocab(logits: "torch.Tensor", vocab_limit: int | None) -> "torch.Tensor":
     """fp32 scores with the padded embedding rows beyond `vocab_limit` at -inf."""
@@ -90,32 +90,6 @@ def warp(scores: "torch.Tensor", temperature: float = 1.0, top_k: int = 0,
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return scores
-
-
-def process_logits(logits: "torch.Tensor", temperature: float = 1.0, top_k: int = 0,
-                   top_p: float = 1.0, vocab_limit: int | None = None,
-                   do_sample: bool = True) -> "torch.Tensor":
-    """Next-token scores [b, V] (fp32) with -inf wherever a token may not be chosen."""
-    scores = mask_vocab(logits, vocab_limit)
-    return warp(scores, temperature, top_k, top_p) if do_sample else scores
-
-
-def choose(scores: "torch.Tensor", do_sample: bool, generator=None) -> "torch.Tensor":
-    """The next token [b] from scores [b, V]: argmax, or a draw from their softmax."""
-    import torch
-
-    if do_sample:
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
-    return scores.argmax(dim=-1)
-
-
-def next_tokens(logits: "torch.Tensor", do_sample: bool, temperature: float = 1.0,
-                top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None,
-                generator: "torch.Generator | None" = None) -> "torch.Tensor":
-    """The next token [b] for each row of `logits` [b, V]: argmax of the scores (greedy), or a
-    draw from their softmax with `generator`."""
-    return choose(process_logits(logits, temperature, top_k, top_p, vocab_limit, do_sample),
-                  do_sample, generator)
 
 
 # ---- a request's own edits ------------------------------------------------------------------
