@@ -250,8 +250,14 @@ def _largest_fit_figures(r: dict) -> dict:
     out = {}
     for mode in ("no_offload", "offload"):
         found = r.get(mode) or {}
+        tries = found.get("tries") or []
+        fit = [t for t in tries if t.get("ok")]
         out.update({f"{mode}_largest": found.get("largest"), f"{mode}_params": found.get("params"),
-                    f"{mode}_peak_memory_gb": found.get("peak_memory_gb")})
+                    f"{mode}_peak_memory_gb": found.get("peak_memory_gb"),
+                    f"{mode}_step_s": fit[0].get("step_s") if fit else None,
+                    # which memory each failed try ran out of (host or device; None: not memory)
+                    f"{mode}_failed": {t["preset"]: t.get("oom") for t in tries
+                                       if not t.get("ok") and "skipped" not in t}})
     out["device_memory_gb"] = r.get("device_memory_gb")
     return out
 

@@ -89,3 +89,49 @@ def test_failures_timeouts_and_budget_are_recorded(tmp_path):
     ok = gpu_check.Section("ok", "largest_fit", [sys.executable, "-c", f"print({line!r})"], 30)
     rec = gpu_check.run_section(ok, 100, tmp_path)
     assert rec["status"] == "ok" and rec["figures"]["offload_largest"] == "tiny"
+
+
+# ---- bench/largest_fit.py: which memory ran out ----------------------------------------------
+# Outputs of failed tries, as torch and the host check print them; the telling line is not always
+# the last (CUDA's error is followed by its debugging advice).
+PINNED_OOM = """Traceback (most recent call last):
+  File "bloomtrain/parallel/zero/buffers.py", line 67, in zeros
+    return torch.zeros(n, dtype=dtype, device=device, pin_memory=True)
+torch.AcceleratorError: CUDA error: out of memory
+CUDA kernel errors might be asynchronously reported at some other API call.
+For debugging consider passing CUDA_LAUNCH_BLOCKING=1"""
+DEVICE_OOM = """    return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity
+of 139.8 GiB of which 1.2 GiB is free."""
+CPU_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't "
+           "allocate memory: you tried to allocate 8589934592 bytes.\nsome later line")
+
+
+@pytest.mark.parametrize("text,code,kind", [
+    (PINNED_OOM, 1, "host"), (DEVICE_OOM, 1, "device"), (CPU_OOM, 1, "host"),
+    ("error: ZeRO-Offload needs 82.03 GiB (88,075,632,640 bytes) of host memory on this node",
+     1, "host"),
+    ("MemoryError", 1, "host"), ("", -9, "host"),
+    (PINNED_OOM.replace("pin_memory=True", "pin_memory=False"), 1, "device"),
+    ("ValueError: bad shape", 1, None)])
+def test_largest_fit_says_which_memory_ran_out(text, code, kind):
+    from bench.largest_fit import classify_oom
+    got, line = classify_oom(text, code)
+    assert got == kind
+    assert (line is None) == (kind is None)
+
+
+def test_largest_fit_reports_a_host_out_of_memory_as_such(monkeypatch):
+    """A host the offloaded states do not fit (BLOOMTRAIN_HOST_MEMORY): a try fails as a host
+    out-of-memory with the host check's line, before it builds anything; the search skips the
+    preset as one without trying it."""
+    from bench import largest_fit
+    monkeypatch.setenv("BLOOMTRAIN_HOST_MEMORY", "1MiB")
+    args = largest_fit.parse_args(["--device", "cpu", "--presets", "tiny", "--seq", "32"])
+    tried = largest_fit.try_preset(args, "tiny", True, 120)
+    assert (tried["ok"], tried["oom"]) == (False, "host"), tried
+    assert tried["error"].startswith("error: ZeRO-Offload needs ")
+    caps = largest_fit.capacity(largest_fit.torch.device("cpu"))
+    found = largest_fit.search(args, True, float("inf"), caps)
+    assert [(t["ok"], t["oom"]) for t in found["tries"]] == [(False, "host")]
+    assert found["largest"] is None
