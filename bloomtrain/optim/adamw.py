@@ -14,15 +14,17 @@ from bloomtrain.parallel.zero.segments import Segment
 Chunk = tuple[Segment, int, int]
 
 
+FUSED_DEVICES = frozenset(_get_fused_kernels_supported_devices())
+
+
 def fused_supported(device: torch.device) -> bool:
-    return device.type in _get_fused_kernels_supported_devices()
+    return device.type in FUSED_DEVICES
 
 
 def all_chunks(bufs: FlatBuffers, segments: list[Segment]) -> list[Chunk]:
     return [(seg, a, b) for seg in segments for a, b in bufs.chunks(seg)]
 
 
-@torch.no_grad()
 def adamw(bufs: FlatBuffers, chunks: list[Chunk], grads: list[torch.Tensor] | None, cfg,
           lr: float, step_count: int, coeff: float) -> None:
     """One AdamW update of `chunks` of this rank's own ranges, by torch's own AdamW on views of
@@ -40,7 +42,9 @@ def adamw(bufs: FlatBuffers, chunks: list[Chunk], grads: list[torch.Tensor] | No
 
     Kernel: the fused one (torch._fused_adamw_, on CPU too since torch 2.4) where the device has
     it, else the foreach one. Both are torch AdamW; fused reads and writes each element once
-    where foreach makes a pass per operation, which matters most on the host (ZeRO-Offload)."""
+    where foreach makes a pass per operation, which matters most on the host (ZeRO-Offload).
+    No autograd: the buffers are not leaves of any graph (and the offloaded step calls this per
+    batch of chunks, where a no_grad context's cost shows)."""
     if not chunks:
         return
     decayed: tuple[list, list, list, list] = ([], [], [], [])
@@ -61,9 +65,10 @@ def adamw(bufs: FlatBuffers, chunks: list[Chunk], grads: list[torch.Tensor] | No
             out[3].append(states[2][x:y])
     if coeff != 1.0:
         torch._foreach_mul_(all_grads, coeff)
+    step = None
     for (params, gs, ms, vs), wd in ((decayed, cfg.weight_decay), (plain, 0.0)):
         if params:
-            _torch_adamw(params, gs, ms, vs, cfg, lr, step_count, wd)
+            step = _torch_adamw(params, gs, ms, vs, cfg, lr, step_count, wd, step)
 
 
 def decay_runs(seg: Segment, lo: int, hi: int) -> list[tuple[int, int, bool]]:
@@ -82,24 +87,27 @@ def decay_runs(seg: Segment, lo: int, hi: int) -> list[tuple[int, int, bool]]:
     return out
 
 
-def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, cfg, lr, step_count, wd) -> None:
+def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, cfg, lr, step_count, wd, step):
+    """One call of torch's AdamW kernel; returns the step tensor for the next call."""
     device = params[0].device
-    if fused_supported(device):
+    if device.type in FUSED_DEVICES:
         # The kernel torch.optim.AdamW(fused=True) runs, called as its _fused_adam calls it
         # less the grouping by device and dtype (ours are all fp32 on one device) and the step
         # counters' increment: called per chunk under offload, that Python was a tenth of the
         # host step. The step is read, never written: one tensor serves every parameter.
-        step = torch.tensor(float(step_count), device=device)
+        if step is None:
+            step = torch.tensor(float(step_count), device=device)
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
                             amsgrad=False, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
                             weight_decay=wd, eps=cfg.eps, maximize=False, grad_scale=None,
                             found_inf=None)
-        return
+        return step
     # Steps as torch keeps them, one per tensor (the foreach kernel adds 1 before using them).
     steps = list(torch.full((len(params),), float(step_count - 1)).unbind())
     torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, fused=False,
                 amsgrad=False, beta1=cfg.beta1, beta2=cfg.beta2, lr=lr, weight_decay=wd,
                 eps=cfg.eps, maximize=False)
+    return None
 
 
 def clip_coefficient(norm: float, clip: float, loss_scale: float | None) -> float:

@@ -128,15 +128,17 @@ class ZeroAdamW:
         def observed(seg):
             return analysed.update(seg) if analysed is not None else contextlib.nullcontext()
         if engine.host:
-            # Chunk by chunk as each lands in the staging ring, each sent back before the next
-            # is stepped; the analyser sees a segment's masters around all of its chunks.
-            for _, chunks in itertools.groupby(engine.host.landed(), key=lambda c: c.seg.index):
-                first = next(chunks)
-                with observed(first.seg):
-                    for c in itertools.chain([first], chunks):
-                        adamw(bufs, [(c.seg, c.a, c.b)], [c.grad], self.cfg, lr,
-                              self.step_count, coeff)
-                        engine.host.send(c)
+            # Chunk by chunk as they land in the staging ring (a batch of a segment's landed
+            # chunks per call), each batch sent back before the next is stepped; the analyser
+            # sees a segment's masters around all of its chunks.
+            for _, batches in itertools.groupby(engine.host.landed(),
+                                                key=lambda batch: batch[0].seg.index):
+                first = next(batches)
+                with observed(first[0].seg):
+                    for batch in itertools.chain([first], batches):
+                        adamw(bufs, [(c.seg, c.a, c.b) for c in batch],
+                              [c.grad for c in batch], self.cfg, lr, self.step_count, coeff)
+                        engine.host.send(batch)
             return
         if analysed is not None:
             for seg in bufs.layout.segments:  # the same bits as one call (adamw's docstring)

@@ -103,8 +103,11 @@ class HostCopies:
         self._pending.clear()
 
     def landed(self):
-        """Every chunk, in order, each once its gradients are in its slot. The caller steps
-        it and `send`s it back before asking for the next; the slot then takes a later one."""
+        """Every chunk, in order, in batches: the first chunk not yet stepped once its gradients
+        are in its slot, with the chunks of the same segment behind it that have landed too (on
+        the CPU, where copies are synchronous, all those issued: up to the ring). The caller
+        steps a batch and `send`s it back before asking for the next; its slots then take as
+        many later chunks. (Batches only save calls: each chunk is its own tensors.)"""
         # A step without grads_to_host() first would have no gradients to read.
         if len(self.order) and not self._pending:
             raise RuntimeError("HostCopies.landed() needs grads_to_host() first")
@@ -112,37 +115,49 @@ class HostCopies:
             chunk, event = self._pending.popleft()
             if event is not None:
                 event.synchronize()
-            yield chunk
-            if self._issued < len(self.order):
-                self._issue()
+            batch = [chunk]
+            while (self._pending and self._pending[0][0].seg is chunk.seg
+                   and (self._pending[0][1] is None or self._pending[0][1].query())):
+                batch.append(self._pending.popleft()[0])
+            yield batch
+            for _ in batch:
+                if self._issued < len(self.order):
+                    self._issue()
 
-    @torch.no_grad()
-    def cast(self, chunk: Chunk) -> torch.Tensor:
-        """The host's part of `send`: the chunk's updated masters in the compute dtype, written
-        into its slot."""
+    def cast(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """The host's part of `send`: the chunks' updated masters in the compute dtype, each
+        written into its slot (over the gradients the step has read: c <= 4 bytes per
+        element)."""
         bufs = self.bufs
-        cast = bufs.staging[chunk.slot].view(bufs.compute_dtype)[:chunk.b - chunk.a]
-        return cast.copy_(bufs.state_view(bufs.master, chunk.seg)[chunk.a:chunk.b])
+        master = bufs.state_view(bufs.master, chunks[0].seg)
+        out = [bufs.staging[c.slot].view(bufs.compute_dtype)[:c.b - c.a] for c in chunks]
+        torch._foreach_copy_(out, [master[c.a:c.b] for c in chunks])
+        return out
 
     @torch.no_grad()
-    def send(self, chunk: Chunk) -> None:
-        """`chunk`'s updated masters back to the device, in the compute dtype, through its
-        slot (the cast overwrites the gradients the step has read: c <= 4 bytes per element)."""
-        bufs, seg, a, b = self.bufs, chunk.seg, chunk.a, chunk.b
-        cast = self.cast(chunk)
-        if bufs.compute_shard is not None:
-            bufs.state_view(bufs.compute_shard, seg)[a:b].copy_(cast, non_blocking=True)
-        elif not bufs.rules.shard_optimizer:
-            bufs.compute[seg.full_off + a:seg.full_off + b].copy_(cast, non_blocking=True)
-        else:
-            if a == 0:
-                self._shard = torch.empty(seg.shard, dtype=bufs.compute_dtype,
-                                          device=bufs.device)
-            self._shard[a:b].copy_(cast, non_blocking=True)
-        if self.stream is not None:
-            # The slot is free once this copy has read it (queued on the compute stream).
-            self._freed[chunk.slot] = torch.cuda.current_stream(bufs.device).record_event()
-        if self._shard is not None and chunk.last:
-            full = bufs.compute[seg.full_off:seg.full_off + seg.padded]
-            comm.all_gather_into_tensor(full, self._shard, self.topo.dp_group, DP)
-            self._shard = None
+    def send(self, chunks: list[Chunk]) -> None:
+        """The chunks' updated masters back to the device, in the compute dtype, through their
+        slots."""
+        self.copy_back(chunks, self.cast(chunks))
+
+    def copy_back(self, chunks: list[Chunk], casts: list[torch.Tensor]) -> None:
+        """The copies of `send`, from the slots `cast` filled."""
+        bufs = self.bufs
+        for chunk, cast in zip(chunks, casts):
+            seg, a, b = chunk.seg, chunk.a, chunk.b
+            if bufs.compute_shard is not None:
+                bufs.state_view(bufs.compute_shard, seg)[a:b].copy_(cast, non_blocking=True)
+            elif not bufs.rules.shard_optimizer:
+                bufs.compute[seg.full_off + a:seg.full_off + b].copy_(cast, non_blocking=True)
+            else:
+                if a == 0:
+                    self._shard = torch.empty(seg.shard, dtype=bufs.compute_dtype,
+                                              device=bufs.device)
+                self._shard[a:b].copy_(cast, non_blocking=True)
+            if self.stream is not None:
+                # The slot is free once this copy has read it (queued on the compute stream).
+                self._freed[chunk.slot] = torch.cuda.current_stream(bufs.device).record_event()
+            if self._shard is not None and chunk.last:
+                full = bufs.compute[seg.full_off:seg.full_off + seg.padded]
+                comm.all_gather_into_tensor(full, self._shard, self.topo.dp_group, DP)
+                self._shard = None
