@@ -80,8 +80,20 @@ class ParallelConfig:
     # auto: on CUDA the per-device "cpu:gloo,cuda:nccl" (NCCL for CUDA tensors, gloo for CPU
     # ones), else gloo. nccl: the same, insisting on CUDA; gloo: CPU only.
     backend: Backend = "auto"
-    # A collective that waits longer than this fails with an error instead of hanging.
+    # The three timeouts of a job whose network fails (README "When the network fails"), set
+    # here once. The collective timeout: a collective or p2p op that waits longer fails (the
+    # process groups' timeout; torch's NCCL watchdog then aborts the process, with no report).
     timeout_minutes: float = 10.0
+    # The hang watchdog's (bloomtrain/train/watchdog.py): a rank waiting in one op, or in a step
+    # outside any op, this long writes a report naming the op and the ranks it waits on, and
+    # exits. It must fire before the collective timeout, which would end the rank without a
+    # report. None: 90% of timeout_minutes.
+    hang_timeout_minutes: float | None = None
+    # The rendezvous timeout of `bloomtrain train --nnodes` (--rdzv-timeout, in seconds, is the
+    # same setting): how long the nodes wait for each other at the start, and after a failure
+    # with --max-restarts, when the nodes whose workers failed wait for the others to notice
+    # theirs (within the hang timeout) and for a cut link to come back.
+    rdzv_timeout_minutes: float = 10.0
     # ZeRO-Offload (arXiv 2101.06840): keep this rank's fp32 masters and Adam moments in host
     # memory (12 bytes per owned parameter) and run the optimizer step there. The copies to and
     # from the device go through a small pinned staging ring; the states stay pageable.
@@ -105,6 +117,13 @@ class ParallelConfig:
     # the s ranks of its dp group on the node (LOCAL_WORLD_SIZE, torchrun's --nproc-per-node),
     # so backward's gathers stay in the node. Bitwise the same results.
     zero_secondary_shard: bool = False
+
+    @property
+    def hang_timeout_s(self) -> float:
+        """The hang watchdog's timeout in seconds: hang_timeout_minutes, or 90% of the
+        collective timeout."""
+        minutes = self.hang_timeout_minutes
+        return (0.9 * self.timeout_minutes if minutes is None else minutes) * 60
 
 
 @dataclass
@@ -319,6 +338,8 @@ DOMAINS: dict[str, Domain] = {
     "parallel.comm_stats": BOOL,
     "parallel.backend": choice(Backend),
     "parallel.timeout_minutes": POSITIVE,
+    "parallel.hang_timeout_minutes": POSITIVE,
+    "parallel.rdzv_timeout_minutes": POSITIVE,
     "parallel.offload_optimizer": BOOL,
     "parallel.offload_pin_memory": BOOL,
     "parallel.grad_reduce_dtype": choice(GradReduceDtype),
@@ -482,6 +503,11 @@ class Config:
                             f"optim.warmup_samples ({o.warmup_samples})")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             problems.append("checkpoint.save_interval needs checkpoint.dir")
+        if p.hang_timeout_minutes is not None and p.hang_timeout_minutes >= p.timeout_minutes:
+            problems.append(f"parallel.hang_timeout_minutes ({p.hang_timeout_minutes:g}) must be "
+                            f"less than parallel.timeout_minutes ({p.timeout_minutes:g}): the "
+                            f"watchdog reports a hung rank before the collective timeout ends it "
+                            f"without a report; lower it or raise parallel.timeout_minutes")
         if p.grad_error_feedback and p.grad_reduce_dtype == "fp32":
             problems.append("parallel.grad_error_feedback needs a compressed reduction: set "
                             "parallel.grad_reduce_dtype to bf16 or int8 (fp32 loses nothing)")

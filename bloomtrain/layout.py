@@ -502,14 +502,20 @@ class RunLayout:
         return replace(self, shape=shape)
 
 
-def check_run(cfg: Config, max_restarts: int = 0) -> None:
+# How much longer than the hang timeout the rendezvous must wait for a job to re-form after a
+# failure: the watchdog's poll (<= 1 s) and its grace after a raised op (10 s), and the elastic
+# agent noticing and stopping its workers, with room to spare.
+RESTART_MARGIN_S = 30
+
+
+def check_run(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> None:
     """The rules between the training, checkpoint, data and launch settings."""
-    raise_all(run_problems(cfg, max_restarts))
+    raise_all(run_problems(cfg, max_restarts, nnodes))
 
 
-def run_problems(cfg: Config, max_restarts: int = 0) -> list[str]:
+def run_problems(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> list[str]:
     """What `check_run` finds wrong, one message per broken rule."""
-    t, c, out = cfg.train, cfg.checkpoint, []
+    t, c, p, out = cfg.train, cfg.checkpoint, cfg.parallel, []
     if t.on_loss_spike == "rollback" and not c.dir:
         out.append("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the last "
                    "checkpoint)")
@@ -521,16 +527,28 @@ def run_problems(cfg: Config, max_restarts: int = 0) -> list[str]:
                    f"{'' if c.dir else ' with no checkpoint.dir'}: set checkpoint.dir and "
                    f"checkpoint.resume=auto so that a restart continues from the job's last "
                    f"checkpoint")
+    rdzv_s = p.rdzv_timeout_minutes * 60
+    if max_restarts and nnodes > 1 and rdzv_s < p.hang_timeout_s + RESTART_MARGIN_S:
+        # After a failure the first node to restart waits at the rendezvous for the others,
+        # whose workers may notice only when their watchdog fires (a cut link raises nothing).
+        out.append(f"--max-restarts {max_restarts} over {nnodes} nodes: the rendezvous timeout "
+                   f"({rdzv_s:g} s, parallel.rdzv_timeout_minutes or --rdzv-timeout) must "
+                   f"exceed the hang timeout ({p.hang_timeout_s:g} s, "
+                   f"parallel.hang_timeout_minutes) by {RESTART_MARGIN_S} s or more: after a "
+                   f"failure the nodes that restart first wait that long for the others, whose "
+                   f"watchdogs notice it within the hang timeout; raise the rendezvous timeout "
+                   f"or lower the hang timeout")
     return out
 
 
-def validate(cfg: Config, world_size: int, *, max_restarts: int = 0) -> RunLayout:
+def validate(cfg: Config, world_size: int, *, max_restarts: int = 0,
+             nnodes: int = 1) -> RunLayout:
     """Check the whole config for `world_size` processes, once per run and before anything
     starts: each key, then every rule that combines them, all of whose failures one UserError
     lists. The model has `model.vocab_size` rows until `RunLayout.with_vocab` gives it the
-    tokenizer's; `max_restarts` is the launcher's."""
+    tokenizer's; `max_restarts` and `nnodes` are the launcher's."""
     cfg.check()
-    problems = run_problems(cfg, max_restarts)
+    problems = run_problems(cfg, max_restarts, nnodes)
     try:
         check_attention(cfg.train.attention, cfg.model.attention_dropout)
     except UserError as e:

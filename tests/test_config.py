@@ -42,6 +42,27 @@ def test_validation_messages(over, match):
         validate(cfg, 1)
 
 
+def test_the_three_timeouts_and_the_watchdog_before_the_collective_timeout():
+    cfg = base()
+    p = cfg.parallel
+    assert (p.timeout_minutes, p.hang_timeout_minutes, p.rdzv_timeout_minutes) == (10, None, 10)
+    assert p.hang_timeout_s == 540  # 90% of the collective timeout unless set
+    p.hang_timeout_minutes = 2
+    assert p.hang_timeout_s == 120
+    validate(cfg, 1)
+    # The watchdog must report before the collective timeout ends a rank without a report.
+    for hang in (10, 12):
+        p.hang_timeout_minutes = hang
+        with pytest.raises(UserError) as e:
+            validate(cfg, 1)
+        assert str(e.value) == (
+            f"parallel.hang_timeout_minutes ({hang}) must be less than parallel.timeout_minutes "
+            f"(10): the watchdog reports a hung rank before the collective timeout ends it "
+            f"without a report; lower it or raise parallel.timeout_minutes")
+    p.timeout_minutes = 20  # the companion key makes it valid
+    validate(cfg, 1)
+
+
 def test_unknown_keys_and_types():
     with pytest.raises(UserError, match="unknown key"):
         Config.from_dict({"train": {"microbatch": 2}})
@@ -222,6 +243,8 @@ def _companions(key: str, value) -> dict:
         return {"parallel.grad_reduce_dtype": "int8"}
     if key == "parallel.zero_secondary_shard":
         return {"parallel.zero_stage": 3}
+    if key == "parallel.hang_timeout_minutes":  # the watchdog fires before the collective timeout
+        return {"parallel.timeout_minutes": max(2 * value, 1.0)}
     return {}
 
 
@@ -293,6 +316,7 @@ COUNT_KEYS = (  # positive numbers: 0 and -1 refused, 1 accepted
     "model.ffn_hidden_size", "model.layer_norm_epsilon", "model.init_method_std",
     "model.make_vocab_size_divisible_by", "parallel.tp", "parallel.pp",
     "parallel.num_virtual_stages", "parallel.bucket_size_mb", "parallel.timeout_minutes",
+    "parallel.hang_timeout_minutes", "parallel.rdzv_timeout_minutes",
     "data.seq_length", "optim.lr", "optim.decay_samples", "optim.eps", "optim.initial_loss_scale",
     "optim.loss_scale_window", "optim.hysteresis", "optim.min_loss_scale",
     "train.micro_batch_size", "train.global_batch_size", "train.train_iters",

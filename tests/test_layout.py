@@ -164,6 +164,26 @@ def test_rules_across_sections(over, kw, message):
     validate(cfg, 1, **kw)
 
 
+def test_restarts_over_nodes_need_a_rendezvous_longer_than_the_hang_timeout():
+    # After a failure the nodes that restart first wait at the rendezvous for the others,
+    # whose watchdogs notice within the hang timeout (a cut link raises nothing).
+    cfg = helpers.config()
+    cfg.checkpoint.dir = "ck"
+    cfg.parallel.timeout_minutes = 20  # hang timeout 18 min = 1080 s
+    validate(cfg, 2, max_restarts=1)  # one node: its agent restarts all its workers at once
+    validate(cfg, 2, nnodes=2)  # no restarts: nothing waits after a failure
+    with pytest.raises(UserError) as e:
+        validate(cfg, 2, max_restarts=1, nnodes=2)
+    assert str(e.value) == (
+        "--max-restarts 1 over 2 nodes: the rendezvous timeout (600 s, "
+        "parallel.rdzv_timeout_minutes or --rdzv-timeout) must exceed the hang timeout (1080 s, "
+        "parallel.hang_timeout_minutes) by 30 s or more: after a failure the nodes that restart "
+        "first wait that long for the others, whose watchdogs notice it within the hang timeout; "
+        "raise the rendezvous timeout or lower the hang timeout")
+    cfg.parallel.rdzv_timeout_minutes = 18.5  # exactly 30 s more
+    validate(cfg, 2, max_restarts=1, nnodes=2)
+
+
 def test_the_tokenizers_vocabulary_is_padded_and_split_over_tp():
     cfg = helpers.config(parallel={"tp": 2})
     cfg.model.vocab_size = None

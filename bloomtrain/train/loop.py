@@ -122,7 +122,7 @@ class Trainer:
         self.harness = HarnessHook.from_config(cfg, self.tokenizer, self.print)
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
-        self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.timeout_minutes)
+        self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.hang_timeout_s)
         self.is_logger = self.topo.rank == 0
         self._log = log
         self.shape, self.batches = run.shape, run.batches

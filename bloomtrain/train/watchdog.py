@@ -1,10 +1,11 @@
-"""The hang watchdog. When an op has been waited on longer than `parallel.timeout_minutes`
-(comm.INFLIGHT records the op each thread is blocked in), or a training step has gone that long
-outside any op (the trainer's `heartbeat`), the process writes `run_dir/hang/RANK.txt` (a `key:
-value` header: the rank, its coordinates, the op, its group and members, the peer, how long; then
-every thread's stack from faulthandler) and exits with HANG_EXIT_CODE, from a daemon thread: a
-hung collective cannot be interrupted from Python. The local launcher prints `summarize` of the
-ranks' reports: who waited in what, on whom.
+"""The hang watchdog. When an op has been waited on longer than the hang timeout
+(`parallel.hang_timeout_minutes`, by default 90% of the collective timeout
+`parallel.timeout_minutes`; comm.INFLIGHT records the op each thread is blocked in), or a
+training step has gone that long outside any op (the trainer's `heartbeat`), the process writes
+`run_dir/hang/RANK.txt` (a `key: value` header: the rank, its coordinates, the op, its group and
+members, the peer, how long; then every thread's stack from faulthandler) and exits with
+HANG_EXIT_CODE, from a daemon thread: a hung collective cannot be interrupted from Python. The
+local launcher prints `summarize` of the ranks' reports: who waited in what, on whom.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its li
 # Set by the local launcher: a folder where each reporting rank leaves the path of its report,
 # for the launcher's summary. Under torchrun every rank prints its own summary line to stderr.
 REPORTS_ENV = "BLOOMTRAIN_HANG_REPORTS"
-# The backend's own timeout (the groups are created with the same minutes) often fires first, and
-# a dead peer makes gloo raise "Connection closed by peer" at once: comm hands the error to
-# on_failure, which writes the same report. If unwinding then blocks again (the end-of-run
-# barrier would wait one more timeout), the watchdog ends the process this long after.
+# An op can raise before the hang timeout: a dead peer makes gloo raise "Connection closed by
+# peer" at once (the collective timeout, which config keeps the longer, seldom comes first): comm
+# hands the error to on_failure, which writes the same report. If unwinding then blocks again (the
+# end-of-run barrier would wait one more timeout), the watchdog ends the process this long after.
 GRACE_S = 10.0
 P2P_KINDS = ("send", "recv", "batch_isend_irecv")
 
@@ -115,12 +116,12 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, topo, run_dir, timeout_minutes: float) -> "Watchdog":
+    def start(cls, topo, run_dir, timeout_s: float) -> "Watchdog":
         """The watchdog of a training run: watching in a daemon thread when the job has more
         than one rank (one process has nothing to wait on)."""
         if cls._active is not None:
             cls._active.stop()
-        dog = cls(topo, run_dir, timeout_minutes * 60)
+        dog = cls(topo, run_dir, timeout_s)
         if topo.world_size > 1:
             comm.INFLIGHT.on_failure = dog.on_failure
             dog._thread = threading.Thread(target=dog._watch, name="bloomtrain-watchdog",
