@@ -128,8 +128,11 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # HOST:PORT of node 0; a free local port when one node
-    rdzv_timeout: int = 600  # torch's own default join timeout
+    rdzv_timeout: float = 600  # seconds; torch's own default join timeout
     max_restarts: int = 0
+    # The address the other nodes reach this node at (torchrun's --local-addr); None: the
+    # source address of this node's route to the rendezvous endpoint (node_address).
+    local_addr: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -147,8 +150,8 @@ class LaunchSpec:
                             f"(--nnodes {self.nnodes}); number the nodes 0 to "
                             f"{self.nnodes - 1}, 0 on the host of --rdzv-endpoint")
         if self.rdzv_timeout < 1:
-            raise UserError(f"--rdzv-timeout {self.rdzv_timeout}: give the seconds a node waits "
-                            f"for the others (1 or more)")
+            raise UserError(f"--rdzv-timeout {self.rdzv_timeout:g}: give the seconds a node "
+                            f"waits for the others (1 or more)")
         if self.max_restarts < 0:
             raise UserError(f"--max-restarts {self.max_restarts}: give 0 (no restarts) or more")
         if self.nnodes > 1 and not self.rdzv_endpoint:
@@ -160,6 +163,123 @@ class LaunchSpec:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise UserError(f"--rdzv-endpoint {self.rdzv_endpoint!r}: give HOST:PORT, e.g. "
                                 f"node0.cluster:29500")
+        if self.local_addr is not None and self.nnodes == 1:
+            raise UserError(f"--local-addr {self.local_addr} is the address the other nodes "
+                            f"reach this one at; it needs --nnodes > 1")
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """What a node of a multi-node job tells the others: `addr` (torch's agent hands rank 0's
+    node's to every worker as MASTER_ADDR), and `interface`, the one holding it (None: not
+    found), which the workers' gloo binds to (GLOO_SOCKET_IFNAME)."""
+    addr: str
+    interface: str | None
+
+
+def _strip_brackets(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _resolve(host: str, what: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UserError(f"{what}: cannot resolve {host!r} on this node ({e.strerror}); give an "
+                        f"address, or a name this node's resolver knows") from None
+    return list(dict.fromkeys(info[4][0] for info in infos))
+
+
+def _route_source(addr: str, port: int) -> str | None:
+    """The source address of this node's route to `addr` (a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_addresses() -> dict[str, str]:
+    """Every address of this host's interfaces -> the interface's name (Linux: IPv4 from the
+    SIOCGIFCONF ioctl, IPv6 from /proc/net/if_inet6; elsewhere empty)."""
+    out: dict[str, str] = {}
+    try:
+        import array
+        import fcntl
+        import struct
+
+        ifreq = 40 if struct.calcsize("P") == 8 else 32  # char[16] + the union, padded
+        buf = array.array("B", bytes(256 * ifreq))
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8912,  # SIOCGIFCONF
+                                 struct.pack("iP", len(buf), buf.buffer_info()[0]))
+        used = struct.unpack("iP", packed)[0]
+        raw = buf.tobytes()
+        for at in range(0, used, ifreq):
+            name = raw[at:at + 16].split(b"\0", 1)[0].decode(errors="replace").split(":")[0]
+            out[socket.inet_ntoa(raw[at + 20:at + 24])] = name  # sockaddr_in's sin_addr
+    except (ImportError, OSError):
+        pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                hexaddr, *_, name = line.split()
+                out[socket.inet_ntop(socket.AF_INET6, bytes.fromhex(hexaddr))] = name
+    except OSError:
+        pass
+    return out
+
+
+def node_address(spec: LaunchSpec) -> NodeAddress | None:
+    """The address this node advertises in a multi-node job (None for one node): --local-addr,
+    else the source address of its route to the rendezvous endpoint, which is the interface
+    the other nodes reach it through on a multi-homed host. torch's agent would advertise the
+    hostname's address instead, which is loopback on many hosts (Ubuntu's hosts file maps the
+    hostname to 127.0.1.1): node 0 handed that to every worker as MASTER_ADDR, and the job
+    never formed. A loopback address is refused here, at once, unless the endpoint itself is
+    a loopback address (every node on this one machine)."""
+    if spec.nnodes == 1 or spec.rdzv_endpoint is None:
+        return None
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    host = _strip_brackets(host)
+    one_machine = host == "localhost" or _is_loopback(host)
+    if spec.local_addr is not None:
+        addrs = _resolve(_strip_brackets(spec.local_addr), f"--local-addr {spec.local_addr}")
+        addr = addrs[0]
+        if _is_loopback(addr) and not one_machine:
+            raise UserError(f"--local-addr {spec.local_addr} is a loopback address, which the "
+                            f"other nodes cannot reach; give this node's address on the "
+                            f"network they share")
+        interfaces = interface_addresses()
+        if interfaces and addr not in interfaces:
+            raise UserError(f"--local-addr {spec.local_addr} is not an address of this node "
+                            f"(its interfaces hold {', '.join(sorted(interfaces))}); give one "
+                            f"of these, the one the other nodes reach")
+        return NodeAddress(addr, interfaces.get(addr))
+    targets = _resolve(host, f"--rdzv-endpoint {spec.rdzv_endpoint}")
+    addr = next((a for a in map(lambda t: _route_source(t, int(port)), targets) if a), None)
+    if addr is None:
+        raise UserError(f"this node has no route to the rendezvous endpoint "
+                        f"{spec.rdzv_endpoint} ({host} is {', '.join(targets)}); check its "
+                        f"network, or give --local-addr ADDR, this node's address the others "
+                        f"reach")
+    if _is_loopback(addr) and not one_machine:
+        raise UserError(f"this node would advertise {addr}, a loopback address the other nodes "
+                        f"cannot reach: --rdzv-endpoint's host {host} resolves to "
+                        f"{', '.join(targets)} here; give --local-addr ADDR, this node's "
+                        f"address on the network the nodes share")
+    return NodeAddress(addr, interface_addresses().get(addr))
 
 
 # The rendezvous is torch's c10d one (what `torchrun --rdzv-backend c10d` uses), registered
@@ -388,13 +508,13 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
 
     spec = spec or LaunchSpec(nproc=nproc)
     spec.check()
-    lc, endpoint = _launch_config(spec)
+    lc, endpoint, node_env = _launch_config(spec)
     # By default the workers' store is one the agent keeps across restarts, and a restarted
     # group reads the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
     # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
     # attempt; without restarts the shared one stays, as it outlives an early-exiting rank 0.
     unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    env = {**(worker_env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
+    env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
     with contextlib.ExitStack() as stack:
         taker = _SigintTaker(sigint, stack)
         env.update(taker.worker_env(lc))
@@ -426,11 +546,29 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     return taker.after(results)
 
 
+def _address_env(spec: LaunchSpec, address: NodeAddress | None, endpoint: str) -> dict:
+    """The workers' gloo interface for a node of several, said in one line. gloo binds to the
+    address the hostname resolves to, loopback on many hosts (node_address): the workers' gloo
+    goes through the interface this node advertises, unless the user chose one."""
+    if address is None:
+        return {}
+    env = {}
+    if address.interface and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        env["GLOO_SOCKET_IFNAME"] = address.interface
+    how = "--local-addr" if spec.local_addr else f"the route to {endpoint}"
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME") or address.interface or "its default"
+    print(f"[launch] node {spec.node_rank} of {spec.nnodes} advertises {address.addr} ({how}; "
+          f"gloo on {gloo})", file=sys.stderr, flush=True)
+    return env
+
+
 def _launch_config(spec: LaunchSpec):
-    """torch's LaunchConfig for `spec`, and the rendezvous endpoint: a free localhost port for
-    one node."""
+    """torch's LaunchConfig for `spec`, the rendezvous endpoint (a free localhost port for one
+    node) and the workers' variables for the address this node advertises (node_address)."""
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig
+
+    address = node_address(spec)
 
     if spec.rdzv_endpoint is None:
         with socket.socket() as s:
@@ -443,7 +581,7 @@ def _launch_config(spec: LaunchSpec):
         endpoint, run_id = spec.rdzv_endpoint, "bloomtrain"
     rendezvous_handler_registry.register(_RDZV_BACKEND, _c10d_handler)
     _ARRIVALS.clear()
-    return LaunchConfig(
+    lc = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc, run_id=run_id,
         rdzv_backend=_RDZV_BACKEND, rdzv_endpoint=endpoint,
         # Node 0 hosts the store, whatever its name resolves to (torch would guess from the
@@ -451,7 +589,9 @@ def _launch_config(spec: LaunchSpec):
         # to join.
         rdzv_configs={"join_timeout": spec.rdzv_timeout, "read_timeout": spec.rdzv_timeout,
                       "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
-        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn"), endpoint
+        max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
+        local_addr=address.addr if address is not None else None)
+    return lc, endpoint, _address_env(spec, address, endpoint)
 
 
 def _signalled_exit(sigval: int, nproc: int, forced: int, after: str | None) -> None:
@@ -471,7 +611,7 @@ def _connection_text(spec: LaunchSpec, endpoint: str, e: BaseException) -> str:
     where = ("host the rendezvous store (node 0 does) at" if spec.node_rank == 0 else
              "reach the rendezvous store of node 0 at")
     return (f"node {spec.node_rank} could not {where} {endpoint} within "
-            f"{spec.rdzv_timeout} s ({cause}). Check that node 0 runs `bloomtrain train` "
+            f"{spec.rdzv_timeout:g} s ({cause}). Check that node 0 runs `bloomtrain train` "
             f"with --node-rank 0 on the host {endpoint.rpartition(':')[0]}, that the port is "
             f"free there and reachable from this node (firewall), and that every node "
             f"gives the same --rdzv-endpoint; raise --rdzv-timeout if nodes start far "
@@ -510,7 +650,7 @@ def _timeout_text(spec: LaunchSpec, endpoint: str) -> str:
         absent = [r for r in range(spec.nnodes) if r not in arrived]
         count = f"{len(arrived)} of {spec.nnodes} nodes arrived"
         missing = f"; node(s) {absent} never did" if absent else ""
-    return (f"the rendezvous at {endpoint} timed out after {spec.rdzv_timeout} s: {count}"
+    return (f"the rendezvous at {endpoint} timed out after {spec.rdzv_timeout:g} s: {count}"
             f"{missing}. Start `bloomtrain train` on every node with --nnodes {spec.nnodes}, "
             f"--rdzv-endpoint {endpoint} and its own --node-rank (0 to {spec.nnodes - 1}); check "
             f"that each node can reach {endpoint} (hostname, firewall) and runs the same "

@@ -107,8 +107,17 @@ def test_a_node_that_never_arrives_fails_the_other_with_a_clear_message(dataset,
     (["--max-restarts", "1", "checkpoint.resume=none", "checkpoint.dir=ck"],
      "set checkpoint.dir and checkpoint.resume=auto"),
     (["--max-restarts", "1"], "with no checkpoint.dir"),
-    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "parallel.tp=3"],
+    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "parallel.tp=3"],
      "parallel.tp"),  # the layout is checked against both nodes' workers
+    (["--nnodes", "2", "--rdzv-endpoint", "no-such-node.invalid:1"],
+     "--rdzv-endpoint no-such-node.invalid:1: cannot resolve 'no-such-node.invalid' on this "
+     "node"),
+    (["--local-addr", "10.0.0.1"], "--local-addr 10.0.0.1 is the address the other nodes reach "
+                                   "this one at; it needs --nnodes > 1"),
+    (["--nnodes", "2", "--max-restarts", "1", "--rdzv-endpoint", "127.0.0.1:1",
+      "--rdzv-timeout", "60", "checkpoint.dir=ck"],
+     "the rendezvous timeout (60 s, parallel.rdzv_timeout_minutes or --rdzv-timeout) must "
+     "exceed the hang timeout (540 s"),
 ])
 def test_launcher_options_are_checked_before_anything_starts(dataset, tmp_path, capsys,
                                                              monkeypatch, args, message):

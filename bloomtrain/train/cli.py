@@ -1,5 +1,5 @@
 """`bloomtrain train --config FILE [section.key=value ...] [--nproc N] [--nnodes N --node-rank R
---rdzv-endpoint HOST:PORT] [--max-restarts N]`."""
+--rdzv-endpoint HOST:PORT [--local-addr ADDR]] [--max-restarts N]`."""
 from __future__ import annotations
 
 import os
@@ -8,11 +8,12 @@ import sys
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import validate
-from bloomtrain.runtime import STOP_FILE_ENV, LaunchSpec, env_from_slurm, world_size_from_env
+from bloomtrain.runtime import (STOP_FILE_ENV, LaunchSpec, env_from_slurm, node_address,
+                                world_size_from_env)
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
-LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": 600,
-                   "max_restarts": 0}
+LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": None,
+                   "max_restarts": 0, "local_addr": None}
 
 
 def worker_entry(config_path, overrides, run):
@@ -40,12 +41,17 @@ def worker_entry(config_path, overrides, run):
             dist.destroy_process_group()
 
 
-def launch_spec(args) -> LaunchSpec | None:
+def launch_spec(args, cfg: Config) -> LaunchSpec | None:
     """The launch the command line asks for; None when this process is a worker itself (under
-    torchrun or srun) or runs the job alone."""
+    torchrun or srun) or runs the job alone. The rendezvous timeout is the config's
+    parallel.rdzv_timeout_minutes, which --rdzv-timeout sets in seconds (an override)."""
+    rdzv = args.rdzv_timeout
+    if rdzv is None:
+        rdzv = cfg.parallel.rdzv_timeout_minutes * 60
     spec = LaunchSpec(nproc=1 if args.nproc is None else args.nproc, nnodes=args.nnodes,
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_timeout=args.rdzv_timeout, max_restarts=args.max_restarts)
+                      rdzv_timeout=rdzv, max_restarts=args.max_restarts,
+                      local_addr=args.local_addr)
     if "WORLD_SIZE" in os.environ:
         given = [f"--{k.replace('_', '-')}" for k, v in LAUNCH_DEFAULTS.items()
                  if getattr(args, k) != v]
@@ -53,9 +59,11 @@ def launch_spec(args) -> LaunchSpec | None:
             raise UserError(f"{' '.join(given)} are bloomtrain's launcher options, but this "
                             f"process already runs under a launcher (WORLD_SIZE is set); give "
                             f"them to torchrun (--nnodes, --node-rank, --rdzv-endpoint, "
-                            f"--max-restarts), or run `bloomtrain train` without torchrun")
+                            f"--max-restarts, --local-addr), or run `bloomtrain train` without "
+                            f"torchrun")
         return None
     spec.check()
+    node_address(spec)  # a loopback advertisement refused now, before anything waits
     if spec.world_size == 1 and not spec.max_restarts:
         return None
     return spec
@@ -65,12 +73,16 @@ def cmd_train(args) -> int:
     from bloomtrain.report.closing import print_closing  # the run's last lines
 
     # Every check of the config before torch is imported (seconds of CPU) or a worker starts.
+    if args.rdzv_timeout is not None:  # the config's key, as the workers and config.yaml see it
+        args.overrides = [*args.overrides,
+                          f"parallel.rdzv_timeout_minutes={args.rdzv_timeout / 60!r}"]
     cfg = Config.load(args.config, args.overrides)
-    spec = launch_spec(args)
+    spec = launch_spec(args, cfg)
     if spec is None:
         env_from_slurm()  # a plain srun's tasks as torchrun's variables, as the Trainer does
     run = validate(cfg, spec.world_size if spec is not None else world_size_from_env(),
-                   max_restarts=spec.max_restarts if spec is not None else 0)
+                   max_restarts=spec.max_restarts if spec is not None else 0,
+                   nnodes=spec.nnodes if spec is not None else 1)
     # The datasets and the tokenizer too (numpy, no torch): a missing file or a token id past
     # the model's vocabulary is refused here, not in every worker after the launch.
     from bloomtrain.data.check import check_data
@@ -123,9 +135,15 @@ def register(sub) -> None:
                       metavar="HOST:PORT",
                       help="node 0's address and a free port there, the same on every node "
                            "(c10d rendezvous); needed with --nnodes > 1")
+    node.add_argument("--local-addr", default=LAUNCH_DEFAULTS["local_addr"], metavar="ADDR",
+                      help="this node's address, the one the other nodes reach it at (as "
+                           "torchrun's); default: the source address of the route to "
+                           "--rdzv-endpoint. A loopback address is refused")
     node.add_argument("--rdzv-timeout", type=int, default=LAUNCH_DEFAULTS["rdzv_timeout"],
                       metavar="SECONDS",
-                      help="how long a node waits for the others to arrive (default 600)")
+                      help="how long a node waits for the others to arrive, at the start and "
+                           "after a restart: parallel.rdzv_timeout_minutes in seconds (default "
+                           "600)")
     node.add_argument("--max-restarts", type=int, default=LAUNCH_DEFAULTS["max_restarts"],
                       metavar="N",
                       help="after a worker fails, restart every worker of the job up to N times; "
