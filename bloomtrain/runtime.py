@@ -11,11 +11,13 @@ is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -314,7 +316,75 @@ def _c10d_handler(params):
     node_rank = params.get_as_int("node_rank")
     store.set(_arrival_key(params.run_id, node_rank), socket.gethostname())
     _ARRIVALS.update(store=store, run_id=params.run_id)
-    return create_handler(store, Named(), params)
+    handler = create_handler(store, Named(), params)
+    # While the workers run, torch's agent asks the store every monitor interval whether a
+    # node waits to join; with the link to node 0 cut, that call (and the shutdown's) blocks
+    # for the store's whole timeout, the rendezvous timeout: the agent would leave workers
+    # that its watchdog ended unseen until the link came back. Asked in a thread instead, the
+    # agent keeps watching its workers; what needs the store (a restart's rendezvous) still
+    # waits for it, up to the rendezvous timeout.
+    handler.num_nodes_waiting = _Unblocked(handler.num_nodes_waiting)
+    handler.shutdown = functools.partial(_bounded, handler.shutdown, False, SHUTDOWN_WAIT_S)
+    return handler
+
+
+# How long a failed node's launcher tries to close the rendezvous in node 0's store before it
+# leaves without (the store unreachable: it exits all the same).
+SHUTDOWN_WAIT_S = 5.0
+
+
+def _bounded(fn, default, seconds: float):
+    """fn() in a daemon thread, waited on `seconds` at most (then `default`); its error
+    re-raised."""
+    box: dict = {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+    thread = threading.Thread(target=call, name="bloomtrain-rdzv", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value", default)
+
+
+class _Unblocked:
+    """The handler's num_nodes_waiting, asked in a daemon thread and waited on for a moment:
+    while the store does not answer, the last answer stands (0 before any), and the next call
+    waits on the same question. Its error is raised as the call's."""
+
+    WAIT_S = 1.0
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, 0
+        self.thread: threading.Thread | None = None
+        self.box: dict = {}
+
+    def _ask(self) -> None:
+        self.box = box = {}
+
+        def call():
+            try:
+                box["value"] = self.fn()
+            except BaseException as e:  # noqa: BLE001 - raised by __call__
+                box["error"] = e
+        self.thread = threading.Thread(target=call, name="bloomtrain-rdzv-probe", daemon=True)
+        self.thread.start()
+
+    def __call__(self) -> int:
+        if self.thread is None:
+            self._ask()
+        self.thread.join(self.WAIT_S)
+        if self.thread.is_alive():  # no answer yet: the store is out of reach
+            return self.last
+        box, self.thread = self.box, None
+        if "error" in box:
+            raise box["error"]
+        self.last = box["value"]
+        return self.last
 
 
 def _arrived(nnodes: int) -> list[int] | None:

@@ -57,7 +57,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
         def explain(rank, failure) -> str:
             lost = failure.exitcode < 0  # killed by a signal: not a hang, a rank gone
             found = watchdog.read_pointers(reports)
-            lines = watchdog.summarize(found, spec.world_size)
+            lines = watchdog.summarize(found, spec.world_size, spec.nnodes)
             if lines and lost:  # what the others were doing when the rank went
                 lines[0] = (f"bloomtrain: rank {rank} was lost; {len(found)} rank(s) of this "
                             f"node reported the op they were in:")

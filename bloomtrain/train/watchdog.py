@@ -308,9 +308,10 @@ def _doing(report: dict[str, str]) -> str:
     return f"in {report.get('op')}/{report.get('comm')}"
 
 
-def summarize(reports: dict[int, dict[str, str]], world_size: int) -> list[str]:
+def summarize(reports: dict[int, dict[str, str]], world_size: int,
+              nnodes: int = 1) -> list[str]:
     """One line per reporting rank: who waited in what, on whom; then the ranks that did not
-    report."""
+    report (with `nnodes` > 1, this node's launcher sees only its own ranks' reports)."""
     if not reports:
         return []
     lines = [(f"bloomtrain: the job hung; {len(reports)} of {world_size} ranks reported (each "
@@ -329,7 +330,11 @@ def summarize(reports: dict[int, dict[str, str]], world_size: int) -> list[str]:
                 line += "; waiting on " + ", ".join(parts)
         lines.append(f"  {line} [{r['path']}]")
     missing = [q for q in range(world_size) if q not in reports]
-    if missing:
+    if missing and nnodes > 1:
+        lines.append(f"  rank(s) {ranks_text(missing)} did not report here: they run on the "
+                     f"other nodes, whose launchers list their reports (each rank's is in "
+                     f"run_dir/hang/), or ended before their watchdog fired")
+    elif missing:
         lines.append(f"  rank(s) {ranks_text(missing)} did not report (exited, or killed, "
                      f"before their watchdog fired)")
     return lines
