@@ -187,7 +187,10 @@ class Trainer:
                                    timeline=timeline, **self._schedule_kwargs(micro_batches))
         if timeline is not None:
             timeline.save(self.run_dir, self.state.step + 1)
-        loss = global_loss(loss, self.topo, self.device)
+        # A dp collective, the step's first under ZeRO 0-1 (2-3 reduce in backward): where a
+        # rank waits for a slow dp peer, timed as the engine's own waits (the straggler check).
+        with self.engine.waits.waiting():
+            loss = global_loss(loss, self.topo, self.device)
         self.spike = self.spikes.check(self.state, loss)  # before the step it may veto
         lr = self.lr_schedule(self.state.consumed_samples)
         self.engine.reduce_gradients()

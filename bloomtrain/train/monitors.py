@@ -3,14 +3,15 @@ gradient analyser's vanishing and exploding blocks. Off the hot path: per step, 
 (only where no peak counter exists) and, every `train.grad_stats_interval` steps, the analyser
 inside the optimizer's step; per record, one all-gather of four numbers per rank. A record
 carries "mem_peak_bytes" (the largest over ranks), "mem_peak_rank", "mem_kind",
-"step_time_max_s", "step_time_median_s", "busy_time_median_s", a straggler's "straggler_rank"
-and "straggler_ratio", and the last analysed step's "grad_stats".
+"step_time_max_s", "step_time_median_s", "busy_time_median_s", a straggler's "straggler_rank",
+"straggler_ratio" and "straggler_node" (its hostname), and the last analysed step's "grad_stats".
 """
 from __future__ import annotations
 
 import math
 import os
 import resource
+import socket
 import statistics
 import sys
 
@@ -25,6 +26,7 @@ from bloomtrain.optim.grad_stats import GradStats
 VANISHING = 1e-8
 EXPLODING = 100.0  # times the median entry norm
 SHOWN_FLAGS = 6  # flags spelled out in one log line
+HOST_BYTES = 64  # HOST_NAME_MAX on Linux: a straggler's node, by its hostname
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -156,6 +158,7 @@ class Monitors:
         # same step's when it is a log step; of several analysed steps, the last).
         self._grad_stats: dict | None = None
         self._flags_line: str | None = None
+        self._hosts: list[str] | None = None  # every rank's hostname, gathered at the first record
 
     def grad_stats_due(self, step: int) -> bool:
         every = self.t.grad_stats_interval
@@ -175,6 +178,20 @@ class Monitors:
                                         for f in flags]}
         self._flags_line = flags_line(step, flags) if flags else None
         return [self._flags_line] if flags else []
+
+    def hosts(self) -> list[str]:
+        """Every rank's hostname, by global rank: which node a straggler is on. Gathered once,
+        as fixed-size byte rows (a collective: every rank calls it at the same record)."""
+        if self._hosts is None:
+            world = self.topo.world_size
+            mine = torch.zeros(HOST_BYTES, dtype=torch.uint8, device=self.device)
+            name = socket.gethostname().encode()[:HOST_BYTES]
+            mine[:len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+            rows = torch.empty(world * HOST_BYTES, dtype=torch.uint8, device=self.device)
+            comm.all_gather_into_tensor(rows, mine, comm.world_group(), "monitor")
+            self._hosts = [bytes(row).rstrip(b"\0").decode(errors="replace")
+                           for row in rows.view(world, HOST_BYTES).cpu().tolist()]
+        return self._hosts
 
     def record(self, step_time_s: float, num_steps: int) -> tuple[dict, list[str], list[str]]:
         """(fields, alerts, lines) of a record covering `num_steps` steps of mean wall time
@@ -203,10 +220,11 @@ class Monitors:
         if found is not None:
             rank, ratio = found
             c = self.topo.layout.coords(rank)
-            fields.update(straggler_rank=rank, straggler_ratio=ratio)
-            lines.append(f"[train] straggler: rank {rank} (pp {c.pp}, dp {c.dp}, tp {c.tp}) "
-                         f"{ratio:.2f}x the median step time (busy time: less waits for dp "
-                         f"peers)")
+            host = self.hosts()[rank]
+            fields.update(straggler_rank=rank, straggler_ratio=ratio, straggler_node=host)
+            lines.append(f"[train] straggler: rank {rank} (pp {c.pp}, dp {c.dp}, tp {c.tp}) on "
+                         f"node {host}, {ratio:.2f}x the median step time (busy time: less "
+                         f"waits for dp peers)")
         alerts = list(lines)
         if self._grad_stats is not None:
             fields["grad_stats"], self._grad_stats = self._grad_stats, None
