@@ -168,7 +168,9 @@ def test_train_refuses_a_small_host_before_allocating_anything(dataset, tmp_path
         assert needed > 2 * MIB
         assert f"more than the 2.00 MiB ({2 * MIB:,} bytes) available ({HOST_MEMORY_ENV})" \
             in msg
-        assert fix in msg and "parallel.offload_optimizer=false" in msg
+        # On a CPU device offload moves nothing off the host: no use asking to turn it off.
+        assert fix in msg and "fewer processes per node" in msg
+        assert "offload_optimizer=false" not in msg
         assert not dist.is_initialized()
     # The same run on a host that holds it gets past the check (to the buffers).
     monkeypatch.setenv(HOST_MEMORY_ENV, "64GiB")
@@ -255,3 +257,19 @@ def test_the_node_is_torchruns_or_slurms():
     assert node_ranks(16, {"RANK": "5", "LOCAL_RANK": "1", "SLURM_TASKS_PER_NODE": "4(x4)"}) \
         == range(4, 8)
     assert node_ranks(4, {}) == range(0, 4)
+
+
+def test_on_cuda_the_line_offers_the_device(monkeypatch):
+    """A CUDA rank's host holds the states, the ring and its process (PROCESS_HOST_BYTES, not
+    yet resident when the launcher checks): turning offload off puts the states on the GPU."""
+    cfg = Config.from_dict({"model": {"preset": "tiny", "vocab_size": 256},
+                            "parallel": {"zero_stage": 1, "offload_optimizer": True},
+                            "train": {"train_iters": 1}})
+    shape, layout = resolve_model_config(cfg.model), ParallelLayout.from_config(cfg.parallel, 1)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "1GiB")
+    with pytest.raises(UserError) as e:
+        check_host(cfg, shape, layout, "cuda", [0])
+    msg = str(e.value)
+    assert "(1 rank: optimizer states " in msg and "process overhead 3.00 GiB" in msg
+    assert "device model states" not in msg
+    assert "or parallel.offload_optimizer=false (the states on the device)" in msg

@@ -190,7 +190,7 @@ def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str,
     avail, source = available_host_memory()
     problems = []
     if needed > avail:
-        problems.append(host_message(node, needed, avail, source, layout, still))
+        problems.append(host_message(node, needed, avail, source, layout, still, device_kind))
     limit = memlock_limit()
     if device_kind == "cuda" and limit is not None and node.pinned > limit:
         what = ("the staging ring and, with parallel.offload_pin_memory, the states"
@@ -207,7 +207,7 @@ def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str,
 
 
 def host_message(node: NodeHost, needed: float, avail: float, source: str,
-                 layout: ParallelLayout, overhead: float) -> str:
+                 layout: ParallelLayout, overhead: float, device_kind: str = "cuda") -> str:
     """The one line that says how much, how much there is, and what to change."""
     i = node.items
     parts = [f"optimizer states {size(i['optimizer_states'])}",
@@ -221,7 +221,10 @@ def host_message(node: NodeHost, needed: float, avail: float, source: str,
         fixes.append("parallel.zero_stage=1 (shards the states over dp)")
     fixes.append("more nodes (a larger dp gives each rank a smaller shard"
                  + (" at zero_stage >= 1)" if layout.zero_stage == 0 else ")"))
-    fixes.append("parallel.offload_optimizer=false (the states on the device)")
+    if device_kind == "cuda":
+        fixes.append("parallel.offload_optimizer=false (the states on the device)")
+    else:  # the device is this host: offload moves nothing off it
+        fixes.append("fewer processes per node")
     return (f"ZeRO-Offload needs {size(needed, True)} of host memory on this node "
             f"({node.ranks} rank{'s' if node.ranks != 1 else ''}: {' + '.join(parts)}), "
             f"more than the {size(avail, True)} available ({source}); use "
