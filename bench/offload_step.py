@@ -1,0 +1,279 @@
+"""ZeRO-Offload's optimizer step on the host, per parameter: bloomtrain's against DeepSpeed's
+DeepSpeedCPUAdam and torch's fused AdamW on the CPU, on the same ~100M fp32 parameters, with 1 to
+N threads.
+
+- bloomtrain: a real offloading engine (one process, ZeRO-1, bf16, the BLOOM shape of
+  `--hidden` x `--layers`, default 2048 x 2: 100.7M parameters, in the default 25 MB buckets),
+  stepped as ZeroAdamW steps it (bloomtrain/optim/adamw.py): chunk by chunk as the gradients land
+  in its staging ring (a batch of landed chunks per call), torch's fused AdamW with weight decay
+  on the matrices only, then the updated masters cast to bf16 into the ring's slots
+  (HostCopies.cast), the bytes that go back to the device. The copies into and out of the ring
+  (on a GPU, the device's copy engines; here memcpy) are outside the timing. `update` is AdamW
+  alone; `step` adds the cast, the host's whole part.
+- deepspeed: DeepSpeedCPUAdam (its C++/AVX op, built on first use) on the two flat fp32 groups
+  DeepSpeed's ZeRO-Offload steps (weight decay and none), of the same sizes; fp32 goes back to
+  the device there, staged by the CUDA driver (a copy this benchmark cannot see).
+- torch: torch.optim.AdamW(fused=True) on the same two groups (foreach where the CPU has no fused
+  kernel).
+
+No clipping (a clip coefficient of 1: each system skips its multiply). Each system runs in a
+worker process of its own at each thread count (torch.set_num_threads and OMP_NUM_THREADS, which
+DeepSpeed's OpenMP loop reads), all alive at once; after a warm-up step each, `--rounds` rounds
+take one step of every system in turn (alternating, so that load from elsewhere falls on all of
+them), and the median is reported: wall time, and the process's CPU time (which a machine shared
+with other work disturbs less at one thread; with more, OpenMP's spin-waiting counts in it). DeepSpeed runs under `--deepspeed-python` (an interpreter with
+deepspeed; DS_ACCELERATOR=cpu), or is reported as missing.
+
+    python bench/offload_step.py --deepspeed-python /work/dsvenv/bin/python
+    python bench/offload_step.py --threads 1,2,4,8 --rounds 7
+
+Prints a table, then one JSON line. Measures; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("bloomtrain", "deepspeed", "torch")
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+# ---- workers: one system, driven over stdin ----------------------------------------------------
+def _bloomtrain(args):
+    """(step, update seconds of the last step, parameters)."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from bench.common import unseeded_init
+    from bloomtrain.model.presets import BloomShape
+    from bloomtrain.optim.adamw import adamw
+    from tests import helpers
+
+    shape = BloomShape(vocab_size=256, hidden_size=args.hidden, num_layers=args.layers,
+                       num_heads=16, ffn_hidden_size=4 * args.hidden)
+    cfg = helpers.config(shape, parallel={"zero_stage": 1, "offload_optimizer": True},
+                         optim={"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
+                                "weight_decay": WD}, precision="bf16", seed=1)
+    with unseeded_init():
+        parts = helpers.build(cfg, device="cpu")
+    engine, opt = parts.engine, parts.optimizer
+    bufs, host = engine.bufs, engine.host
+    bufs.grad.normal_(0.0, 1e-3)
+    count = [0]
+    split = {"update": 0.0}
+
+    def step():
+        """ZeroAdamW's offloaded loop (bloomtrain/optim/optimizer.py), the host's work timed:
+        the batches of landed chunks come from the ring (the device-to-host copies, memcpy on
+        the CPU, happen in landed()), the copies back after the timed cast."""
+        count[0] += 1
+        wall = cpu = update = update_cpu = 0.0
+        host.grads_to_host()
+        for batch in host.landed():
+            t0, c0 = time.perf_counter(), time.process_time()
+            adamw(bufs, [(c.seg, c.a, c.b) for c in batch], [c.grad for c in batch], opt.cfg,
+                  LR, count[0], 1.0)
+            t1, c1 = time.perf_counter(), time.process_time()
+            casts = host.cast(batch)
+            update, update_cpu = update + t1 - t0, update_cpu + c1 - c0
+            wall += time.perf_counter() - t0
+            cpu += time.process_time() - c0
+            host.copy_back(batch, casts)
+        split.update(update=update, update_cpu=update_cpu)
+        return wall, cpu
+    return step, split, engine.num_local_parameters()
+
+
+def _flat_groups(args):
+    """The decay and no-decay group sizes of the same model, as DeepSpeed flattens them."""
+    h, f, layers = args.hidden, 4 * args.hidden, args.layers
+    decayed = 256 * h + layers * (3 * h * h + h * h + f * h + h * f)
+    plain = 2 * h + layers * (3 * h + h + f + h + 4 * h) + 2 * h
+    return decayed, plain
+
+
+def _deepspeed(args):
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    groups = [torch.nn.Parameter(torch.randn(n) * 0.02) for n in _flat_groups(args)]
+    for p in groups:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = DeepSpeedCPUAdam([{"params": [groups[0]], "weight_decay": WD},
+                            {"params": [groups[1]], "weight_decay": 0.0}],
+                           lr=LR, betas=BETAS, eps=EPS, adamw_mode=True)
+
+    def step():
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        return time.perf_counter() - t0, time.process_time() - c0
+    return step, None, sum(p.numel() for p in groups)
+
+
+def _torch(args):
+    import torch
+    groups = [torch.nn.Parameter(torch.randn(n) * 0.02) for n in _flat_groups(args)]
+    for p in groups:
+        p.grad = torch.randn_like(p) * 1e-3
+    try:
+        opt = torch.optim.AdamW([{"params": [groups[0]], "weight_decay": WD},
+                                 {"params": [groups[1]], "weight_decay": 0.0}],
+                                lr=LR, betas=BETAS, eps=EPS, fused=True)
+        opt.step()
+    except RuntimeError:  # no fused kernel for this device in this torch
+        opt = torch.optim.AdamW([{"params": [groups[0]], "weight_decay": WD},
+                                 {"params": [groups[1]], "weight_decay": 0.0}],
+                                lr=LR, betas=BETAS, eps=EPS, foreach=True)
+    kernel = "fused" if opt.defaults.get("fused") else "foreach"
+
+    def step():
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        return time.perf_counter() - t0, time.process_time() - c0
+    return step, {"kernel": kernel}, sum(p.numel() for p in groups)
+
+
+def worker(args) -> None:
+    import torch
+    torch.set_num_threads(args.threads)
+    step, extra, params = {"bloomtrain": _bloomtrain, "deepspeed": _deepspeed,
+                           "torch": _torch}[args.worker](args)
+    print(json.dumps({"ready": True, "params": params, "threads": torch.get_num_threads()}),
+          flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        wall, cpu = step()
+        print(json.dumps({"s": wall, "cpu_s": cpu, **(extra or {})}), flush=True)
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+class Worker:
+    def __init__(self, system: str, python: str, threads: int, args):
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
+        cmd = [python, __file__, "--worker", system, "--threads", str(threads),
+               "--hidden", str(args.hidden), "--layers", str(args.layers)]
+        self.system = system
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"{self.system} worker ended: {self.proc.stderr.read()[-2000:]}")
+
+    def step(self) -> dict:
+        self.proc.stdin.write("step\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        self.proc.wait(timeout=60)
+
+
+def measure(args, threads: int) -> dict:
+    pythons = {"bloomtrain": sys.executable, "torch": sys.executable,
+               "deepspeed": args.deepspeed_python}
+    workers, out = {}, {}
+    try:
+        for system in SYSTEMS:
+            if pythons[system] is None:
+                out[system] = {"missing": "no --deepspeed-python with deepspeed"}
+                continue
+            workers[system] = Worker(system, pythons[system], threads, args)
+        for w in workers.values():  # warm-up: first-touch of the states, kernels' first use
+            w.step()
+        times = {s: [] for s in workers}
+        for _ in range(args.rounds):
+            for s, w in workers.items():
+                times[s].append(w.step())
+    finally:
+        for w in workers.values():
+            w.close()
+    for s, w in workers.items():
+        n = w.info["params"]
+        med = statistics.median(r["s"] for r in times[s])
+        cpu = statistics.median(r["cpu_s"] for r in times[s])
+        out[s] = {"params": n, "threads_seen": w.info["threads"], "median_s": med,
+                  "ns_per_param": med / n * 1e9, "cpu_ns_per_param": cpu / n * 1e9,
+                  "rounds_s": [r["s"] for r in times[s]]}
+        if s == "bloomtrain":
+            upd = statistics.median(r["update"] for r in times[s])
+            upd_cpu = statistics.median(r["update_cpu"] for r in times[s])
+            out[s].update(update_median_s=upd, update_ns_per_param=upd / n * 1e9,
+                          update_cpu_ns_per_param=upd_cpu / n * 1e9)
+        if s == "torch":
+            out[s]["kernel"] = times[s][-1]["kernel"]
+    if "median_s" in out.get("deepspeed", {}):
+        ds, ds_cpu = (out["deepspeed"][k] for k in ("ns_per_param", "cpu_ns_per_param"))
+        b = out["bloomtrain"]
+        b.update(step_vs_deepspeed=b["ns_per_param"] / ds,
+                 update_vs_deepspeed=b["update_ns_per_param"] / ds,
+                 update_cpu_vs_deepspeed=b["update_cpu_ns_per_param"] / ds_cpu)
+        out["torch"]["vs_deepspeed"] = out["torch"]["ns_per_param"] / ds
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--deepspeed-python", default=None,
+                    help="a Python with deepspeed installed (default: this one if it has it)")
+    ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.threads = int(args.threads)
+        worker(args)
+        return
+    if args.deepspeed_python is None:
+        import importlib.util
+        if importlib.util.find_spec("deepspeed") is not None:
+            args.deepspeed_python = sys.executable
+    counts = [int(t) for t in args.threads.split(",") if t]
+    result = {"bench": "offload_step", "hidden": args.hidden, "layers": args.layers,
+              "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+              f"{platform.processor() or platform.platform()}",
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "threads": {}}
+    print(f"{'threads':>7}  {'system':<10} {'median s':>9} {'ns/param':>9} {'vs DeepSpeed':>12} "
+          f"{'CPU ns/param':>12}")
+    for t in counts:
+        r = result["threads"][str(t)] = measure(args, t)
+        for s in SYSTEMS:
+            f = r[s]
+            if "median_s" not in f:
+                print(f"{t:>7}  {s:<10} {f['missing']}")
+                continue
+            ratio = f.get("step_vs_deepspeed", f.get("vs_deepspeed"))
+            print(f"{t:>7}  {s:<10} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
+                  f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
+                  f"{f['cpu_ns_per_param']:>12.3f}")
+            if s == "bloomtrain":
+                ratio = f.get("update_vs_deepspeed")
+                print(f"{t:>7}  {'  update':<10} {f['update_median_s']:>9.4f} "
+                      f"{f['update_ns_per_param']:>9.3f} "
+                      f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
+                      f"{f['update_cpu_ns_per_param']:>12.3f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
