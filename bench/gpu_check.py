@@ -15,9 +15,14 @@ Sections, in this order (each a subprocess with its own timeout, all under one `
    Megatron-formula TFLOP/s and MFU against 989 TFLOP/s (dense bf16). The first variant of each
    preset also times HF transformers (AdamW, bf16 autocast) on the same GPU, alternating with
    bloomtrain; the others are compared with that HF figure.
-3. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
+3. `profile/<preset>`: bench/profile_step.py, one step at the throughput shapes under
+   torch.profiler, its GPU time in categories (GEMM, attention, LayerNorm, elementwise,
+   optimizer, copies, communication, idle) and the 15 largest kernels.
+4. `serve`: bench/serve_gpu.py, the serving engine against HF `generate` (64 concurrent prompts,
+   one alone, the decode step, fp32 checks) on a random-init bloom-560m shape.
+5. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
    activation recomputation at bloom-1b7.
-4. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
+6. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
    and without ZeRO-Offload.
 Four throughput variants (eager-flex and compile-sdpa of each preset) come last: they are the
 first to go when the budget runs out.
@@ -86,7 +91,9 @@ def plan(args) -> list[Section]:
         recompute = ["--preset", "tiny", "--seq", "32", "--micro-batch", "2"]
         fit = ["--presets", "bloom-176b,tiny", "--seq", "32", "--micro-batch", "2",
                "--try-timeout", "60"]
-        timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60}
+        serve = ["--cpu-smoke"]
+        timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60,
+                    "profile": 90, "serve": 90}
     else:
         dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
                                "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
@@ -98,7 +105,9 @@ def plan(args) -> list[Section]:
         recompute = ["--preset", "bloom-1b7", "--seq", "2048",
                      "--micro-batch", str(args.recompute_micro_batch)]
         fit = ["--seq", "2048", "--micro-batch", "1", "--try-timeout", "150"]
-        timeouts = {"tests": 150, "eager": 150, "compile": 210, "recompute": 150, "fit": 330}
+        serve = []
+        timeouts = {"tests": 150, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
+                    "profile": 90, "serve": 120}
     junit = str(args.logs / "pytest.xml")
     sections = [Section("tests", "tests",
                         [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,
@@ -108,6 +117,14 @@ def plan(args) -> list[Section]:
         for i, variant in enumerate(first):
             sections.append(_throughput(shape, label, variant,
                                         timeouts[variant.split("-")[0]], i == 0, timing))
+    # Where a step's time goes, at the throughput section's shapes (eager, SDPA): the table
+    # every later GPU run starts from.
+    for label, shape in shapes.items():
+        sections.append(Section(f"profile/{label}", "profile",
+                                [PY, "bench/profile_step.py", *shape, "--device", dev],
+                                timeouts["profile"], {"preset": label}))
+    sections.append(Section("serve", "serve", [PY, "bench/serve_gpu.py", *serve],
+                            timeouts["serve"]))
     sections.append(Section("recompute_memory", "recompute_memory",
                             [PY, "bench/recompute_memory.py", *recompute, "--device", dev,
                              "--modes", "none,selective,full"], timeouts["recompute"]))
@@ -262,8 +279,26 @@ def _largest_fit_figures(r: dict) -> dict:
     return out
 
 
+def _profile_figures(r: dict) -> dict:
+    """The step's milliseconds and each category's share (bench/profile_step.py)."""
+    out = {"step_ms": r.get("wall_ms")}
+    out.update({f"{c}_share": v.get("share") for c, v in (r.get("categories") or {}).items()})
+    out["top"] = r.get("top")
+    return out
+
+
+def _serve_figures(r: dict) -> dict:
+    e, f = r.get("engine") or {}, r.get("fp32") or {}
+    return {"engine_tokens_per_s": e.get("tokens_per_s"), "decode_step_ms": e.get("decode_step_ms"),
+            "vs_hf_batched": r.get("vs_hf_batched"), "alone_vs_hf_alone": r.get("alone_vs_hf_alone"),
+            "hf_batched_tokens_per_s": (r.get("hf_batched") or {}).get("tokens_per_s"),
+            "fp32_prompt_logprob_max_abs_diff": f.get("prompt_logprob_max_abs_diff"),
+            "fp32_greedy_equal": f"{f.get('greedy_equal')}/{f.get('greedy_checked')}"}
+
+
 FIGURES = {"tests": lambda r: dict(r), "throughput": _throughput_figures,
-           "recompute_memory": _recompute_figures, "largest_fit": _largest_fit_figures}
+           "recompute_memory": _recompute_figures, "largest_fit": _largest_fit_figures,
+           "profile": _profile_figures, "serve": _serve_figures}
 
 
 def compare_with_hf(records: list[dict]) -> None:
@@ -324,6 +359,19 @@ def summary(report: dict) -> str:
         if r["kind"] == "recompute_memory":
             lines += ["", "## Activation recompute (peak memory)", "",
                       *_recompute_table(r["figures"])]
+        elif r["kind"] == "profile":
+            f = r["figures"]
+            lines += ["", f"## Profile: one step of {r['preset']} ({_fmt(f['step_ms'], '.1f')} "
+                          f"ms)", "", "| category | share |", "|---|---|"]
+            lines += [f"| {k[:-6]} | {_fmt(v, '.1%')} |" for k, v in f.items()
+                      if k.endswith("_share")]
+            lines += ["", "| largest kernels | category | ms | share |", "|---|---|---|---|"]
+            lines += [f"| {k['name'][:70]} | {k['category']} | {_fmt(k['ms'], '.2f')} | "
+                      f"{_fmt(k['share'], '.1%')} |" for k in f.get("top") or []]
+        elif r["kind"] == "serve":
+            lines += ["", "## Serving (engine vs HF generate, in process)", "",
+                      "| figure | value |", "|---|---|"]
+            lines += [f"| {k} | {_fmt(v)} |" for k, v in r["figures"].items()]
         elif r["kind"] == "largest_fit":
             lines += ["", "## Largest preset that trains a step", "", "| figure | value |",
                       "|---|---|"]

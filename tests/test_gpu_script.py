@@ -38,7 +38,7 @@ def test_every_section_ran_and_left_numbers(smoke):
     sections = {r["name"]: r for r in report["sections"]}
     assert report["mode"] == "cpu-smoke"
     assert set(sections) == {"tests", "throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa",
-                             "recompute_memory", "largest_fit"}
+                             "profile/tiny", "serve", "recompute_memory", "largest_fit"}
     failed = {n: r["error"] for n, r in sections.items() if r["status"] != "ok"}
     assert failed == {}, failed
     assert report["ok"] and proc.returncode == 0, proc.stdout[-2000:]
@@ -54,6 +54,18 @@ def test_every_section_ran_and_left_numbers(smoke):
     peaks = sections["recompute_memory"]["figures"]
     for mode in MODES:
         assert any(mode in k and _number(v) and v > 0 for k, v in peaks.items()), (mode, peaks)
+    prof = sections["profile/tiny"]["figures"]
+    assert _number(prof["step_ms"]) and prof["step_ms"] > 0
+    shares = {k: v for k, v in prof.items() if k.endswith("_share")}
+    assert {"GEMM_share", "attention_share", "optimizer_share", "idle_share"} <= set(shares)
+    assert sum(shares.values()) == pytest.approx(1.0) and shares["GEMM_share"] > 0
+    assert len(prof["top"]) == 15 and all(_number(k["ms"]) for k in prof["top"])
+    serve = sections["serve"]["figures"]
+    for key in ("engine_tokens_per_s", "decode_step_ms", "vs_hf_batched", "alone_vs_hf_alone"):
+        assert _number(serve[key]) and serve[key] > 0, (key, serve)
+    # fp32: the engine's prompt logprobs are HF's to rounding, its greedy tokens HF's.
+    assert serve["fp32_prompt_logprob_max_abs_diff"] < 1e-4
+    assert serve["fp32_greedy_equal"] == "4/4"
     fit = sections["largest_fit"]["figures"]
     for mode in ("no_offload", "offload"):
         assert fit[f"{mode}_largest"] == "tiny"  # bloom-176b is skipped by its model states
