@@ -409,13 +409,14 @@ if __name__ == "__main__":
 class Job:
     """A `bloomtrain` command in a session of its own (so that one process-group scan finds the
     launcher and every worker it started), its output read line by line with the time each line
-    arrived."""
+    arrived. `prefix`: a command that execs it (tests/netns.py: in a node's namespace)."""
 
-    def __init__(self, args: list[str], env: dict | None = None):
+    def __init__(self, args: list[str], env: dict | None = None,
+                 prefix: list[str] | None = None):
         self.lines: list[tuple[float, str]] = []
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bloomtrain", *args],
+            [*(prefix or []), sys.executable, "-m", "bloomtrain", *args],
             env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.pgid = self.proc.pid
