@@ -6,12 +6,14 @@ same torch AdamW kernel on the same views of the flat buffers (bloomtrain/optim/
 so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
 steps, the gathered fp32 masters and moments, the compute copies, and checkpoints, which must not
 depend on whether the run that wrote or reads them offloads. The memory accounting must show the
-12 bytes per owned parameter leaving the device for the host.
+12 bytes per owned parameter leaving the device for the host, and only the staging ring pinned.
 
-One 2-rank spawn runs the dp=2 layouts (ZeRO 0-3, bf16; fp16 with skipped steps) and then the
-trainer, with checkpoints saved under one setting and resumed under the other; one 4-rank spawn
-runs pp2·dp2 ZeRO-3 (the tied embedding's two copies, stage 3's device shard). The memory
-accounting is checked on meta, without processes.
+One 2-rank spawn runs the dp=2 layouts (ZeRO 0-3, bf16; fp16 with skipped steps; sizes that are
+not multiples of a SIMD width) and then the trainer at ZeRO 0-3, with checkpoints saved under
+one setting and resumed under the other; one 4-rank spawn runs pp2·dp2 ZeRO-3 (the tied
+embedding's two copies, stage 3's device shard). Small buckets cut the segments into several
+chunks of the ring, which is reused within a step. The memory accounting is checked on meta,
+without processes, and on the test device.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, ff
 STEPS = 3
 MBS = 2
 BUCKET_MB = 0.05  # several segments at this size: the per-segment copies and steps are exercised
+STAGES = (0, 1, 2, 3)
 # Sizes that are not multiples of a SIMD width (60, 180, 240): torch's CPU kernels run a tensor
 # in full vectors from its first element and a scalar tail, whose bits differ, so the step's
 # tensors must be cut in the same places with and without offload (at the chunk grid and where
@@ -279,8 +282,8 @@ def dataset(tmp_path_factory):
     return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
-def _trainer_cfg(prefix, tmp, offload, resume="auto"):
-    return make_cfg(prefix, Path(tmp), parallel={"zero_stage": 3,
+def _trainer_cfg(prefix, tmp, offload, stage, resume="auto"):
+    return make_cfg(prefix, Path(tmp), parallel={"zero_stage": stage, "bucket_size_mb": BUCKET_MB,
                                                   "offload_optimizer": offload},
                     model={"preset": "tiny", "vocab_size": 256, "num_layers": 2},
                     train__precision="bf16", train__micro_batch_size=2, train__train_iters=4,
@@ -297,20 +300,23 @@ def _dp2_worker(rank, world, prefix, tmp):
     parity["dp2-z2-fp16"] = _parity(2, "fp16", base, optim={"initial_loss_scale": 2.0 ** 21,
                                                             "hysteresis": 1})
     parity["dp2-z1-odd"] = _parity(1, "bf16", base, shape=ODD)
-    return {"parity": parity, "checkpoint": _checkpoint_runs(prefix, tmp)}
+    return {"parity": parity,
+            "checkpoint": {stage: _checkpoint_runs(prefix, f"{tmp}/z{stage}", stage)
+                           for stage in STAGES}}
 
 
-def _checkpoint_runs(prefix, tmp):
+def _checkpoint_runs(prefix, tmp, stage):
     """Straight runs with and without offload, saving at steps 2 and 4; then each direction of
     resuming the other's step-2 checkpoint."""
     out = {}
     for name, offload in (("plain", False), ("offload", True)):
-        res = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload), log=lambda *a: None).run()
+        res = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload, stage),
+                      log=lambda *a: None).run()
         out[name] = {"losses": res.losses, "checkpoint": res.checkpoint}
     for name, offload, source in (("offload->plain", False, "offload"),
                                   ("plain->offload", True, "plain")):
         step2 = str(dict(ckpt.list_checkpoints(f"{tmp}/{source}/ck"))[2])
-        trainer = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload, resume=step2),
+        trainer = Trainer(_trainer_cfg(prefix, f"{tmp}/{name}", offload, stage, resume=step2),
                           log=lambda *a: None)
         start = trainer.state.step
         res = trainer.run()
@@ -333,11 +339,14 @@ def _assert_same_checkpoint(a, b):
         assert torch.equal(ta[key], tb[key]), key
 
 
-def test_checkpoints_do_not_depend_on_offload(dp2):
-    """Saved with offload, resumed without, and the reverse: the same checkpoints and the same
-    bits as a run that never offloaded."""
+@pytest.mark.parametrize("stage", STAGES)
+def test_checkpoints_do_not_depend_on_offload(dp2, stage):
+    """Saved with offload, resumed without, and the reverse, at every ZeRO stage (the trainer,
+    in segments the ring cuts into chunks): the same checkpoints and the same bits as a run that
+    never offloaded."""
     ranks, tmp = dp2
-    out = ranks[0]["checkpoint"]
+    tmp = tmp / f"z{stage}"
+    out = ranks[0]["checkpoint"][stage]
     plain, offload = out["plain"], out["offload"]
     assert plain["losses"] == offload["losses"]  # the trainer too: offload changes no bit
     for step in (2, 4):
@@ -349,6 +358,6 @@ def test_checkpoints_do_not_depend_on_offload(dp2):
         assert resumed["losses"] == plain["losses"][2:], name
         _assert_same_checkpoint(resumed["checkpoint"], plain["checkpoint"])
     for r in ranks:  # each rank's engine ends where the other direction's does
-        a, b = (r["checkpoint"][n]["state"] for n in ("offload->plain", "plain->offload"))
+        a, b = (r["checkpoint"][stage][n]["state"] for n in ("offload->plain", "plain->offload"))
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
