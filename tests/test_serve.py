@@ -952,6 +952,33 @@ def test_cli_rejects_bad_settings(model_dir, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_cli_warns_at_start_when_it_binds_beyond_loopback_without_a_key(model_dir, capsys,
+                                                                        monkeypatch):
+    from bloomtrain.cli import main
+
+    monkeypatch.delenv("BLOOMTRAIN_API_KEY", raising=False)
+    # A setting refused before anything is loaded or bound: each run stops right after the
+    # warning would have come.
+    argv = ["serve", "--checkpoint", str(model_dir[1]), "--max-batched-tokens", "20"]
+    assert main([*argv, "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "[serve] warning: --host 0.0.0.0 answers anyone who can reach port 8000 and no API key "
+        "is set: give --api-key KEY or BLOOMTRAIN_API_KEY to ask clients for one\n"), err
+    for host, key in (("127.0.0.1", []), ("::1", []), ("localhost", []),
+                      ("0.0.0.0", ["--api-key", "k"])):
+        assert main([*argv, "--host", host, *key]) == 2
+        assert "warning" not in capsys.readouterr().err, host
+    monkeypatch.setenv("BLOOMTRAIN_API_KEY", "k")
+    assert main([*argv, "--host", "0.0.0.0"]) == 2
+    assert "warning" not in capsys.readouterr().err
+    for env, flag, name in (("  ", [], "BLOOMTRAIN_API_KEY"), ("k", ["--api-key", ""],
+                                                               "--api-key")):
+        monkeypatch.setenv("BLOOMTRAIN_API_KEY", env)
+        assert main([*argv, *flag]) == 2
+        assert f"the API key ({name}) is empty" in capsys.readouterr().err
+
+
 class ServerProcess:
     """`bloomtrain serve` in a subprocess; its output lines are read on a thread."""
 

@@ -3,6 +3,11 @@ a live server on loopback (the CLI in a subprocess): the official `openai` clien
 `langchain_openai.OpenAI` LLM, and lm-evaluation-harness's `local-completions` model, whose
 loglikelihoods must equal the harness's own HF backend on the same model.
 
+With an API key (`BLOOMTRAIN_API_KEY`, as `--api-key`) each client is set up as its users set
+it up (openai and LangChain: api_key=; lm-eval: OPENAI_API_KEY) and works; without the key, or
+with another, every one of them gets the 401 (raw HTTP shows its OpenAI-shaped body), while
+/health and /metrics stay open.
+
 These clients are in the `test` extra: in CI a missing one fails here (tests/conftest.py turns
 pytest.importorskip's skip into a failure); elsewhere, say a GPU machine that has torch and
 transformers but no clients (bench/gpu.sh's device tests), the module is skipped with the reason.
@@ -10,6 +15,9 @@ transformers but no clients (bench/gpu.sh's device tests), the module is skipped
 from __future__ import annotations
 
 import json
+import os
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -150,3 +158,134 @@ def test_lm_eval_generate_until_equals_its_hf_backend(server):
     assert served == hf.generate_until(instances, disable_tqdm=True)
     assert all(len(set(text)) > 3 for text in served)  # varied text, not one token repeated
 
+
+# ---- an API key ----------------------------------------------------------------------------------
+
+KEY = "sk-bloomtrain-test-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_dir):  # noqa: F811
+    """The base URL of `bloomtrain serve` given its key in BLOOMTRAIN_API_KEY."""
+    _, path = model_dir
+    saved = os.environ.get("BLOOMTRAIN_API_KEY")
+    os.environ["BLOOMTRAIN_API_KEY"] = KEY  # the server process copies the environment
+    try:
+        proc = ServerProcess(["--checkpoint", str(path), "--served-model-name", "tiny",
+                              "--max-model-len", "512", "--kv-cache-tokens", "4096"])
+    finally:
+        if saved is None:
+            os.environ.pop("BLOOMTRAIN_API_KEY")
+        else:
+            os.environ["BLOOMTRAIN_API_KEY"] = saved
+    try:
+        port = int(proc.wait_line(r"listening on http://127\.0\.0\.1:(\d+)").group(1))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def _http(url: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict, str]:
+    """(status, headers, body text) of a GET, or of a POST of `body`, with `key` as Bearer."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=60) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode()
+
+
+def test_routes_ask_for_the_key_and_health_and_metrics_do_not(keyed_server):
+    base = keyed_server
+    routes = [("/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}),
+              ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]}),
+              ("/v1/models", None), ("/tokenize", {"prompt": PROMPT}),
+              ("/detokenize", {"tokens": [5, 6]}), ("/tokenizer_info", None)]
+    for path, body in routes:
+        status, headers, text = _http(base + path, body)
+        assert status == 401, (path, status, text)
+        assert headers.get("WWW-Authenticate") == "Bearer"
+        assert json.loads(text) == {"error": {
+            "message": "no API key: this server needs the header 'Authorization: Bearer KEY' "
+                       "with the key it was started with (--api-key or BLOOMTRAIN_API_KEY)",
+            "type": "invalid_request_error", "param": None, "code": None}}, path
+        status, _, text = _http(base + path, body, key=KEY[:-1] + "x")  # same length, not it
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key", path
+        assert _http(base + path, body, key=KEY + "x")[0] == 401, path
+        assert _http(base + path, body, key="")[0] == 401, path
+    status, _, text = _http(base + "/tokenize", {"prompt": PROMPT}, key=KEY)
+    assert status == 200 and json.loads(text)["tokens"], text
+    status, _, text = _http(base + "/v1/models", key=KEY)
+    assert status == 200 and json.loads(text)["data"][0]["id"] == "tiny"
+    assert _http(base + "/health")[0] == 200
+    status, _, text = _http(base + "/metrics")
+    # Refused requests are counted like any other response.
+    assert status == 200 and 'code="401"' in text, text[-2000:]
+
+
+def test_openai_client_with_and_without_the_key(keyed_server):
+    base = f"{keyed_server}/v1"
+    good = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
+    reply = good.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert reply.choices[0].text and reply.usage.completion_tokens == 6
+    assert [m.id for m in good.models.list()] == ["tiny"]
+    bad = openai.OpenAI(base_url=base, api_key="sk-not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.completions.create(model="tiny", prompt=PROMPT, max_tokens=6)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="tiny", max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+
+
+def test_langchain_with_and_without_the_key(keyed_server, server):
+    base = f"{keyed_server}/v1"
+    llm = LangChainOpenAI(base_url=base, api_key=KEY, model="tiny", temperature=0,
+                          max_tokens=12, max_retries=0)
+    open_llm = LangChainOpenAI(base_url=f"{server[0]}/v1", api_key="unused", model="tiny",
+                               temperature=0, max_tokens=12, max_retries=0)
+    assert llm.invoke(PROMPT) == open_llm.invoke(PROMPT)  # the same model behind both
+    wrong = LangChainOpenAI(base_url=base, api_key="sk-not-the-key", model="tiny",
+                            max_tokens=12, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.invoke(PROMPT)
+
+
+def _chain(error: BaseException) -> str:
+    """An error and its causes, as text."""
+    parts = []
+    while error is not None:
+        parts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return " <- ".join(parts)
+
+
+def test_lm_eval_local_completions_with_and_without_the_key(keyed_server, server, monkeypatch):
+    """lm-eval's local-completions sends OPENAI_API_KEY as the Bearer key of its completions
+    and its `auth_token` model argument as the remote tokenizer's."""
+    requests = [("The quick brown", " fox jumps over"), ("def f(x):", "\n    return x + 1")]
+    instances = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)]
+
+    def api(base, auth_token=None, backend="auto"):
+        return LocalCompletionsAPI(base_url=f"{base}/v1/completions", model="tiny",
+                                   num_concurrent=1, max_retries=1, batch_size=2,
+                                   auth_token=auth_token, tokenizer_backend=backend)
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    keyed = api(keyed_server, auth_token=KEY)
+    assert keyed.tokenizer_backend == "remote"  # /tokenizer_info and /tokenize answered
+    scores = keyed.loglikelihood(instances, disable_tqdm=True)
+    assert scores == api(server[0]).loglikelihood(instances, disable_tqdm=True)
+    # Without the key the tokenizer routes refuse it...
+    with pytest.raises(Exception) as e:
+        api(keyed_server, backend="remote")
+    assert "401" in _chain(e.value), _chain(e.value)
+    # ...and so do the completions.
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-the-key")
+    with pytest.raises(Exception) as e:
+        api(keyed_server, auth_token=KEY).loglikelihood(instances, disable_tqdm=True)
+    assert "401" in _chain(e.value), _chain(e.value)

@@ -1,6 +1,7 @@
 """`bloomtrain serve --checkpoint DIR_OR_HF [--port 8000] [--nproc N parallel.tp=N]
-[--quantize int8] [--served-model-name NAME] [--chat-template FILE] [--strict-fields]`: build
-the model, the KV cache, the engine and the HTTP server, and run them until SIGTERM. With --nproc N the N tensor-parallel ranks are started by bloomtrain's local
+[--quantize int8] [--served-model-name NAME] [--chat-template FILE] [--strict-fields]
+[--api-key KEY]`: build the model, the KV cache, the engine and the HTTP server, and run them
+until SIGTERM. With --nproc N the N tensor-parallel ranks are started by bloomtrain's local
 launcher (torch's elastic launcher); under torchrun each process joins as one rank."""
 from __future__ import annotations
 
@@ -25,6 +26,29 @@ def _tp_from_overrides(overrides: list[str]) -> int | None:
         if tp < 1:
             raise UserError(f"parallel.tp must be >= 1, got {tp}")
     return tp
+
+
+API_KEY_ENV = "BLOOMTRAIN_API_KEY"
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else BLOOMTRAIN_API_KEY (which keeps the key out of `ps`), else None."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise UserError(f"the API key ({'--api-key' if args.api_key is not None else API_KEY_ENV})"
+                        f" is empty; give the key clients must send, or leave it unset")
+    return key.strip() if key is not None else None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: what it resolves to may be reachable from elsewhere
+        return False
 
 
 def _engine_config(opts: dict):
@@ -63,6 +87,11 @@ def _main(args) -> int:
     if not Path(args.checkpoint).exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}
+    opts["api_key"] = _api_key(args)
+    if opts["api_key"] is None and not _loopback(args.host):
+        print(f"[serve] warning: --host {args.host} answers anyone who can reach port "
+              f"{args.port} and no API key is set: give --api-key KEY or {API_KEY_ENV} to ask "
+              f"clients for one", file=sys.stderr, flush=True)
     opts["tp"] = tp
     opts["tokenizer"] = str(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
     opts["chat_template_source"] = _chat_template(opts["tokenizer"], args.chat_template)
@@ -208,6 +237,10 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json or a directory holding one (default: the checkpoint's)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"ask clients for 'Authorization: Bearer KEY' on /v1/* and the "
+                   f"tokenizer routes (401 otherwise; /health and /metrics stay open); default: "
+                   f"${API_KEY_ENV}, which keeps the key off the command line")
     p.add_argument("--port", type=int, default=8000,
                    help="TCP port (default: 8000; 0 picks a free one and prints it)")
     p.add_argument("--nproc", type=int, default=None,

@@ -307,7 +307,8 @@ def frontend_main(conn, opts: dict, info: dict) -> None:
                           has_tokenizer=True)
     metrics.engine = client
     app = create_app(client, tokenizer, metrics, served_names=info["served_names"],
-                     chat_template=info["chat_template"], strict_fields=info["strict_fields"])
+                     chat_template=info["chat_template"], strict_fields=info["strict_fields"],
+                     api_key=opts["api_key"])
     try:
         asyncio.run(run_server(app, opts["host"], opts["port"], opts["drain_timeout"]))
     except OSError as e:  # the address is taken, or not ours to bind

@@ -4,11 +4,14 @@
 `GET /metrics` (Prometheus text). What a request may hold and what a response looks like is
 bloomtrain.serve.protocol's; this module runs the requests on the engine (any
 bloomtrain.serve.interface.EngineClient) and shuts down in order. Every 4xx/5xx answer is JSON,
-{"error": {"message", "type", "param", "code"}}, as OpenAI's.
+{"error": {"message", "type", "param", "code"}}, as OpenAI's. With an API key (vLLM's
+--api-key), every /v1/ route and the tokenizer routes need `Authorization: Bearer KEY`; /health
+and /metrics stay open, as vLLM's.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import signal
 import time
@@ -221,6 +224,35 @@ async def _errors_and_counts(request: web.Request, handler):
     return resp
 
 
+# The routes an API key guards besides /v1/*: the tokenizer's, which hand out the vocabulary.
+TOKENIZER_ROUTES = {"/tokenize", "/detokenize", "/tokenizer_info"}
+
+
+def _key_check(api_key: str):
+    """The middleware that asks for `Authorization: Bearer KEY` on /v1/* and the tokenizer
+    routes: a 401 in OpenAI's shape without it (code null, as OpenAI's) or with another key
+    (code invalid_api_key)."""
+    expected = api_key.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        path = request.path
+        if path.startswith("/v1/") or path in TOKENIZER_ROUTES:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            challenge = {"WWW-Authenticate": "Bearer"}
+            if scheme.lower() != "bearer" or not given.strip():
+                return error_response(401, "no API key: this server needs the header "
+                                           "'Authorization: Bearer KEY' with the key it was "
+                                           "started with (--api-key or BLOOMTRAIN_API_KEY)",
+                                      headers=challenge)
+            # hmac.compare_digest: the time taken does not depend on where the keys differ.
+            if not hmac.compare_digest(given.strip().encode(), expected):
+                return error_response(401, "incorrect API key provided", code="invalid_api_key",
+                                      headers=challenge)
+        return await handler(request)
+    return check
+
+
 def _guarded(handler):
     """A generating handler: 503 while draining, counted in flight otherwise."""
     async def run(request: web.Request) -> web.StreamResponse:
@@ -419,12 +451,15 @@ async def _dispatch_to_loop(app: web.Application) -> None:
 
 def create_app(engine, tokenizer, metrics, served_names: tuple[str, ...] = ("bloomtrain",),
                chat_template: str | None = None, strict_fields: bool = False,
-               max_body_bytes: int = 1 << 20, log=print) -> web.Application:
+               max_body_bytes: int = 1 << 20, log=print,
+               api_key: str | None = None) -> web.Application:
     """The app over `engine` (an EngineClient). `served_names`: the `model` names requests
     may give, the first one reported; `chat_template`: the Jinja source for chat (None: chat
-    requests get 400); `strict_fields`: unknown fields are 400s instead of ignored."""
+    requests get 400); `strict_fields`: unknown fields are 400s instead of ignored; `api_key`:
+    the Bearer key /v1/* and the tokenizer routes need (None: open)."""
     chat = ChatTemplate(chat_template, tokenizer) if chat_template is not None else None
-    app = web.Application(middlewares=[_errors_and_counts], client_max_size=max_body_bytes)
+    middlewares = [_errors_and_counts] + ([_key_check(api_key)] if api_key else [])
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app.on_startup.append(_dispatch_to_loop)
     app[STATE] = ServerState(engine, tokenizer, metrics, tuple(served_names), chat,
                              strict_fields, max_body_bytes, log)
