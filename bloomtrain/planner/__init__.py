@@ -6,7 +6,8 @@ Model states come from the engine's own buffer layout, activations from Korthika
 per-layer terms for the kernels that run, communication from the collectives our engine issues,
 step time from efficiency terms fitted to BLOOM-176B's public runs (docs/planner_fit.md).
 Modules: workload (what is planned), hardware (devices, links, collective times), efficiency
-(the fitted rates), memory (per-rank bytes), traffic (bytes per step), steptime, evaluate (one
+(the fitted rates), memory (per-rank bytes), host (offload's host bytes per node, and the check
+`bloomtrain train` makes), traffic (bytes per step), steptime, evaluate (one
 layout), search (all layouts, and what to change when none fits), calibrate (the GEMM rate of a
 real run), fit (the fit itself), cli (`bloomtrain plan`).
 
