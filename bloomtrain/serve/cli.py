@@ -264,6 +264,15 @@ def register(subparsers) -> None:
     p.add_argument("--strict-fields", action="store_true",
                    help="answer 400 to a request field this server does not know (default: "
                    "ignore it, naming it in the X-Ignored-Fields header and the log)")
+    _engine_options(p, d)
+    p.add_argument("--drain-timeout", type=float, default=25.0, metavar="S",
+                   help="on SIGTERM, seconds to let requests in flight finish (default: 25; "
+                   "under --nproc the launcher kills the ranks 30 s after SIGTERM)")
+    p.set_defaults(func=_main)
+
+
+def _engine_options(p, d) -> None:
+    """The engine's sizes, defaults from EngineConfig `d`."""
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help=f"prompt + generated tokens per sequence (default: {d.max_model_len})")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -278,7 +287,3 @@ def register(subparsers) -> None:
                    help=f"KV-cache pool size in tokens (default: {d.kv_cache_tokens})")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help=f"waiting sequences before requests get 503 (default: {d.max_queue})")
-    p.add_argument("--drain-timeout", type=float, default=25.0, metavar="S",
-                   help="on SIGTERM, seconds to let requests in flight finish (default: 25; "
-                   "under --nproc the launcher kills the ranks 30 s after SIGTERM)")
-    p.set_defaults(func=_main)
