@@ -40,7 +40,7 @@ TIMEOUT_MINUTES = 0.25  # the collective timeout: far above a tiny step on a loa
 HANG_S = 0.9 * TIMEOUT_MINUTES * 60  # the hang watchdog's default: 90% of it
 DETECT_MARGIN_S = 30  # the bound the issue states: detection within the timeout + 30 s
 RDZV_TIMEOUT_S = 60  # above the hang timeout + 30 s, as --max-restarts needs (layout.py)
-STEPS, SAVE_INTERVAL = 12, 2
+STEPS, SAVE_INTERVAL = 20, 2  # many more steps than a cut needs to land in
 _PORTS = itertools.count(29600)  # a fresh port per job: no TIME_WAIT from the job before
 HANG_LINE = "[bloomtrain] hang: "
 
@@ -188,10 +188,16 @@ def test_two_nodes_train_as_one_node_and_a_slow_one_is_named(network, config, re
 
 # ---- cuts that heal ------------------------------------------------------------------------------
 
+# Global rank 1 sleeps 1 s as step 4 begins, and the link goes down then: the cut lands inside a
+# step, with its peer waiting in a collective.
+HOLD = faults.env(sleep="1:4:1")
+HELD = f"{faults.SLEEP_ENV}: rank 1 sleeps"
+
+
 def test_a_short_cut_heals_by_itself_bit_for_bit(network, config, reference, tmp_path):
-    jobs = _nodes(network, config, tmp_path, "short")
-    # 5 s, in step 4 or 5: well under the hang timeout (13.5 s); TCP retransmits meanwhile.
-    cut = netns.Cut(network.nodes[1], netns.after_step(jobs, 3), seconds=5)
+    jobs = _nodes(network, config, tmp_path, "short", env=HOLD)
+    # 5 s: well under the hang timeout (13.5 s); TCP retransmits meanwhile.
+    cut = netns.Cut(network.nodes[1], netns.on_line(jobs, HELD), seconds=5)
     codes = _finish(jobs)
     cut.join()
     assert cut.at is not None and codes == [0, 0], _outputs(jobs, 4000)
@@ -202,10 +208,10 @@ def test_a_short_cut_heals_by_itself_bit_for_bit(network, config, reference, tmp
 
 
 def test_a_flapping_link_does_no_more_harm_than_one_cut(network, config, reference, tmp_path):
-    jobs = _nodes(network, config, tmp_path, "flap")
-    # Down 0.7 s, up 0.2 s, four times, from step 4 or 5 on: TCP's retransmissions, backing
+    jobs = _nodes(network, config, tmp_path, "flap", env=HOLD)
+    # Down 0.7 s, up 0.2 s, four times, from inside step 4: TCP's retransmissions, backing
     # off, mostly miss the short ups, so the step under way waits through the flaps.
-    cut = netns.Cut(network.nodes[1], netns.after_step(jobs, 3), flaps=4, down_s=0.7,
+    cut = netns.Cut(network.nodes[1], netns.on_line(jobs, HELD), flaps=4, down_s=0.7,
                     up_s=0.2)
     codes = _finish(jobs)
     cut.join()
