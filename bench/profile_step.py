@@ -26,10 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, shape_from_args  # noqa: E402
-from bench.step_throughput import make_bloomtrain, sync  # noqa: E402
-from bloomtrain.config import ModelConfig  # noqa: E402
-from bloomtrain.model import resolve_model_config  # noqa: E402
+from bench.common import add_shape_args  # noqa: E402
+from bench.step_throughput import make_bloomtrain, shape_and_batch, sync  # noqa: E402
 
 # (category, pattern over a kernel's or an op's name, lower case): the first that matches.
 CATEGORIES = (
@@ -148,10 +146,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = args.device
-    shape = (resolve_model_config(ModelConfig(preset=args.preset)) if args.preset
-             else shape_from_args(args))
-    torch.manual_seed(0)
-    ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
+    shape, ids = shape_and_batch(args)
     step, ran = make_bloomtrain(shape, ids, device, args)
     for _ in range(args.warmup):
         step()

@@ -262,13 +262,21 @@ def summarize(sides, times, shape, args, peaks) -> dict:
     return out
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    device = args.device
+def shape_and_batch(args):
+    """The bench's BLOOM shape (--preset, else the explicit one) and a seeded batch of token ids
+    [micro-batch, seq + 1] on its device."""
     shape = (resolve_model_config(ModelConfig(preset=args.preset)) if args.preset
              else shape_from_args(args))
     torch.manual_seed(0)
-    ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1), device=device)
+    ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq + 1),
+                        device=args.device)
+    return shape, ids
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = args.device
+    shape, ids = shape_and_batch(args)
     print(f"shape: L={shape.num_layers} h={shape.hidden_size} heads={shape.num_heads} "
           f"V={shape.vocab_size} ({shape.num_parameters() / 1e6:.1f}M params), seq {args.seq}, "
           f"micro-batch {args.micro_batch}, device {device}, torch {torch.__version__}, "
