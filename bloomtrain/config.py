@@ -293,6 +293,10 @@ class Domain:
 
 
 POSITIVE = Domain("interval", low=0, low_open=True)
+# Minutes, a week at most: a process group's timeout is a timedelta, which overflows somewhere
+# past 10^12 minutes, and no collective or rendezvous should wait longer than a week.
+WEEK_MINUTES = 7 * 24 * 60
+TIMEOUT = Domain("interval", low=0, low_open=True, high=WEEK_MINUTES)
 NON_NEGATIVE = Domain("interval", low=0)
 FRACTION = Domain("interval", low=0, high=1, high_open=True)  # dropout, Adam's betas
 SEED = Domain("interval", low=0, high=2 ** 32 - 1)  # numpy's RandomState (Megatron's sample order)
@@ -337,9 +341,11 @@ DOMAINS: dict[str, Domain] = {
     "parallel.bucket_size_mb": POSITIVE,
     "parallel.comm_stats": BOOL,
     "parallel.backend": choice(Backend),
-    "parallel.timeout_minutes": POSITIVE,
-    "parallel.hang_timeout_minutes": POSITIVE,
-    "parallel.rdzv_timeout_minutes": POSITIVE,
+    "parallel.timeout_minutes": TIMEOUT,
+    # Below the collective timeout (checked beside it), so below its ceiling too.
+    "parallel.hang_timeout_minutes": Domain("interval", low=0, low_open=True, high=WEEK_MINUTES,
+                                            high_open=True),
+    "parallel.rdzv_timeout_minutes": TIMEOUT,
     "parallel.offload_optimizer": BOOL,
     "parallel.offload_pin_memory": BOOL,
     "parallel.grad_reduce_dtype": choice(GradReduceDtype),

@@ -243,8 +243,11 @@ def _companions(key: str, value) -> dict:
         return {"parallel.grad_reduce_dtype": "int8"}
     if key == "parallel.zero_secondary_shard":
         return {"parallel.zero_stage": 3}
+    if key == "parallel.offload_pin_memory":  # it pins the offloaded states
+        return {"parallel.offload_optimizer": True}
     if key == "parallel.hang_timeout_minutes":  # the watchdog fires before the collective timeout
-        return {"parallel.timeout_minutes": max(2 * value, 1.0)}
+        from bloomtrain.config import WEEK_MINUTES
+        return {"parallel.timeout_minutes": min(max(2 * value, 1.0), WEEK_MINUTES)}
     return {}
 
 
