@@ -77,6 +77,23 @@ def import_graph(repo: Path) -> dict[str, set[str]]:
     return graph
 
 
+def private_imports(repo: Path) -> list[str]:
+    """`from bloomtrain.x import _name`: one module reaching for another's private name
+    (function-local imports included). What two modules share is public in the one that owns
+    it; a dunder (`__version__`) is not private."""
+    hits = []
+    for name, path in modules(repo).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if not (node.level or (node.module or "").startswith("bloomtrain")):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    hits.append(f"{name}:{node.lineno} {a.name}")
+    return hits
+
+
 ERROR_NAMES = {"UserError"}
 
 
@@ -382,6 +399,7 @@ def summary(repo: Path) -> dict:
         "direct_collective_calls": direct_collective_calls(repo),
         "mutable_globals": mutable_globals(repo),
         "reads_of_test_variables": reads_of_test_variables(repo),
+        "private_imports": private_imports(repo),
     }
 
 

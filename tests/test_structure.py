@@ -15,7 +15,7 @@ from tests import helpers
 from tests.structure import (MUTABLE_GLOBALS, calls_outside, cited_docs, composition_sites,
                              cycles, direct_collective_calls, import_graph,
                              imports_of_config_for_errors, mutable_globals,
-                             parameter_flag_writes, reads_of_test_variables, sizes)
+                             parameter_flag_writes, private_imports, reads_of_test_variables, sizes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,21 @@ def test_the_import_scan_counts_function_local_imports(tmp_path):
     graph = import_graph(tmp_path)
     assert graph["bloomtrain.b"] == {"bloomtrain.sub.c"}
     assert cycles(graph) == [["bloomtrain.a", "bloomtrain.b", "bloomtrain.sub.c"]]
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What two modules share is public in the one that owns it (import_config's bash reader
+    took its lexer's _ASSIGNMENT and _arith; the tensor plan rng.py's fork helper)."""
+    assert private_imports(REPO) == []
+
+
+def test_the_private_import_scan_finds_them(tmp_path):
+    pkg = tmp_path / "bloomtrain"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("_X = 1\n__version__ = '1'\n")
+    (pkg / "b.py").write_text("from bloomtrain.a import _X, __version__\n")
+    (pkg / "c.py").write_text("def f():\n    from .a import _X\n")
+    assert private_imports(tmp_path) == ["bloomtrain.b:1 _X", "bloomtrain.c:2 _X"]
 
 
 def test_the_layout_imports_nothing_from_parallel():

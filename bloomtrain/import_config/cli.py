@@ -51,7 +51,7 @@ def register(subparsers) -> None:
 
 
 def _main(args) -> int:
-    from bloomtrain.import_config.launch import read_launch
+    from bloomtrain.import_config.bash import read_launch
     from bloomtrain.import_config.mapping import megatron_to_config
     from bloomtrain.import_config.megatron_args import parse_argv
 
@@ -112,7 +112,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _parse_ds(text: str, where: str) -> dict[str, Any]:
-    from bloomtrain.import_config.shell import show, unresolved_in
+    from bloomtrain.import_config.bash import show, unresolved_in
 
     if (name := unresolved_in(text)) is not None:
         raise UserError(f"the ds_config {where} uses {name}, which the script does not define; "
@@ -131,7 +131,7 @@ def _parse_ds(text: str, where: str) -> dict[str, Any]:
 def _ds_config(path: str | None, megatron: dict, launch, source: Path):
     """The ds_config and where it came from: --deepspeed-config, else the file the launch names
     when the script writes it or it exists beside the script."""
-    from bloomtrain.import_config.shell import show
+    from bloomtrain.import_config.bash import show
 
     if path is not None:
         return _parse_ds(_read(Path(path)), path), path
@@ -165,7 +165,7 @@ def _check(config: dict, world: int | None) -> None:
 
 
 def _header(source, launch, ds_source, world, world_note, report) -> list[str]:
-    from bloomtrain.import_config.shell import show
+    from bloomtrain.import_config.bash import show
 
     lines = [f"converted by `bloomtrain import-config` from {source}"]
     if launch.program is not None:
@@ -176,7 +176,7 @@ def _header(source, launch, ds_source, world, world_note, report) -> list[str]:
 
 
 def _print_report(report, header: list[str]) -> None:
-    from bloomtrain.import_config.shell import show
+    from bloomtrain.import_config.bash import show
 
     print("\n".join(header))
     print(f"\nmapped ({len(report.mapped)}):")
@@ -202,7 +202,7 @@ def _print_report(report, header: list[str]) -> None:
 def render_yaml(config: dict, report, header: list[str]) -> str:
     """The config as YAML, each key commented with the argument it came from; the header
     names the source and any unsupported arguments. Checked to load back to the same config."""
-    from bloomtrain.import_config.shell import show
+    from bloomtrain.import_config.bash import show
 
     sources: dict[str, str] = {}
     for m in report.mapped:

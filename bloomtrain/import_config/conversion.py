@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from bloomtrain.errors import UserError
 from bloomtrain.import_config.megatron_args import BY_DEST, flag_of
-from bloomtrain.import_config.shell import show, unresolved_in
+from bloomtrain.import_config.bash import show, unresolved_in
 
 
 @dataclass

@@ -39,7 +39,7 @@ def zero_stage_of(ds_config: dict | None) -> int:
     return int(z.get("stage", 0)) if isinstance(z, dict) else 0
 
 
-def _hf_shape(files, where, model_config: Path | None = None, vocab_rows: int | None = None):
+def hf_shape(files, where, model_config: Path | None = None, vocab_rows: int | None = None):
     """(BloomShape, Megatron-style args, their labels) of an HF model under DeepSpeed: from
     `model_config` (--model-config: an HF config or a bloomtrain model section) when given, else
     the HF config.json beside the checkpoint."""
@@ -141,7 +141,7 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
     names = {canonical(n): n for g in param_shapes for n in g}  # HF name -> DeepSpeed's
     shapes = {canonical(n): tuple(s) for g in param_shapes for n, s in g.items()}
     rows = shapes.get(EMBEDDING, (None,))[0]
-    shape, hf_args, labels = _hf_shape(files, where, model_config, rows)
+    shape, hf_args, labels = hf_shape(files, where, model_config, rows)
     ds_config = meta.get("ds_config") if isinstance(meta.get("ds_config"), dict) else None
     precision = precision_of(ds_config, files.optim_prefix)
     check_state(shape, shapes, files.model_file(0))

@@ -67,7 +67,7 @@ def _shape_and_names(root: Path, names: list[str], meta: dict, model_config: Pat
     model."""
     from bloomtrain.checkpoint.hf_files import canonical_name
     from bloomtrain.checkpoint.interop.files import CheckpointFiles
-    from bloomtrain.checkpoint.interop.hf_zero import _hf_shape
+    from bloomtrain.checkpoint.interop.hf_zero import hf_shape
 
     if any(megatron.is_pipeline_name(n) for n in names):
         megatron.refuse_model_config(model_config, root)
@@ -79,7 +79,7 @@ def _shape_and_names(root: Path, names: list[str], meta: dict, model_config: Pat
         shape = megatron.shape_from_args(args, root)
         return shape, megatron.hf_names(names, root, shape.num_layers), args, {}
     files = CheckpointFiles(root=root.parent, tag_dir=root)
-    shape, args, labels = _hf_shape(files, root, model_config)
+    shape, args, labels = hf_shape(files, root, model_config)
     return shape, {n: canonical_name(n) for n in names}, args, labels
 
 

@@ -14,7 +14,7 @@ from bloomtrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallel
                                                VocabParallelEmbedding, VocabParallelLMHead)
 from bloomtrain.parallel.tensor.loss import VocabParallelLMLoss
 from bloomtrain.parallel.tensor.regions import gather_from_sequence_parallel_region
-from bloomtrain.parallel.tensor.rng import TensorParallelRNG, _fork_rng_around_forward
+from bloomtrain.parallel.tensor.rng import TensorParallelRNG, fork_rng_around_forward
 
 
 def _gather_sequence_before_forward(attention: nn.Module, group) -> None:
@@ -82,7 +82,7 @@ def apply_tensor_parallel(model: BloomForCausalLM, topo, sequence_parallel: bool
         if sp:
             _gather_sequence_before_forward(block.self_attention, group)
             # Every activation inside a block is split (sequence shards or local heads).
-            _fork_rng_around_forward(block, rng.fork)
+            fork_rng_around_forward(block, rng.fork)
         else:
             block.self_attention.rng_context = rng.fork
     transformer.alibi_slopes = transformer.alibi_slopes.chunk(tp_size)[tp_rank].clone()

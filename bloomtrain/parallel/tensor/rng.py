@@ -68,7 +68,7 @@ class TensorParallelRNG:
         self.seed = int(state["seed"])
 
 
-def _fork_rng_around_forward(module: nn.Module, fork) -> None:
+def fork_rng_around_forward(module: nn.Module, fork) -> None:
     """Run module.forward inside fork() by hooks, so the module keeps its class and its HF
     parameter names. always_call closes the context even when forward raises."""
     open_contexts = []

@@ -1,6 +1,6 @@
 """The launch in a Megatron launch script or args file: the program's arguments, the world size the
 launcher starts, and the files the script writes with heredocs (its ds_config). The shell
-reading is bloomtrain.import_config.shell's; this module evaluates the commands in order."""
+reading is lexer.py's; this module evaluates the commands in order."""
 from __future__ import annotations
 
 import ast
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from bloomtrain.errors import UserError
-from bloomtrain.import_config.shell import (_ASSIGNMENT, Command, Lexer, Part, _arith, mark,
-                                            show, unresolved_in)
+from bloomtrain.import_config.bash.lexer import (ASSIGNMENT, Command, Lexer, Part, arith,
+                                                 mark, show, unresolved_in)
 
 _TORCHRUN = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 # Launcher options that take no value (torchrun, torch.distributed.launch, deepspeed).
@@ -171,7 +171,7 @@ class _Evaluator:
         if missing:
             return mark("$" + missing[0])
         try:
-            return str(_arith(ast.parse(expr.strip(), mode="eval")))
+            return str(arith(ast.parse(expr.strip(), mode="eval")))
         except (SyntaxError, ValueError, ZeroDivisionError):
             return mark(f"$(({text}))")
 
@@ -271,7 +271,7 @@ class _Evaluator:
 def _assignment(word: list[Part]):
     if not word or word[0].kind != "lit" or word[0].quoted:
         return None
-    m = _ASSIGNMENT.match(word[0].text)
+    m = ASSIGNMENT.match(word[0].text)
     if not m:
         return None
     rest = word[0].text[m.end():]

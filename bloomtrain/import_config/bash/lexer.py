@@ -28,7 +28,7 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 # to the lexer when a string holding it is read again (`bash -c`).
 _SHIFT = 0xF0000
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
+ASSIGNMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(\+?)=")
 _MARKER = re.compile(f"{_OPEN}([^{_CLOSE}]*){_CLOSE}")
 
 
@@ -290,13 +290,13 @@ _ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def _arith(node) -> int:
+def arith(node) -> int:
     if isinstance(node, ast.Expression):
-        return _arith(node.body)
+        return arith(node.body)
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITH_OPS:
-        return _ARITH_OPS[type(node.op)](_arith(node.left), _arith(node.right))
+        return _ARITH_OPS[type(node.op)](arith(node.left), arith(node.right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _ARITH_OPS:
-        return _ARITH_OPS[type(node.op)](_arith(node.operand))
+        return _ARITH_OPS[type(node.op)](arith(node.operand))
     raise ValueError("not integer arithmetic")
