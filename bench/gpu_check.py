@@ -19,7 +19,8 @@ Sections, in this order (each a subprocess with its own timeout, all under one `
    torch.profiler, its GPU time in categories (GEMM, attention, LayerNorm, elementwise,
    optimizer, copies, communication, idle) and the 15 largest kernels.
 4. `serve`: bench/serve_gpu.py, the serving engine against HF `generate` (64 concurrent prompts,
-   one alone, the decode step, fp32 checks) on a random-init bloom-560m shape.
+   one alone, the decode step, fp32 checks) on a random-init bloom-560m shape, with decode CUDA
+   graphs (the default) and with --enforce-eager.
 5. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
    activation recomputation at bloom-1b7.
 6. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
@@ -292,6 +293,9 @@ def _serve_figures(r: dict) -> dict:
     return {"engine_tokens_per_s": e.get("tokens_per_s"), "decode_step_ms": e.get("decode_step_ms"),
             "vs_hf_batched": r.get("vs_hf_batched"), "alone_vs_hf_alone": r.get("alone_vs_hf_alone"),
             "hf_batched_tokens_per_s": (r.get("hf_batched") or {}).get("tokens_per_s"),
+            "eager_decode_step_ms": (r.get("engine_eager") or {}).get("decode_step_ms"),
+            "graphs_vs_eager": r.get("graphs_vs_eager"),
+            "graphs_vs_eager_alone": r.get("graphs_vs_eager_alone"),
             "fp32_prompt_logprob_max_abs_diff": f.get("prompt_logprob_max_abs_diff"),
             "fp32_greedy_equal": f"{f.get('greedy_equal')}/{f.get('greedy_checked')}"}
 

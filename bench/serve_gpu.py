@@ -8,6 +8,9 @@ Figures:
   them running;
 - HF `generate` on the same prompts as one batch, and one prompt at a time (`--alone` of them);
 - the engine with one request alone, against HF's one at a time;
+- the same two engine runs with `--enforce-eager` (every decode step eager; by default decode
+  steps replay CUDA graphs, captured lazily: the timed runs include the captures of the shapes
+  the warm-up did not meet, the median decode step none);
 - fp32 checks on a few prompts: the engine's prompt logprobs against HF fp32's log_softmax, and
   greedy tokens equal to HF fp32 generate's.
 
@@ -61,11 +64,13 @@ def hf_model(shape: dict, path: Path, device, dtype):
     return model.to(device=device, dtype=dtype)
 
 
-def engine_for(path: Path, device, dtype: str, num_seqs: int, max_len: int) -> Engine:
+def engine_for(path: Path, device, dtype: str, num_seqs: int, max_len: int,
+               enforce_eager: bool = False) -> Engine:
     cfg = EngineConfig(max_model_len=max_len, block_size=16,
                        kv_cache_tokens=16 * num_seqs * (-(-max_len // 16) + 1),
                        max_num_seqs=num_seqs, max_batched_tokens=max(2048, 64 + num_seqs),
-                       prefill_chunk=64, max_queue=max(256, num_seqs))
+                       prefill_chunk=64, max_queue=max(256, num_seqs),
+                       enforce_eager=enforce_eager)
     runner = build_runner(path, cfg, device=device, dtype=dtype)
     return Engine(runner.forward, cfg, vocab_size=runner.model.shape.vocab_size,
                   device=runner.device)
@@ -159,10 +164,13 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         hf16 = hf_model(shape, path, device, torch.bfloat16)
-        engine = engine_for(path, device, "bf16", args.prompts, args.prompt_len + args.new)
-        timed_engine(engine, prompts[:2], 4, device)  # warm-up: kernels, allocator
-        out["engine"] = timed_engine(engine, prompts, args.new, device)
-        out["engine_alone"] = timed_engine(engine, prompts[:1], args.new, device)
+        for eager, name in ((False, "engine"), (True, "engine_eager")):
+            engine = engine_for(path, device, "bf16", args.prompts, args.prompt_len + args.new,
+                                enforce_eager=eager)
+            # Warm-up: kernels, the allocator, and the graphs of one sequence at every width.
+            timed_engine(engine, prompts[:1], args.new, device)
+            out[name] = timed_engine(engine, prompts, args.new, device)
+            out[name + "_alone"] = timed_engine(engine, prompts[:1], args.new, device)
         timed_hf(hf16, prompts[:2], 4, device)
         out["hf_batched"] = timed_hf(hf16, prompts, args.new, device)
         alone = [timed_hf(hf16, [p], args.new, device) for p in prompts[:args.alone]]
@@ -175,10 +183,17 @@ def main(argv=None) -> None:
     e, hb, ha = out["engine"], out["hf_batched"], out["hf_alone"]
     out["vs_hf_batched"] = e["tokens_per_s"] / hb["tokens_per_s"]
     out["alone_vs_hf_alone"] = out["engine_alone"]["tokens_per_s"] / ha["tokens_per_s"]
+    for run in ("", "_alone"):  # graphs (the default) against --enforce-eager
+        out["graphs_vs_eager" + run] = (out["engine" + run]["tokens_per_s"]
+                                        / out["engine_eager" + run]["tokens_per_s"])
     print(f"{args.shape} on {out['gpu'] or device}, {args.prompts} prompts x {args.prompt_len} "
           f"tokens, {args.new} new (greedy, ignore_eos)")
     print(f"  engine        {e['tokens_per_s']:>10,.0f} tok/s  decode step "
           f"{e['decode_step_ms'] or float('nan'):.1f} ms at {args.prompts} running")
+    ee = out["engine_eager"]
+    print(f"  eager engine  {ee['tokens_per_s']:>10,.0f} tok/s  decode step "
+          f"{ee['decode_step_ms'] or float('nan'):.1f} ms (--enforce-eager) -> graphs "
+          f"{out['graphs_vs_eager']:.2f}x, alone {out['graphs_vs_eager_alone']:.2f}x")
     print(f"  HF batched    {hb['tokens_per_s']:>10,.0f} tok/s  -> engine {out['vs_hf_batched']:.2f}x")
     print(f"  engine alone  {out['engine_alone']['tokens_per_s']:>10,.0f} tok/s")
     print(f"  HF alone      {ha['tokens_per_s']:>10,.0f} tok/s  -> engine alone "

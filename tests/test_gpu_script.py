@@ -61,7 +61,8 @@ def test_every_section_ran_and_left_numbers(smoke):
     assert sum(shares.values()) == pytest.approx(1.0) and shares["GEMM_share"] > 0
     assert len(prof["top"]) == 15 and all(_number(k["ms"]) for k in prof["top"])
     serve = sections["serve"]["figures"]
-    for key in ("engine_tokens_per_s", "decode_step_ms", "vs_hf_batched", "alone_vs_hf_alone"):
+    for key in ("engine_tokens_per_s", "decode_step_ms", "vs_hf_batched", "alone_vs_hf_alone",
+                "eager_decode_step_ms", "graphs_vs_eager", "graphs_vs_eager_alone"):
         assert _number(serve[key]) and serve[key] > 0, (key, serve)
     # fp32: the engine's prompt logprobs are HF's to rounding, its greedy tokens HF's.
     assert serve["fp32_prompt_logprob_max_abs_diff"] < 1e-4

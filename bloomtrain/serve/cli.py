@@ -57,7 +57,8 @@ def _engine_config(opts: dict):
                         kv_cache_tokens=opts["kv_cache_tokens"],
                         max_num_seqs=opts["max_num_seqs"],
                         max_batched_tokens=opts["max_batched_tokens"],
-                        prefill_chunk=opts["prefill_chunk"], max_queue=opts["max_queue"])
+                        prefill_chunk=opts["prefill_chunk"], max_queue=opts["max_queue"],
+                        enforce_eager=opts["enforce_eager"])
 
 
 def _main(args) -> int:
@@ -199,7 +200,8 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
     print(f"[serve] model {names[0]}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
           f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size}); "
-          f"matmuls padded to {runner.min_rows} rows", flush=True)
+          f"matmuls padded to {runner.min_rows} rows; decode "
+          f"{'eager' if runner.graphs is None else 'from CUDA graphs'}", flush=True)
     frontend, conn = start_frontend(opts, {"config": config, "vocab_limit": tokenizer.vocab_size,
                                            "served_names": names,
                                            "chat_template": opts["chat_template_source"],
@@ -287,3 +289,6 @@ def _engine_options(p, d) -> None:
                    help=f"KV-cache pool size in tokens (default: {d.kv_cache_tokens})")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help=f"waiting sequences before requests get 503 (default: {d.max_queue})")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every decode step eagerly: no CUDA graphs (by default, on CUDA at "
+                        "tp=1, decode steps replay graphs captured at padded batch sizes)")

@@ -20,6 +20,9 @@ class EngineConfig:
     max_batched_tokens: int = 256    # tokens per step (prefill chunks + decodes)
     prefill_chunk: int = 64          # prompt tokens per chunk
     max_queue: int = 256             # waiting sequences before new requests get 503
+    # Decode steps without a CUDA graph (bloomtrain.serve.graphs), as vLLM's --enforce-eager:
+    # graphs are only ever used on CUDA, by a single-rank runner.
+    enforce_eager: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -32,6 +35,8 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 flag = "--" + name.replace("_", "-")
                 raise UserError(f"{flag} must be a positive integer, got {v!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise UserError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.max_batched_tokens < self.prefill_chunk + self.max_num_seqs:
             raise UserError(
                 f"--max-batched-tokens ({self.max_batched_tokens}) must be at least "

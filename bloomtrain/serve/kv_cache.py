@@ -57,27 +57,35 @@ class BlockPool:
 
 
 class PagedKVCache:
-    """Keys and values of every layer, one [2, heads, num_blocks, block_size, head_dim] tensor
-    each: head-major planes (keys or values of one head) cut into blocks, so that a block of
+    """Keys and values of every layer, one [2, heads, num_blocks + 1, block_size, head_dim]
+    tensor each: head-major planes (keys or values of one head) cut into blocks, so that a block of
     one plane is one contiguous run of block_size x head_dim numbers. Gathering a batch of block
     tables then copies whole blocks straight into the layout attention multiplies, one copy in
     all: [heads, sequences, blocks x block_size, head_dim], each (head, sequence) matrix
     contiguous. (Token-major slots, gathered and then transposed to head-major, copied the
     context twice and took a quarter of a decode step on CPU.) Zeroed, so that the padding
     blocks a batched attention reads are finite (they are masked with -inf, and 0 times a
-    finite value stays 0)."""
+    finite value stays 0).
+
+    Beyond the pool's `num_blocks` each plane holds one more block, `scratch_block`, that no
+    sequence ever owns (BlockPool hands out ids below num_blocks): the padding rows of a
+    decode replayed from a CUDA graph (bloomtrain.serve.graphs) write their keys and values
+    there, since a captured graph writes every row it was captured with."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_heads: int,
                  head_dim: int, dtype: torch.dtype, device, layers=None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
-        shape = (2, num_heads, num_blocks, block_size, head_dim)
+        self.scratch_block = num_blocks
+        self._plane_blocks = num_blocks + 1  # the pool's blocks and the scratch block
+        shape = (2, num_heads, self._plane_blocks, block_size, head_dim)
         # By global layer index: `layers` (a pipeline stage's own) or all of them.
         layers = range(num_layers) if layers is None else layers
         self.kv = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        # Each layer as rows of one block of one plane ([2 * heads * num_blocks, block_size *
-        # head_dim] views, made once): a gather is then one index_select of whole rows.
+        # Each layer as rows of one block of one plane ([2 * heads * (num_blocks + 1),
+        # block_size * head_dim] views, made once): a gather is then one index_select of whole
+        # rows.
         self._rows = {i: kv.view(-1, block_size * head_dim) for i, kv in self.kv.items()}
 
     @property
@@ -99,7 +107,7 @@ class PagedKVCache:
         if first.is_cuda:
             return None
         planes = torch.arange(2 * self.num_heads, device=tables.device)[:, None]
-        rows = (planes * self.num_blocks + tables.reshape(1, -1)).reshape(-1)
+        rows = (planes * self._plane_blocks + tables.reshape(1, -1)).reshape(-1)
         return first.new_empty((rows.numel(), self.block_size * self.head_dim)), rows
 
     def read(self, layer: int, tables: torch.Tensor, buffer=None

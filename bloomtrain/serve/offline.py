@@ -18,11 +18,13 @@ PREFILL_CHUNK = 512
 
 def offline_engine(model, *, num_seqs: int, max_len: int, longest_prompt: int,
                    vocab_limit: int | None = None, eos_token_id: int | None = None,
-                   tokenizer=None) -> Engine:
+                   tokenizer=None, enforce_eager: bool = False) -> Engine:
     """An engine over `model` (a single-device BloomForCausalLM, possibly int8) with a KV cache
     for `num_seqs` sequences of up to `max_len` tokens, all admitted at once, their prompts
     (up to `longest_prompt` tokens) prefilled together where the step budget allows. Matmuls are
-    not padded for batch invariance (min_rows 1): an offline batch is served once, as it is."""
+    not padded for batch invariance (min_rows 1): an offline batch is served once, as it is.
+    Decode steps from CUDA graphs on CUDA unless `enforce_eager` (bloomtrain.serve.graphs)."""
+    from bloomtrain.serve.graphs import use_decode_graphs
     from bloomtrain.serve.kv_cache import PagedKVCache
     from bloomtrain.serve.runner import ModelRunner
 
@@ -34,11 +36,12 @@ def offline_engine(model, *, num_seqs: int, max_len: int, longest_prompt: int,
                           kv_cache_tokens=blocks * BLOCK, max_num_seqs=num_seqs,
                           max_batched_tokens=max(chunk * num_seqs, chunk + num_seqs)
                           if chunk * num_seqs <= MAX_STEP_TOKENS else chunk + num_seqs,
-                          prefill_chunk=chunk, max_queue=num_seqs)
+                          prefill_chunk=chunk, max_queue=num_seqs, enforce_eager=enforce_eager)
     shape, weight = model.shape, model.transformer.word_embeddings_layernorm.weight
     dtype, device = weight.dtype, weight.device
     cache = PagedKVCache(shape.num_layers, config.num_blocks, BLOCK, shape.num_heads,
                          shape.head_dim, dtype, device)
     runner = ModelRunner(model, cache, min_rows=1)
+    use_decode_graphs(runner, num_seqs, max_len, enforce_eager)
     return Engine(runner.forward, config, vocab_size=shape.vocab_size, vocab_limit=vocab_limit,
                   eos_token_id=eos_token_id, tokenizer=tokenizer, device=device)

@@ -158,6 +158,9 @@ class ModelRunner:
         self.slopes = tr.alibi_slopes  # this rank's heads under tensor parallelism
         self.dtype = tr.word_embeddings_layernorm.weight.dtype
         self.device = tr.word_embeddings_layernorm.weight.device
+        # Decode steps from CUDA graphs (bloomtrain.serve.graphs.use_decode_graphs), or None:
+        # every step eager.
+        self.graphs = None
 
     def _plan(self, batch: StepBatch) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
         return plan_step(batch, self.cache, self.slopes, self.dtype, self.device, self.min_rows)
@@ -180,7 +183,12 @@ class ModelRunner:
 
     def logits(self, batch: StepBatch) -> torch.Tensor | None:
         """The step's logits [>= len(batch.logit_rows), vocab] in the model's dtype (rows
-        padded to min_rows), on the group's first rank; None on the others."""
+        padded to min_rows), on the group's first rank; None on the others. `graphs`, when
+        set, runs the decode steps it can (see DecodeGraphs.run)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         ids, meta, logit_rows = self._plan(batch)
         hidden = self.model.transformer(ids[None], paged=meta)  # [1, rows, h], after ln_f
         logits = self.model.lm_head(hidden[0].index_select(0, logit_rows))  # [R, V / tp]

@@ -109,7 +109,10 @@ def _load_tp_shards(reader, topo, dtype):
 def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
                  quantize=None) -> ModelRunner:
     """The model of `checkpoint` (as load_serving_model) with an empty KV cache of
-    `config.num_blocks` blocks for this rank's heads, ready to run StepBatches."""
+    `config.num_blocks` blocks for this rank's heads, ready to run StepBatches; its decode
+    steps from CUDA graphs on CUDA at tp=1 unless `config.enforce_eager`
+    (bloomtrain.serve.graphs)."""
+    from bloomtrain.serve.graphs import use_decode_graphs
     from bloomtrain.serve.kv_cache import PagedKVCache
 
     model = load_serving_model(checkpoint, topo, device, dtype, quantize)
@@ -119,7 +122,9 @@ def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
     cache = PagedKVCache(shape.num_layers, config.num_blocks, config.block_size,
                          shape.num_heads // tp, shape.head_dim, dtype, device)
     group = topo.tp_group if topo is not None else None
-    return ModelRunner(model, cache, group, min_rows=_min_rows(model, config, dtype, group))
+    runner = ModelRunner(model, cache, group, min_rows=_min_rows(model, config, dtype, group))
+    use_decode_graphs(runner, config.max_num_seqs, config.max_model_len, config.enforce_eager)
+    return runner
 
 
 def _min_rows(model, config, dtype, group) -> int:
