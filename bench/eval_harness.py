@@ -12,8 +12,11 @@ Each side is built once (model loading is not timed), then `lm_eval.simple_evalu
 is timed: --rounds (3) rounds alternating the order of the sides, medians reported. Both sides
 run --batch-size (16) requests per forward; the HF backend's own default, batch size 1, is
 timed once too. Where the difference comes from: both sort requests longest first and batch
-them; bloomtrain runs the LM head and its log-softmax only at the positions it scores (the
-answer's tokens), where HF's backend takes the log-softmax of every position's logits. The
+them; bloomtrain packs a batch's rows into one padding-free row of tokens, each request attending
+only to itself, with no KV cache (bloomtrain.eval.forward.score: the serving engine's way with
+prompts), where HF's backend right-pads them; and it runs the LM head and its log-softmax only at
+the positions it scores (the answer's tokens), where HF's backend takes the log-softmax of every
+position's logits. The
 per-request agreement of the two (max |difference| of the loglikelihoods)
 is printed as a check that both did the same work. Measures; asserts nothing. Prints a table,
 then one JSON line.

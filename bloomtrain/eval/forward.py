@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from bloomtrain.eval.model import EvalModel
+from bloomtrain.model.bloom import packed_attention
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.pipeline.stage import PipelineChunk
 
@@ -90,24 +91,26 @@ def _pad_multiple(model: EvalModel) -> int:
 
 
 def _run_stages(model: EvalModel, micro_inputs: list[torch.Tensor], on_last,
-                paged=None) -> None:
+                paged: list | None = None) -> None:
     """Run each micro-batch of token ids [m, S] through this rank's chunks, in (chunk,
     micro-batch) order: embed or receive, the chunk's blocks, then send on or, on the last
     virtual stage, `on_last(micro_index, hidden)` with the hidden states [m, S(/tp), h]
-    before ln_f. `paged`: a generation step's paged-KV metadata (one micro-batch of [1, T]
-    packed tokens), which the blocks then attend through."""
+    before ln_f. `paged`: each micro-batch's attention metadata (the model's inference
+    protocol, bloomtrain.model.attention.StepAttention: a scoring step's packed sequences or
+    a generation step's paged KV cache, each micro-batch one row [1, T] of packed tokens),
+    which the blocks then attend through."""
     sends = []
-    local_seq = micro_inputs[0].shape[1] // _pad_multiple(model)
     for index, chunk in enumerate(model.chunks):
         vs = chunk.virtual_stage
         for m, ids in enumerate(micro_inputs):
             if chunk.is_first:
                 x = chunk.transformer.embed(ids)
-            else:
-                x = torch.empty((ids.shape[0], local_seq, model.shape.hidden_size),
-                                dtype=model.dtype, device=model.device)
+            else:  # packed micro-batches differ in length: each its own
+                x = torch.empty((ids.shape[0], ids.shape[1] // _pad_multiple(model),
+                                 model.shape.hidden_size), dtype=model.dtype, device=model.device)
                 comm.recv(x, _peer(model, vs - 1), COMM_NAME)
-            x = chunk.transformer.run_blocks(x, chunk.transformer.h.values(), paged=paged)
+            x = chunk.transformer.run_blocks(x, chunk.transformer.h.values(),
+                                             paged=None if paged is None else paged[m])
             if chunk.is_last:
                 on_last(m, x)
             else:
@@ -179,13 +182,17 @@ def _micro_rows(model: EvalModel, rows: int, seq: int, micro_rows: int | None) -
 @torch.no_grad()
 def score(model: EvalModel, batch: ScoreBatch, micro_rows: int | None = None) -> torch.Tensor:
     """[2, Q] fp32 on the CPU: each query's log-probability and greedy flag (0 or 1), complete
-    on the first pipeline stage of every replica (rank 0 among them), for right-padded rows (a
-    causal model never sees the padding of the positions that matter).
+    on the first pipeline stage of every replica (rank 0 among them).
 
     Data-parallel replicas take equal slices of the rows (under ZeRO-3, whose weight gathers
     need every replica to run the same forwards, each takes all). A replica streams its slice
     through its pipeline in micro-batches, each stage sending its output on without waiting:
     the smallest unfinished (virtual stage, micro-batch) can always run, so nothing deadlocks.
+    A micro-batch is its rows packed into one padding-free row of tokens, each attending
+    causally to itself (the model's inference protocol, as the serving engine packs prompts:
+    bloomtrain.model.attention.PackedAttention), with no KV cache, since nothing decodes after;
+    under sequence parallelism, whose hidden states are sequence shards, the rows are
+    right-padded instead (a causal model never sees the padding of the positions that matter).
     The last stage computes logits only at the queried positions (the LM head is the largest
     matmul of a short continuation's scoring) and reduces them over the vocabulary shards
     without gathering them (Megatron's vocab-parallel cross-entropy: max, sum of exponentials
@@ -195,27 +202,67 @@ def score(model: EvalModel, batch: ScoreBatch, micro_rows: int | None = None) ->
     first, count, split = _replica_rows(model, batch.inputs.shape[0])
     out = torch.zeros((2, batch.q_row.numel()), dtype=torch.float32, device=model.device)
     if count:
-        seq = padded_length(model, int(batch.lengths[first:first + count].max()))
-        inputs = torch.zeros((count, seq), dtype=torch.int64)
-        width = min(seq, batch.inputs.shape[1])
-        inputs[:, :width] = batch.inputs[first:first + count, :width]
-        step = _micro_rows(model, count, seq, micro_rows)
         mine = ((batch.q_row >= first) & (batch.q_row < first + count)).nonzero()[:, 0]
-        local_row = batch.q_row[mine] - first
-
-        def on_last(m: int, hidden: torch.Tensor) -> None:
-            lo = m * step
-            sel = ((local_row >= lo) & (local_row < lo + hidden.shape[0])).nonzero()[:, 0]
-            if sel.numel():  # the same on every tp rank: the collectives below match
-                q = mine[sel]
-                out[:, q.to(model.device)] = _score_queries(
-                    model, hidden, local_row[sel] - lo, batch.q_pos[q], batch.q_target[q])
-
         model.train(False)
-        _run_stages(model, list(inputs.to(model.device).split(step)), on_last)
+        run = _score_padded if model.sequence_parallel else _score_packed
+        run(model, batch, range(first, first + count), mine, micro_rows, out)
     if split:  # each query was scored by one replica, zeros elsewhere
         comm.all_reduce(out, topo.dp_group, COMM_NAME)
     return _from_last_stage(model, out).cpu()
+
+
+def _score_packed(model: EvalModel, batch: ScoreBatch, rows: range, mine: torch.Tensor,
+                  micro_rows: int | None, out: torch.Tensor) -> None:
+    """Score queries `mine` (all in `rows`) into `out`, each micro-batch of rows packed into
+    one row of tokens [1, T] (T at most the padded batch's rows x longest)."""
+    step = _micro_rows(model, len(rows), 0, micro_rows)
+    lengths = batch.lengths[rows.start:rows.stop].tolist()
+    slopes = model.chunks[0].transformer.alibi_slopes  # this rank's heads
+    start = [0] * len(rows)  # each row's first token in its micro-batch's packed row
+    micro, metas = [], []
+    for lo in range(0, len(rows), step):
+        group = range(lo, min(lo + step, len(rows)))
+        at = 0
+        for r in group:
+            start[r], at = at, at + lengths[r]
+        micro.append(torch.cat([batch.inputs[rows.start + r, :lengths[r]] for r in group]))
+        metas.append(packed_attention([lengths[r] for r in group], slopes, model.dtype,
+                                      model.device))
+    local_row = batch.q_row[mine] - rows.start
+    micro_of = local_row // step
+    where = torch.tensor(start, dtype=torch.int64)[local_row] + batch.q_pos[mine]
+
+    def on_last(m: int, hidden: torch.Tensor) -> None:  # hidden [1, T, h]
+        sel = (micro_of == m).nonzero()[:, 0]
+        if sel.numel():  # the same on every tp rank: the collectives below match
+            q = mine[sel]
+            out[:, q.to(model.device)] = _score_queries(
+                model, hidden, torch.zeros_like(sel), where[sel], batch.q_target[q])
+
+    _run_stages(model, [ids[None].to(model.device) for ids in micro], on_last, paged=metas)
+
+
+def _score_padded(model: EvalModel, batch: ScoreBatch, rows: range, mine: torch.Tensor,
+                  micro_rows: int | None, out: torch.Tensor) -> None:
+    """Score queries `mine` (all in `rows`) into `out`, the rows right-padded to one length
+    (a multiple of tp: sequence parallelism's shards) in micro-batches [m, S]."""
+    count = len(rows)
+    seq = padded_length(model, int(batch.lengths[rows.start:rows.stop].max()))
+    inputs = torch.zeros((count, seq), dtype=torch.int64)
+    width = min(seq, batch.inputs.shape[1])
+    inputs[:, :width] = batch.inputs[rows.start:rows.stop, :width]
+    step = _micro_rows(model, count, seq, micro_rows)
+    local_row = batch.q_row[mine] - rows.start
+
+    def on_last(m: int, hidden: torch.Tensor) -> None:
+        lo = m * step
+        sel = ((local_row >= lo) & (local_row < lo + hidden.shape[0])).nonzero()[:, 0]
+        if sel.numel():  # the same on every tp rank: the collectives below match
+            q = mine[sel]
+            out[:, q.to(model.device)] = _score_queries(
+                model, hidden, local_row[sel] - lo, batch.q_pos[q], batch.q_target[q])
+
+    _run_stages(model, list(inputs.to(model.device).split(step)), on_last)
 
 
 def _score_queries(model: EvalModel, hidden: torch.Tensor, rows: torch.Tensor,
@@ -284,7 +331,7 @@ def next_logits(model: EvalModel, inputs: torch.Tensor, last: int,
         local = chunk.lm_head(chunk.transformer.ln_f(hidden[0].index_select(0, rows)))
         out.copy_(_gather_vocab(local.float().contiguous(), topo.tp_group))
 
-    _run_stages(model, [ids[None]], on_paged, paged=meta)
+    _run_stages(model, [ids[None]], on_paged, paged=[meta])
     return _from_last_stage(model, out).cpu()
 
 

@@ -1,8 +1,9 @@
 """EleutherAI's lm-evaluation-harness model interface (`lm_eval.api.model.TemplateLM`) over a
 bloomtrain model of any layout: this object lives on rank 0 and sends its batches through an
 Executor (bloomtrain.eval.protocol) to every rank. It does what the harness's own HF backend
-does, so that the numbers are the same (BloomtrainLM says what that is), except that the LM head
-runs only at the scored positions and log-probabilities are computed in fp32 whatever the
+does, so that the numbers are the same (BloomtrainLM says what that is), except that a batch's
+rows run packed into one padding-free row of tokens (bloomtrain.eval.forward.score), the LM
+head runs only at the scored positions and log-probabilities are computed in fp32 whatever the
 model's dtype. The results go through the harness's request cache hook like any backend's.
 """
 from __future__ import annotations

@@ -12,7 +12,11 @@ kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_atten
   SDPA's fused kernel, whose reduced-precision backward is slow there (see
   bloomtrain.layout.EAGER_MAX_SEQ for the measured crossover and its memory);
 - "paged", for serving: keys and values in the engine's block-paged KV cache (PagedAttention,
-  Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math.
+  Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math;
+  "packed", for scoring (eval's loglikelihoods): whole sequences packed into one row, each
+  attending causally to its own keys and values, no cache (PackedAttention). Both are the
+  model's one inference protocol (StepAttention): `BloomModel.forward(ids [1, T], paged=meta)`,
+  each layer calling `meta.attend(layer, q, k, v)`.
 """
 from __future__ import annotations
 
@@ -140,8 +144,42 @@ def eager_attention(q, k, v, bias):
     return torch.bmm(probs, v)
 
 
+class StepAttention:
+    """The model's one inference protocol: a step's tokens packed into one padding-free row
+    [1, T] (then padding rows), run through `BloomModel.forward(ids, paged=meta)`, whose every
+    layer hands its q, k, v [1, nh, T, hd] to `meta.attend(layer_idx, q, k, v)` for the
+    context [1, nh, T, hd]; the metadata says which rows are which sequence and where their
+    keys and values are. Row-wise work (embedding, LayerNorms, matmuls, GeLU) sees one row."""
+
+    def attend(self, layer: int, q, k, v):
+        raise NotImplementedError
+
+
 @dataclass
-class PagedAttention:
+class PackedAttention(StepAttention):
+    """A prefill-only step, for scoring (eval's loglikelihoods): whole sequences packed into
+    one row, rows [start, end) of `spans` one sequence each, attending causally to that
+    sequence's own keys and values from this step (HF BloomAttention's math, as the engine's
+    prefill chunks); nothing is cached, for nothing decodes after. `bias` [nh, L, L] is the
+    ALiBi+causal bias of the longest sequence: its top-left n x n corner is a sequence of n's
+    own, since ALiBi depends only on k - q (bloomtrain.model.bloom.alibi_bias)."""
+
+    spans: list
+    bias: torch.Tensor
+
+    def attend(self, layer: int, q, k, v):
+        """q, k, v [1, nh, rows, hd] -> context [1, nh, rows, hd]."""
+        q, k, v = q[0], k[0], v[0]
+        ctx = torch.zeros_like(q)  # padding rows attend to nothing
+        for start, end in self.spans:
+            n = end - start
+            ctx[:, start:end] = eager_attention(q[:, start:end], k[:, start:end],
+                                                v[:, start:end], self.bias[:, :n, :n])
+        return ctx[None]
+
+
+@dataclass
+class PagedAttention(StepAttention):
     """One serving step's attention metadata, which the model takes in place of the bias
     (`BloomModel.forward(ids, paged=...)`); each layer writes its keys and values, then attends
     per sequence. The step's rows are `num_tokens` new tokens packed into one row of tokens

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bloomtrain.model.attention import (ATTENTION_IMPLS, EagerBias, PagedAttention,
-                                        attention_core, flex_alibi)
+from bloomtrain.model.attention import (ATTENTION_IMPLS, EagerBias, PackedAttention,
+                                        StepAttention, attention_core, flex_alibi)
 from bloomtrain.config import Recompute
 from bloomtrain.errors import UserError
 from bloomtrain.model.params import base_spec, init_full, init_std
@@ -69,6 +69,20 @@ def alibi_causal_bias(slopes: torch.Tensor, q_len: int, k_len: int, dtype: torch
     return alibi_bias(slopes, q_pos[None], k_len, dtype)[:, 0].unsqueeze(0)
 
 
+def packed_attention(lengths: list[int], slopes: torch.Tensor, dtype: torch.dtype,
+                     device=None) -> PackedAttention:
+    """The attention metadata of whole sequences of `lengths` packed one after the other into
+    one row (a scoring step: each causal within itself, nothing cached); `slopes`: the heads
+    this rank runs."""
+    spans, at = [], 0
+    for n in lengths:
+        spans.append((at, at + n))
+        at += n
+    longest = max(lengths, default=1)
+    device = device if device is not None else slopes.device
+    return PackedAttention(spans, alibi_causal_bias(slopes, longest, longest, dtype, device)[0])
+
+
 class BloomAttention(nn.Module):
     def __init__(self, shape: BloomShape, layer_idx: int = 0):
         super().__init__()
@@ -90,7 +104,7 @@ class BloomAttention(nn.Module):
         num_heads = qkv.shape[-1] // (3 * self.head_dim)
         qkv = qkv.view(b, s, num_heads, 3, self.head_dim)  # [b, s, nh, 3, hd]
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, nh, s, hd]
-        if isinstance(bias, PagedAttention):  # inference: keys and values live in paged blocks
+        if isinstance(bias, StepAttention):  # inference: the metadata attends per sequence
             ctx = bias.attend(self.layer_idx, q, k, v)
             ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)
             return self.dense(ctx)
@@ -183,10 +197,11 @@ class BloomModel(nn.Module):
                              f"{ACTIVATION_CHECKPOINTING}, got {mode!r}")
         self.activation_checkpointing = mode
 
-    def run_blocks(self, x, blocks, paged: PagedAttention | None = None):
+    def run_blocks(self, x, blocks, paged: StepAttention | None = None):
         """Run `blocks` (an iterable of BloomBlock) over x [b, s, h]; returns x. `paged`: an
-        inference step's paged-KV metadata (bloomtrain.serve: the one KV cache), which then is
-        the attention's bias; without it every position attends to the positions before it in
+        inference step's attention metadata (bloomtrain.model.attention.StepAttention: the
+        serving engine's paged KV cache, or a packed scoring step), which then is the
+        attention's bias; without it every position attends to the positions before it in
         x, as training does."""
         if paged is not None:
             bias = paged
@@ -203,9 +218,10 @@ class BloomModel(nn.Module):
                 x = block(x, bias, recompute_core=recompute == "selective")
         return x
 
-    def forward(self, input_ids, paged: PagedAttention | None = None):
+    def forward(self, input_ids, paged: StepAttention | None = None):
         """Hidden states [b, s, h] after ln_f. With `paged` (b = 1: an inference step's tokens
-        packed into one row), attention reads and writes the paged KV cache it describes."""
+        packed into one row), attention is what it describes: per sequence, over the paged KV
+        cache (PagedAttention) or the step's own keys and values (PackedAttention)."""
         return self.ln_f(self.run_blocks(self.embed(input_ids), self.h, paged))
 
 
