@@ -4,7 +4,7 @@ N threads.
 
 - bloomtrain: a real offloading engine (one process, ZeRO-1, bf16, the BLOOM shape of
   `--hidden` x `--layers`, default 2048 x 2: 100.7M parameters, in the default 25 MB buckets),
-  stepped as ZeroAdamW steps it (bloomtrain/optim/adamw.py): chunk by chunk as the gradients land
+  stepped as ZeroAdamW steps it (bloomtrain/parallel/zero/optimizer.py): chunk by chunk as the gradients land
   in its staging ring (a batch of landed chunks per call), torch's fused AdamW with weight decay
   on the matrices only, then the updated masters cast to bf16 into the ring's slots
   (HostCopies.cast), the bytes that go back to the device. The copies into and out of the ring
@@ -55,7 +55,7 @@ def _bloomtrain(args):
     sys.path.insert(0, str(REPO))
     from bench.common import unseeded_init
     from bloomtrain.model.presets import BloomShape
-    from bloomtrain.optim.adamw import adamw
+    from bloomtrain.parallel.zero.optimizer import step_chunks
     from tests import helpers
 
     shape = BloomShape(vocab_size=256, hidden_size=args.hidden, num_layers=args.layers,
@@ -66,13 +66,13 @@ def _bloomtrain(args):
     with unseeded_init():
         parts = helpers.build(cfg, device="cpu")
     engine, opt = parts.engine, parts.optimizer
-    bufs, host = engine.bufs, engine.host
+    bufs, host = engine.bufs, engine.host_copies
     bufs.grad.normal_(0.0, 1e-3)
     count = [0]
     split = {"update": 0.0}
 
     def step():
-        """ZeroAdamW's offloaded loop (bloomtrain/optim/optimizer.py), the host's work timed:
+        """ZeroAdamW's offloaded loop (bloomtrain/parallel/zero/optimizer.py), the host's work timed:
         the batches of landed chunks come from the ring (the device-to-host copies, memcpy on
         the CPU, happen in landed()), the copies back after the timed cast."""
         count[0] += 1
@@ -80,8 +80,8 @@ def _bloomtrain(args):
         host.grads_to_host()
         for batch in host.landed():
             t0, c0 = time.perf_counter(), time.process_time()
-            adamw(bufs, [(c.seg, c.a, c.b) for c in batch], [c.grad for c in batch], opt.cfg,
-                  LR, count[0], 1.0)
+            step_chunks(bufs, [(c.seg, c.a, c.b) for c in batch], [c.grad for c in batch],
+                        opt.cfg, LR, count[0], 1.0)
             t1, c1 = time.perf_counter(), time.process_time()
             casts = host.cast(batch)
             update, update_cpu = update + t1 - t0, update_cpu + c1 - c0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bloomtrain.optim.grad_stats import GradStats
+from bloomtrain.parallel.zero.grad_stats import GradStats
 from bloomtrain.parallel.zero.waits import WaitClock
 from bloomtrain.train import Trainer
 from bloomtrain.train.monitors import find_straggler, flag_entries, flags_line

@@ -2,8 +2,8 @@
 runs without it, on CPU/gloo.
 
 Offload moves the fp32 masters and Adam moments to host memory and runs the step there, with the
-same torch AdamW kernel on the same views of the flat buffers (bloomtrain/optim/adamw.py),
-so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
+same torch AdamW kernel on the same views of the flat buffers
+(bloomtrain/parallel/zero/optimizer.py), so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
 steps, the gathered fp32 masters and moments, the compute copies, and checkpoints, which must not
 depend on whether the run that wrote or reads them offloads. The memory accounting must show the
 12 bytes per owned parameter leaving the device for the host, and only the staging ring pinned.
@@ -47,7 +47,7 @@ STAGES = (0, 1, 2, 3)
 # Sizes that are not multiples of a SIMD width (60, 180, 240): torch's CPU kernels run a tensor
 # in full vectors from its first element and a scalar tail, whose bits differ, so the step's
 # tensors must be cut in the same places with and without offload (at the chunk grid and where
-# weight decay starts or stops; bloomtrain/optim/adamw.py), which this shape checks.
+# weight decay starts or stops; bloomtrain/parallel/zero/optimizer.py), which this shape checks.
 ODD = BloomShape(vocab_size=256, hidden_size=60, num_layers=2, num_heads=4, ffn_hidden_size=240)
 
 
@@ -64,8 +64,9 @@ def _run(stage, offload, precision, base, optim=None, **parallel):
     parts = _parts(stage, offload, precision, base, optim, **parallel)
     assert len(parts.engine.bufs.layout.segments) > 1
     if offload:  # chunks of the ring cut segments, and the ring is reused within a step
-        assert len(parts.engine.host.order) > max(len(parts.engine.bufs.layout.segments),
-                                                  len(parts.engine.bufs.staging))
+        eng = parts.engine
+        assert len(eng.host_copies.order) > max(len(eng.bufs.layout.segments),
+                                                len(eng.bufs.staging))
     topo = parts.topo
     out = train(parts, global_batches(STEPS, 2 * topo.dp_size * MBS, seed=2), MBS)
     eng = parts.engine

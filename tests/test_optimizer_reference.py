@@ -18,7 +18,7 @@ from bloomtrain.config import OptimConfig
 from bloomtrain.model import build_model
 from bloomtrain.model.params import ParamSpec
 from bloomtrain.model.presets import BloomShape
-from bloomtrain.optim import ZeroAdamW
+from bloomtrain.parallel.zero.optimizer import ZeroAdamW
 from bloomtrain.parallel.zero.engine import ZeroEngine
 from bloomtrain.topology import Topology
 from tests import helpers

@@ -71,6 +71,18 @@ def test_the_layout_imports_nothing_from_parallel():
         == []
 
 
+def test_the_optimizer_maths_imports_nothing_from_parallel():
+    """bloomtrain.optim is AdamW, the clip, the loss scale and the LR schedule on tensors and
+    numbers; the optimizer that steps the ZeRO engine's buffers lives beside them in
+    parallel/zero/ (Megatron-Core's DistributedOptimizer sits beside its buffers too)."""
+    graph = import_graph(REPO)
+    optim = sorted(m for m in graph if m == "bloomtrain.optim" or
+                   m.startswith("bloomtrain.optim."))
+    assert len(optim) >= 4
+    assert {m: sorted(t for t in graph[m] if t.startswith("bloomtrain.parallel"))
+            for m in optim} == {m: [] for m in optim}
+
+
 def test_errors_come_from_the_errors_module():
     """UserError lives in bloomtrain.errors, a leaf; the config is imported for its sections and
     domains only (the top-level CLI may take both from it)."""

@@ -1,12 +1,14 @@
-"""The optimizer, called by the train step in order: AdamW with clipping and the fp16 loss scale
-on the ZeRO engine's fp32 masters (optimizer.py, adamw.py), the gradient analyser that watches
-its steps (grad_stats.py), the loss scaler (scaler.py) and the learning-rate schedule
-(schedule.py)."""
+"""The optimizer's maths, on tensor lists and numbers: AdamW and the clip coefficient
+(adamw.py), the fp16 loss scaler (scaler.py) and the learning-rate schedule (schedule.py). It
+imports nothing from bloomtrain.parallel: the optimizer that steps a ZeroEngine's buffers with
+it, and the gradient analyser, sit beside those buffers (bloomtrain.parallel.zero.optimizer,
+grad_stats)."""
 from bloomtrain.optim.scaler import DynamicLossScaler
 from bloomtrain.optim.schedule import LRSchedule
 from bloomtrain.utils import lazy_exports
 
-# The optimizer imports torch; the schedule and the scaler do not.
-__getattr__ = lazy_exports(__name__, {"StepResult": "optimizer", "ZeroAdamW": "optimizer"})
+# AdamW imports torch; the schedule and the scaler do not.
+__getattr__ = lazy_exports(__name__, {"AdamWHyper": "adamw", "adamw_": "adamw",
+                                      "clip_coefficient": "adamw"})
 
-__all__ = ["DynamicLossScaler", "LRSchedule", "StepResult", "ZeroAdamW"]
+__all__ = ["AdamWHyper", "DynamicLossScaler", "LRSchedule", "adamw_", "clip_coefficient"]

@@ -15,7 +15,7 @@ from bloomtrain.config import Config
 from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
 from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
 from bloomtrain.model.presets import BloomShape
-from bloomtrain.optim.optimizer import ZeroAdamW
+from bloomtrain.parallel.zero.optimizer import ZeroAdamW
 from bloomtrain.parallel.compile import compile_blocks
 from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel

@@ -18,9 +18,9 @@ import sys
 import torch
 
 from bloomtrain.parallel import comm
-from bloomtrain.optim.grad_stats import GradStats
+from bloomtrain.parallel.zero.grad_stats import GradStats
 
-# The gradient analyser's flags (bloomtrain/optim/grad_stats.py: per-entry gradient norms and
+# The gradient analyser's flags (bloomtrain/parallel/zero/grad_stats.py: per-entry gradient norms and
 # update/weight ratios): an entry is vanishing below this norm, exploding when its norm is not
 # finite or above EXPLODING times the median entry norm.
 VANISHING = 1e-8

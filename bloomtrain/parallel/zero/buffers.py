@@ -58,7 +58,7 @@ class FlatBuffers:
         self.offload = offload
         # Where the optimizer states live: the host under offload (meta stays meta, so that any
         # rank can still be described without memory).
-        self.host = (self.device if not offload or self.device.type == "meta"
+        self.state_device = (self.device if not offload or self.device.type == "meta"
                      else torch.device("cpu"))
         full, shard = layout.full_numel, layout.shard_numel
         state = shard if rules.shard_optimizer else full
@@ -80,12 +80,12 @@ class FlatBuffers:
             return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
         pin_states = offload and pin_states
         self.master, self.exp_avg, self.exp_avg_sq = (
-            zeros(state, device=self.host, pinned=pin_states) for _ in range(3))
+            zeros(state, device=self.state_device, pinned=pin_states) for _ in range(3))
         self.grad = zeros(shard if rules.shard_grads else full)
         self.compute = None if rules.shard_params else zeros(full, compute_dtype)
         # Offload: the staging ring (offload.py). A slot carries a chunk of fp32 gradients to
         # the host, then the same bytes carry the chunk's cast masters back.
-        self.staging = ([zeros(self.chunk, device=self.host, pinned=True)
+        self.staging = ([zeros(self.chunk, device=self.state_device, pinned=True)
                          for _ in range(RING_SLOTS)] if offload else [])
         # Offload, stage 3: the compute-dtype copy of the own shard that gathers read.
         self.compute_shard = (zeros(shard, compute_dtype) if offload and rules.shard_params

@@ -15,10 +15,9 @@ rounded, unlike a reduction in a narrow dtype on the wire. The all-reduce of sta
 reduce-scatter followed by an all-gather of the reduced shards, encoded again; every rank, the
 shard's owner too, takes the decoded values, so the replicas stay equal.
 
-Error feedback (Seide et al. 2014; Karimireddy et al., arXiv 1901.09847): with a residual
-buffer, the rank sends Q(g + e) and keeps e <- (g + e) - D(Q(g + e)), so what quantization drops
-in one reduction is sent in a later one. The residual is this rank's own (each rank's input
-differs), as large as its input, in fp32.
+Error feedback (feedback.py, all of its life): with a residual buffer, the rank sends
+Q(g + e) and keeps e <- (g + e) - D(Q(g + e)), so what quantization drops in one reduction is
+sent in a later one.
 
 fp32 does not come here: the engine calls comm's plain collectives for it, so choosing fp32 is
 exactly the uncompressed engine.
@@ -28,41 +27,15 @@ from __future__ import annotations
 import torch
 
 from bloomtrain.parallel import comm
-# The wire format's sizes live in wire.py, torch-free for the planner.
-from bloomtrain.parallel.zero.wire import BLOCK, QMAX, encoded_bytes, padded
+# The codec (encode, decode) in codec.py, error feedback's step in feedback.py, the wire
+# format's sizes in wire.py (torch-free for the planner); encode, decode and encoded_bytes are
+# importable from here too.
+from bloomtrain.parallel.zero.codec import decode, encode
+from bloomtrain.parallel.zero.feedback import encode_with_feedback
+from bloomtrain.parallel.zero.wire import encoded_bytes
 
-
-def encode(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """[n, m] fp32 -> [n, encoded_bytes(m)] int8: each row encoded on its own."""
-    if dtype == "bf16":
-        return x.to(torch.bfloat16).view(torch.int8)
-    n, m = x.shape
-    blocks = torch.nn.functional.pad(x, (0, padded(m) - m)).view(n, -1, BLOCK)
-    scale = blocks.abs().amax(dim=2, keepdim=True) / QMAX
-    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)).clamp_(-QMAX, QMAX)
-    return torch.cat([q.to(torch.int8).view(n, -1)[:, :m],
-                      scale.view(n, -1).contiguous().view(torch.int8)], dim=1)
-
-
-def decode(payload: torch.Tensor, numel: int, dtype: str) -> torch.Tensor:
-    """encode's inverse: [n, encoded_bytes(numel)] int8 -> [n, numel] fp32."""
-    n = payload.shape[0]
-    if dtype == "bf16":
-        return payload.contiguous().view(torch.bfloat16).float()
-    m = padded(numel)
-    q = torch.nn.functional.pad(payload[:, :numel].float(), (0, m - numel)).view(n, -1, BLOCK)
-    scale = payload[:, numel:].contiguous().view(torch.float32).view(n, -1, 1)
-    return (q * scale).view(n, m)[:, :numel]
-
-
-def _encode_with_feedback(x: torch.Tensor, dtype: str, residual: torch.Tensor | None):
-    """encode(x + residual), the residual updated to what the encoding lost."""
-    if residual is None:
-        return encode(x, dtype)
-    residual.add_(x)
-    payload = encode(residual, dtype)
-    residual.sub_(decode(payload, x.shape[1], dtype))
-    return payload
+__all__ = ["Pending", "all_gather", "all_reduce", "decode", "encode", "encoded_bytes",
+           "reduce_scatter"]
 
 
 class Pending:
@@ -89,7 +62,7 @@ def reduce_scatter(out: torch.Tensor, input_: torch.Tensor, group, name: str, dt
     (already finished unless `async_op`)."""
     n = comm.group_size(group)
     x = input_.view(n, -1)
-    payload = _encode_with_feedback(x, dtype, None if residual is None else residual.view(n, -1))
+    payload = encode_with_feedback(x, dtype, None if residual is None else residual.view(n, -1))
     received = torch.empty_like(payload)
     handle = comm.all_to_all_single(received, payload, group, name, async_op=async_op)
     pending = Pending(handle, received, out, dtype)

@@ -99,7 +99,8 @@ class ZeroEngine:
                                 self.compute_dtype, device, offload=offload,
                                 error_feedback=error_feedback and topo.dp_size > 1,
                                 bucket=bucket, pin_states=offload_pin_memory)
-        self.host = HostCopies(self.bufs, topo) if offload else None
+        # ZeRO-Offload's copies between the device and the host states (None without it).
+        self.host_copies = HostCopies(self.bufs, topo) if offload else None
         if self.bufs.device.type != "meta":
             self.bufs.materialize(values or _copy_values)
         self.bufs.bind(modules)

@@ -1,5 +1,5 @@
 """ZeRO-Offload (Ren et al., arXiv 2101.06840): the fp32 masters and Adam moments of this rank's
-own range live in host memory, where the optimizer steps them (bloomtrain.optim, by the same
+own range live in host memory, where the optimizer steps them (zero/optimizer.py, by the same
 torch AdamW on the same chunks, so on one machine the bits are those of a device step). This
 module moves the bytes, chunk by chunk (FlatBuffers.chunks: a segment's own range, cut at the
 ring's slot size), through the staging ring (FlatBuffers.staging, RING_SLOTS page-locked

@@ -10,7 +10,7 @@ import torch
 from torch.autograd import Variable
 
 from bloomtrain.parallel import comm
-from bloomtrain.parallel.zero import compress
+from bloomtrain.parallel.zero import compress, feedback
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 from bloomtrain.parallel.zero.memory import Counters
 from bloomtrain.parallel.zero.segments import Segment, Slot, clip_ranges
@@ -39,7 +39,7 @@ class GradReducer:
     `dtype` is the dp reduction's wire format (parallel.grad_reduce_dtype): fp32 takes comm's
     plain collectives, exactly as without the option; bf16 and int8 go through compress.py
     (quantize, all-to-all, dequantize, sum in fp32), with the error-feedback residual
-    `bufs.grad_residual` when there is one. Without dp peers nothing is sent or compressed."""
+    (feedback.py) when there is one. Without dp peers nothing is sent or compressed."""
 
     def __init__(self, bufs: FlatBuffers, topo, counters: Counters, on_group_done=None,
                  waits: WaitClock | None = None, dtype: str = "fp32"):
@@ -115,8 +115,9 @@ class GradReducer:
         if self.dtype == "fp32":
             handle = comm.reduce_scatter_tensor(out, staging, self.dp_group, DP, async_op=True)
         else:
+            residual = feedback.segment_residual(self.bufs, seg)
             handle = compress.reduce_scatter(out, staging, self.dp_group, DP, self.dtype,
-                                             self._residual(seg), async_op=True)
+                                             residual, async_op=True)
         self._inflight.append((seg, staging, out, handle))
         while len(self._inflight) > MAX_IN_FLIGHT:
             self._complete_oldest()
@@ -160,10 +161,6 @@ class GradReducer:
         while self._inflight:
             self._complete_oldest()
 
-    def _residual(self, seg: Segment) -> torch.Tensor | None:
-        r = self.bufs.grad_residual
-        return None if r is None else r[seg.full_off:seg.full_off + seg.padded]
-
     def _reduce_accumulated(self, seg: Segment) -> None:
         """Stages 0-1: the step's dp sum of a segment's full accumulator."""
         full = self.bufs.full_grad(seg)
@@ -171,14 +168,15 @@ class GradReducer:
             if self.dtype == "fp32":
                 comm.all_reduce(full, self.dp_group, DP)
             else:
-                compress.all_reduce(full, self.dp_group, DP, self.dtype, self._residual(seg))
+                compress.all_reduce(full, self.dp_group, DP, self.dtype,
+                                    feedback.segment_residual(self.bufs, seg))
             return
         out = torch.empty(seg.shard, dtype=torch.float32, device=full.device)
         if self.dtype == "fp32":
             comm.reduce_scatter_tensor(out, full, self.dp_group, DP)
         else:
             compress.reduce_scatter(out, full, self.dp_group, DP, self.dtype,
-                                    self._residual(seg))
+                                    feedback.segment_residual(self.bufs, seg))
         self.bufs.grad_view(seg).copy_(out)
 
     # ---- at the step -----------------------------------------------------------------------------

@@ -10,10 +10,11 @@ training device. Under ZeRO-Offload the states are read from and written to host
 same coordinates: a checkpoint does not know whether the run that wrote it offloaded, nor need the
 run that reads it.
 
-Error-feedback residuals (parallel.grad_error_feedback). Each dp rank's residual is its own,
-full-size (what its compressed reductions still owe the sum), so a checkpoint keeps all of them:
-one kind per saving dp rank, `grad_residual_dp{s}`, in the same fragments as the moments (rank r
-writes every rank's residual on its own partition, fetched with one all-to-all at save time).
+Error-feedback residuals (parallel.grad_error_feedback; feedback.py does the work). Each dp
+rank's residual is its own, full-size (what its compressed reductions still owe the sum), so a
+checkpoint keeps all of them: one kind per saving dp rank, `grad_residual_dp{s}`, in the same
+fragments as the moments (rank r writes every rank's residual on its own partition, fetched
+with one all-to-all at save time).
 The rule on resume:
 - the same dp size: dp rank r takes `grad_residual_dp{r}` (bitwise, as the masters; tp and pp
   may change, the residual follows its parameter like any state);
@@ -31,6 +32,7 @@ import torch
 from bloomtrain.checkpoint import Fragment, residual_kind
 from bloomtrain.model.params import tp_shard_shape
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero import feedback
 from bloomtrain.parallel.zero.buffers import FlatBuffers
 
 DP = "dp"
@@ -46,23 +48,13 @@ def _full_shape(spec, local_shape, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _residuals_here(bufs: FlatBuffers, seg, topo) -> torch.Tensor | None:
-    """[dp, shard]: every dp rank's residual on this rank's partition of `seg` (an all-to-all)."""
-    if bufs.grad_residual is None:
-        return None
-    mine = bufs.grad_residual[seg.full_off:seg.full_off + seg.padded].view(bufs.dp_size, -1)
-    out = torch.empty_like(mine)
-    comm.all_to_all_single(out, mine.contiguous(), topo.dp_group, DP)
-    return out
-
-
 def fragments(bufs: FlatBuffers, topo) -> list[Fragment]:
     """This rank's unique pieces of the fp32 masters and Adam moments (and of every dp rank's
     error-feedback residual); only the residuals are exchanged. The tensors are private copies,
     safe to write in the background."""
     out = []
     for seg in bufs.layout.segments:
-        residuals = _residuals_here(bufs, seg, topo)
+        residuals = feedback.residuals_here(bufs, seg, topo)
         plo, phi = bufs.partition(seg)
         olo, _ = bufs.own(seg)
         for piece in seg.pieces:
@@ -116,32 +108,7 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
                     bufs.compute[base:base + piece.numel].copy_(
                         flat[piece.param_start:piece.param_start + piece.numel])
     bufs.refresh_compute_shard()
-    if bufs.grad_residual is not None:
-        _load_residual(bufs, pieces, optim or {})
-
-
-def _load_residual(bufs: FlatBuffers, pieces: dict, optim: Mapping) -> None:
-    """The module docstring's rule: this dp rank's saved residual; under another dp size the
-    saved ones' sum over this dp size; or zeros."""
-    first = bufs.layout.slots[0].name
-    saved = 0
-    while f"{residual_kind(saved)}.{first}" in optim:
-        saved += 1
-    bufs.grad_residual.zero_()
-    if saved == 0:
-        return
-    ranks = [bufs.dp_rank] if saved == bufs.dp_size else range(saved)
-    for slot in bufs.layout.slots:
-        flat = None
-        for s in ranks:
-            t = optim[f"{residual_kind(s)}.{slot.name}"].reshape(-1).to(torch.float32)
-            flat = t.clone() if flat is None else flat.add_(t)
-        if len(ranks) > 1:
-            flat.div_(bufs.dp_size)
-        for seg, piece in pieces[id(slot)]:
-            base = seg.full_off + piece.seg_start
-            bufs.grad_residual[base:base + piece.numel].copy_(
-                flat[piece.param_start:piece.param_start + piece.numel])
+    feedback.load(bufs, pieces, optim or {})
 
 
 @torch.no_grad()

@@ -1,7 +1,10 @@
 """The optimizer of a ZeroEngine's fp32 master weights, with BLOOM's BF16Optimizer semantics
 (DeepSpeed's `runtime/bf16_optimizer.py`; fp16 adds Megatron's dynamic loss scale): global
 gradient norm, clipping, AdamW on this rank's own range of the masters, then the compute copy
-refreshed from them. The train step calls it in torchtitan's order:
+refreshed from them. It sits beside the engine's buffers, as Megatron-Core's
+DistributedOptimizer does: the maths (AdamW on tensor lists, the clip, the loss scale) is
+bloomtrain.optim's, which knows nothing of buffers; this module cuts the buffers into the
+tensors it steps and runs the offload sequence. The train step calls it in torchtitan's order:
 
     optimizer.zero_grad()
     forward and backward of every micro-batch, on optimizer.scale_loss(loss)
@@ -18,10 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from bloomtrain.optim import grad_stats
-from bloomtrain.optim.adamw import adamw, all_chunks, clip_coefficient
-from bloomtrain.optim.grad_stats import GradStats
+from bloomtrain.optim.adamw import AdamWHyper, adamw_, clip_coefficient
 from bloomtrain.optim.scaler import DynamicLossScaler
+from bloomtrain.parallel.zero import feedback, grad_stats
+from bloomtrain.parallel.zero.buffers import FlatBuffers
+from bloomtrain.parallel.zero.grad_stats import GradStats
+from bloomtrain.parallel.zero.segments import Segment
+
+# (segment, a, b): elements [a, b) of the segment's own range (FlatBuffers.chunks).
+Chunk = tuple[Segment, int, int]
 
 
 @dataclass
@@ -66,15 +74,15 @@ class ZeroAdamW:
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
-    # ---- the step ---------------------------------------------------------------------------------
+    # ---- the step -------------------------------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm(self) -> float:
         """The global norm of the reduced gradients, unscaled; the clip that step() applies.
         Under fp16 a non-finite norm (every rank agrees: the norm is global) updates the loss
         scale and makes the step a skip. A collective."""
-        host = self.engine.host
-        if host:
-            host.grads_to_host()  # in flight while the norm is computed
+        copies = self.engine.host_copies
+        if copies:
+            copies.grads_to_host()  # in flight while the norm is computed
         norm = float(self.engine.grad_norm())
         scale = self.scaler.scale if self.scaler else None
         if self.scaler:
@@ -101,23 +109,14 @@ class ZeroAdamW:
             # overflowed.
             analysed.grads()
         if clipped.found_inf:
-            if self.engine.host:
-                self.engine.host.wait()  # the copies still read the gradients
-            residual = self.engine.bufs.grad_residual
-            if residual is not None:
-                # Error feedback carried a non-finite gradient (an fp16 overflow): what it owes
-                # is lost with the step, or it would poison every later reduction.
-                residual.zero_()
+            if self.engine.host_copies:
+                self.engine.host_copies.wait()  # the copies still read the gradients
         else:
             self.step_count += 1
             self._update(lr, clip_coefficient(clipped.norm, self.cfg.clip_grad, clipped.scale),
                          analysed)
-            residual = self.engine.bufs.grad_residual
-            if residual is not None and self.scaler and self.scaler.scale != clipped.scale:
-                # What error feedback owes is in the units of the gradients it came from,
-                # which carried this step's loss scale; the next step's carry the grown one.
-                # (A power of two: exact.)
-                residual.mul_(self.scaler.scale / clipped.scale)
+        feedback.after_step(self.engine.bufs, clipped.found_inf, clipped.scale,
+                            self.scaler.scale if self.scaler else None)
         return StepResult(grad_norm=clipped.norm, skipped=clipped.found_inf,
                           loss_scale=clipped.scale,
                           grad_stats=analysed.finish() if analysed is not None else None)
@@ -127,27 +126,29 @@ class ZeroAdamW:
 
         def observed(seg):
             return analysed.update(seg) if analysed is not None else contextlib.nullcontext()
-        if engine.host:
+        copies = engine.host_copies
+        if copies:
             # Chunk by chunk as they land in the staging ring (a batch of a segment's landed
             # chunks per call), each batch sent back before the next is stepped; the analyser
             # sees a segment's masters around all of its chunks.
-            for _, batches in itertools.groupby(engine.host.landed(),
+            for _, batches in itertools.groupby(copies.landed(),
                                                 key=lambda batch: batch[0].seg.index):
                 first = next(batches)
                 with observed(first[0].seg):
                     for batch in itertools.chain([first], batches):
-                        adamw(bufs, [(c.seg, c.a, c.b) for c in batch],
-                              [c.grad for c in batch], self.cfg, lr, self.step_count, coeff)
-                        engine.host.send(batch)
+                        step_chunks(bufs, [(c.seg, c.a, c.b) for c in batch],
+                                    [c.grad for c in batch], self.cfg, lr, self.step_count,
+                                    coeff)
+                        copies.send(batch)
             return
         if analysed is not None:
             for seg in bufs.layout.segments:  # the same bits as one call (adamw's docstring)
                 with observed(seg):
-                    adamw(bufs, all_chunks(bufs, [seg]), None, self.cfg, lr, self.step_count,
-                          coeff)
+                    step_chunks(bufs, all_chunks(bufs, [seg]), None, self.cfg, lr,
+                                self.step_count, coeff)
         else:
-            adamw(bufs, all_chunks(bufs, bufs.layout.segments), None, self.cfg, lr,
-                  self.step_count, coeff)
+            step_chunks(bufs, all_chunks(bufs, bufs.layout.segments), None, self.cfg, lr,
+                        self.step_count, coeff)
         engine.refresh_compute()
 
     def discard(self) -> StepResult:
@@ -166,7 +167,7 @@ class ZeroAdamW:
                                                  self.num_blocks)
         return self._analyser.begin(loss_scale)
 
-    # ---- state --------------------------------------------------------------------------------------
+    # ---- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The scalars a checkpoint keeps (the moments are the engine's buffers)."""
         return {"step_count": self.step_count,
@@ -177,3 +178,64 @@ class ZeroAdamW:
             self.step_count = int(scalars.get("step_count", 0))
             if self.scaler and scalars.get("scaler"):
                 self.scaler.load_state_dict(scalars["scaler"])
+
+
+# ---- the buffers cut into the tensors AdamW steps ----------------------------------------------
+
+def all_chunks(bufs: FlatBuffers, segments: list[Segment]) -> list[Chunk]:
+    return [(seg, a, b) for seg in segments for a, b in bufs.chunks(seg)]
+
+
+def step_chunks(bufs: FlatBuffers, chunks: list[Chunk], grads: list[torch.Tensor] | None, cfg,
+                lr: float, step_count: int, coeff: float) -> None:
+    """One AdamW update (bloomtrain.optim.adamw_) of `chunks` of this rank's own ranges, on
+    views of the flat buffers wherever they live (the device; the host under offload). `grads`
+    holds each chunk's gradients (offload: the staging slots they landed in), or None for the
+    reduced gradient buffer itself. `coeff` unscales and clips the gradients first.
+
+    The tensors torch sees are the same whichever caller: every chunk (the optimizer's unit,
+    FlatBuffers.chunks), cut where weight decay starts or stops, so the offloaded step (a call
+    per batch of landed chunks, to overlap the copies) and the plain one (one call) make the
+    same bits. Weight decay on the decayed ranges only (no biases, no LayerNorms): one call for
+    those, one with weight_decay 0 for the rest."""
+    if not chunks:
+        return
+    decayed: tuple[list, list, list, list] = ([], [], [], [])
+    plain: tuple[list, list, list, list] = ([], [], [], [])
+    all_grads = []
+    for i, (seg, a, b) in enumerate(chunks):
+        states = [bufs.state_view(buf, seg) for buf in (bufs.master, bufs.exp_avg,
+                                                         bufs.exp_avg_sq)]
+        g = grads[i] if grads is not None else bufs.grad_view(seg)[a:b]
+        all_grads.append(g)
+        lo = bufs.own(seg)[0]
+        for x, y, decay in decay_runs(seg, lo + a, lo + b):
+            x, y = x - lo, y - lo
+            out = decayed if decay else plain
+            out[0].append(states[0][x:y])
+            out[1].append(g[x - a:y - a])
+            out[2].append(states[1][x:y])
+            out[3].append(states[2][x:y])
+    if coeff != 1.0:
+        torch._foreach_mul_(all_grads, coeff)
+    hyper = AdamWHyper(lr, cfg.beta1, cfg.beta2, cfg.eps)
+    step = None
+    for (params, gs, ms, vs), wd in ((decayed, cfg.weight_decay), (plain, 0.0)):
+        if params:
+            step = adamw_(params, gs, ms, vs, hyper, step_count, wd, step)
+
+
+def decay_runs(seg: Segment, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """[lo, hi) of `seg` (segment coordinates) cut into runs with and without weight decay."""
+    out, at = [], lo
+    for a, b in seg.decay:
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if at < a:
+            out.append((at, a, False))
+        out.append((a, b, True))
+        at = b
+    if at < hi:
+        out.append((at, hi, False))
+    return out
