@@ -163,6 +163,23 @@ def test_shapes_outside_the_captured_set_run_eagerly(model_dir):
     assert graphs.replays == 0
 
 
+def test_static_decode_step_traces_as_one_graph(model_dir):
+    """The step a graph captures (`DecodeGraphs._step`) traces whole under torch.compile's
+    fullgraph mode: no host sync (.item(), .tolist()) and no Python branching on tensor values
+    inside it, either of which a CUDA capture would reject or freeze. On CPU it reads the cache
+    through the CPU gather (on CUDA: one index_select); the eager backend, so nothing compiles."""
+    _, path = model_dir
+    graphs = static_path(build_runner(path, CFG))
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            want = graphs._step(4, 64)
+            got = torch.compile(graphs._step, fullgraph=True, backend="eager")(4, 64)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+
+
 def test_enforce_eager_parses_and_reaches_the_runner(model_dir, tmp_path, monkeypatch):
     """`bloomtrain serve --enforce-eager` sets EngineConfig.enforce_eager, which build_runner
     hands to use_decode_graphs; graphs are only wanted on CUDA at tp=1 without it."""

@@ -10,6 +10,9 @@ Batch invariance: a request produces the same tokens whatever else is served. On
 are bitwise the same (matmul rows padded to `min_rows`, prompts cut at fixed positions, decode
 keys padded by whole DECODE_BUCKETs; each at its line); on CUDA, cuBLAS picks kernels (split-K
 among them) by problem size, so batched and alone agree to float rounding, not bitwise.
+
+On CUDA, decode-only steps replay CUDA graphs instead (bloomtrain.serve.graphs: the same model
+code on static buffers at padded shapes; `ModelRunner.graphs`), unless --enforce-eager.
 """
 from __future__ import annotations
 
