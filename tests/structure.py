@@ -94,6 +94,15 @@ def private_imports(repo: Path) -> list[str]:
     return hits
 
 
+def definitions(repo: Path, name: str) -> list[str]:
+    """Every function or class called `name` in the package, nested ones too: a thing that
+    must have one place (the ZeRO state bytes, ...) is found by its name."""
+    return [f"{module}:{node.lineno}" for module, tree in _trees(modules(repo)).items()
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and node.name == name]
+
+
 ERROR_NAMES = {"UserError"}
 
 

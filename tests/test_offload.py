@@ -3,9 +3,10 @@ runs without it, on CPU/gloo.
 
 Offload moves the fp32 masters and Adam moments to host memory and runs the step there, with the
 same torch AdamW kernel on the same views of the flat buffers
-(bloomtrain/parallel/zero/optimizer.py), so the math is identical and every comparison here is bitwise: losses, gradient norms, skipped
-steps, the gathered fp32 masters and moments, the compute copies, and checkpoints, which must not
-depend on whether the run that wrote or reads them offloads. The memory accounting must show the
+(bloomtrain/parallel/zero/optimizer.py), so the math is identical and every comparison here is
+bitwise: losses, gradient norms, skipped steps, the gathered fp32 masters and moments, the
+compute copies, and checkpoints, which must not depend on whether the run that wrote or reads
+them offloads. The memory accounting must show the
 12 bytes per owned parameter leaving the device for the host, and only the staging ring pinned.
 
 One 2-rank spawn runs the dp=2 layouts (ZeRO 0-3, bf16; fp16 with skipped steps; sizes that are
@@ -131,6 +132,22 @@ def _described(stage, offload, pin=False, dp=2):
                                           "offload_pin_memory": pin})
     layout = ParallelLayout.from_config(cfg.parallel, dp)
     return helpers.build(cfg, Topology.describe_rank(layout, dp - 1), device="meta").engine
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_buffers_are_the_memory_model(stage, offload, dp):
+    """What the engine allocates (FlatBuffers.nbytes, host_nbytes: the tensors' own sizes) is
+    the one torch-free memory model (zero/memory.py's state_bytes, which the planner and
+    formula() read too), byte for byte by category, on and off the host, at every stage, with
+    dp sizes that pad every segment."""
+    report = _described(stage, offload, dp=dp).memory_report()
+    measured, model = report["measured"], report["model"]
+    assert {k: measured[k] for k in model["device"]} == model["device"]
+    assert sum(model["device"].values()) == measured["total"]  # nothing else on the device
+    host = {k: v for k, v in measured["host"].items() if k != "total"}
+    assert host == (model["host"] or dict.fromkeys(host, 0))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

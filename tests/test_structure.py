@@ -13,7 +13,7 @@ import torch
 
 from tests import helpers
 from tests.structure import (MUTABLE_GLOBALS, calls_outside, cited_docs, composition_sites,
-                             cycles, direct_collective_calls, import_graph,
+                             cycles, definitions, direct_collective_calls, import_graph,
                              imports_of_config_for_errors, mutable_globals,
                              parameter_flag_writes, private_imports, reads_of_test_variables, sizes)
 
@@ -81,6 +81,27 @@ def test_the_optimizer_maths_imports_nothing_from_parallel():
     assert len(optim) >= 4
     assert {m: sorted(t for t in graph[m] if t.startswith("bloomtrain.parallel"))
             for m in optim} == {m: [] for m in optim}
+
+
+# Things with one place, by name: the planner, formula() and the engine's report read the same
+# model of a rank's ZeRO state bytes.
+ONE_PLACE = {"state_bytes": "bloomtrain.parallel.zero.memory"}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_PLACE))
+def test_one_definition_of_each_shared_model(name):
+    assert [d.split(":")[0] for d in definitions(REPO, name)] == [ONE_PLACE[name]]
+
+
+def test_the_definition_scan_finds_a_second_one(tmp_path):
+    pkg = tmp_path / "bloomtrain"
+    (pkg / "planner").mkdir(parents=True)
+    (pkg / "planner" / "__init__.py").write_text("")
+    (pkg / "memory.py").write_text("def state_bytes(rules):\n    return {}\n")
+    (pkg / "planner" / "model.py").write_text(
+        "class Model:\n    def state_bytes(self):\n        return 0\n")
+    assert definitions(tmp_path, "state_bytes") == ["bloomtrain.memory:1",
+                                                    "bloomtrain.planner.model:2"]
 
 
 def test_errors_come_from_the_errors_module():

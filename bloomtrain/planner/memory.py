@@ -33,8 +33,9 @@ from functools import lru_cache
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.pipeline.schedules import SCHEDULES, zb_h1_schedule
-from bloomtrain.parallel.zero.memory import host_bytes, staging_chunk
+from bloomtrain.parallel.zero.memory import staging_chunk, state_bytes
 from bloomtrain.parallel.zero.segments import bucket_elements, flat_sizes, segment_sizes
+from bloomtrain.parallel.zero.stages import stage_rules
 
 # The engine keeps at most this many reduce-scatters in flight, each with its fp32 staging bucket,
 # plus the one being filled (bloomtrain.parallel.zero.reduce.MAX_IN_FLIGHT + 1).
@@ -101,25 +102,15 @@ def model_states(groups: list[Group], zero_stage: int, dp: int, compute_bytes: i
     """Bytes of the engine's flat buffers by category, as `ZeroEngine.memory_report()` measures
     them (`device`), and the host's under offload (the states and the staging ring, whose
     chunk follows the largest segment: `own_numel` and `chunk` give host_bytes' inputs)."""
-    full = flat_numel(groups, dp, per_group=zero_stage == 3)
-    shard = full // dp
-    state = shard if zero_stage >= 1 else full
+    rules = stage_rules(zero_stage)
+    full = flat_numel(groups, dp, per_group=rules.shard_params)
     sizes = segment_sizes([[(g.numel, g.tied)] for g in groups], dp,
-                          bucket_elements(bucket_size_mb), zero_stage == 3)
-    chunk = staging_chunk(max(sizes) // (dp if zero_stage >= 1 else 1),
+                          bucket_elements(bucket_size_mb), rules.shard_params)
+    chunk = staging_chunk(max(sizes) // (dp if rules.shard_optimizer else 1),
                           bucket_elements(bucket_size_mb))
-    on_device = 0 if offload else 1
-    device = {
-        "compute_params": (compute_bytes * full if zero_stage < 3
-                           else compute_bytes * shard if offload else 0),
-        "fp32_master": 4 * state * on_device,
-        "fp32_grads": 4 * (shard if zero_stage >= 2 else full),
-        "adam_m": 4 * state * on_device,
-        "adam_v": 4 * state * on_device,
-    }
-    host = host_bytes(state, chunk) if offload else {}
-    return {"device": device, "host": host, "flat_numel": full, "own_numel": state,
-            "chunk": chunk}
+    states = state_bytes(rules, full, full // dp, compute_bytes, offload, chunk)
+    return {"device": states["device"], "host": states["host"], "flat_numel": full,
+            "own_numel": states["own"], "chunk": chunk}
 
 
 def megatron_states(groups: list[Group], zero_stage: int, dp: int, precision: str) -> dict:
@@ -481,11 +472,12 @@ def _transients(cand, work, groups, psi: int, c: int) -> tuple[dict, dict]:
         return backward, step
     backward["compute_grads"] = compute_grads_held(groups, c)
     bucket = work.bucket_size_mb * 2 ** 20  # fp32 bytes of one reduction bucket
-    if cand.zero_stage >= 2:
+    rules = stage_rules(cand.zero_stage)  # bloomtrain's engine: its stage's rules (stages.py)
+    if rules.shard_grads:
         backward["grad_staging"] = STAGING_BUCKETS * bucket
-    if cand.zero_stage == 3:
+    if rules.shard_params:
         backward["stage3_gathered"] = stage3_working_set(groups, cand.dp, c)
-    if cand.zero_stage == 1 and cand.dp > 1:
+    if rules.shard_optimizer and not rules.shard_grads and cand.dp > 1:
         step["reduce_scatter_out"] = 4 * min(psi, bucket / 4) / cand.dp
     return backward, step
 

@@ -19,7 +19,7 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero import state
 from bloomtrain.parallel.zero.buffers import FlatBuffers, Values
 from bloomtrain.parallel.zero.gather import Stage3Gatherer, Unit, secondary_group
-from bloomtrain.parallel.zero.memory import Counters, formula
+from bloomtrain.parallel.zero.memory import Counters, formula, state_bytes
 from bloomtrain.parallel.zero.offload import HostCopies
 from bloomtrain.parallel.zero.reduce import GradReducer, global_grad_norm
 from bloomtrain.parallel.zero.segments import bucket_elements, build_layout
@@ -188,10 +188,16 @@ class ZeroEngine:
         measured["grad_staging_peak"] = self.counters.staging_peak
         measured["compute_grads_held"] = self.compute_grads_held()
         c = torch.empty(0, dtype=self.compute_dtype).element_size()
-        return {"stage": self.stage, "dp": self.topo.dp_size, "offload": self.bufs.offload,
+        bufs = self.bufs
+        return {"stage": self.stage, "dp": self.topo.dp_size, "offload": bufs.offload,
                 "psi": self.num_local_parameters(), "measured": measured,
+                # The memory model the planner uses, on this rank's padded layout: equal to
+                # `measured` by category (tests/test_zero.py), so the plan is what runs.
+                "model": state_bytes(self.rules, bufs.layout.full_numel,
+                                     bufs.layout.shard_numel, c, bufs.offload,
+                                     bufs.chunk if bufs.offload else 0),
                 "formula": formula(self.stage, self.num_local_parameters(), self.topo.dp_size, c,
-                                   offload=self.bufs.offload)}
+                                   offload=bufs.offload)}
 
     def compute_grads_held(self) -> int:
         """Bound on the compute-dtype parameter gradients alive at once before the engine takes

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bloomtrain.parallel.zero.stages import stage_rules
+from bloomtrain.parallel.zero.stages import StageRules, stage_rules
 
 # ZeRO-Offload's staging ring (offload.py): every device-to-host gradient copy and host-to-device
 # weight copy goes through one of RING_SLOTS page-locked fp32 buffers of one chunk each, so that
@@ -81,34 +81,49 @@ class Counters:
         self.staging_peak = max(self.staging_peak, self.staging_bytes)
 
 
+def state_bytes(rules: StageRules, full: float, shard: float, compute_bytes: int,
+                offload: bool = False, chunk: int = 0) -> dict:
+    """The one model of a rank's ZeRO model-state bytes, torch-free: the engine's flat buffers by
+    category on the training device (`device`, as FlatBuffers.nbytes measures them), the host's
+    under offload (`host`, as FlatBuffers.host_nbytes: the states and the staging ring of
+    `chunk`-element slots), and `own`, the elements of the states this rank steps. `full`: the
+    elements of this rank's full flat buffers (padded as the engine lays them out, or Ψ for the
+    paper's formula); `shard`: its 1/dp. Every choice reads the stage's rules (stages.py), never
+    the stage number. The planner, formula() and the engine's report all take it from here."""
+    own = shard if rules.shard_optimizer else full
+    state_here = 0 if offload else 1
+    if not rules.shard_params:
+        compute = full
+    else:  # stage 3 gathers each unit from the masters; under offload from its own shard
+        compute = shard if offload else 0
+    device = {"compute_params": compute_bytes * compute,
+              "fp32_master": 4 * own * state_here,
+              "fp32_grads": 4 * (shard if rules.shard_grads else full),
+              "adam_m": 4 * own * state_here,
+              "adam_v": 4 * own * state_here}
+    return {"device": device, "host": host_bytes(own, chunk) if offload else {}, "own": own}
+
+
 def formula(stage: int, psi: int, dp: int, compute_bytes: int = 2,
             working: int = 0, offload: bool = False) -> dict:
-    """Model-state bytes per rank for `psi` parameters on this rank: our layout (by category and
-    total, on the training device) and the ZeRO paper's figure (fp16 params and grads, K = 12).
-    `working` is stage 3's gathered working set in bytes, reported beside ours.
+    """Model-state bytes per rank for `psi` parameters on this rank: our layout (state_bytes,
+    by category and total, on the training device) and the ZeRO paper's figure (fp16 params and
+    grads, K = 12). `working` is stage 3's gathered working set in bytes, reported beside ours.
 
     `offload` (ZeRO-Offload, arXiv 2101.06840): the masters and moments (K = 12 bytes per
     parameter, over N where sharded) leave the device for the host; stage 3 then keeps its own
     shard in the compute dtype on the device (cΨ/N), which its gathers read. `host` holds the
     host's state bytes by category (the staging ring, a fixed size that does not grow with Ψ, is
-    host_bytes'); the paper's figure is its own less the same 12Ψ/N."""
+    left out here); the paper's figure is its own less the same 12Ψ/N."""
     rules = stage_rules(stage)
     n = dp
-    state = 4 * psi / (n if rules.shard_optimizer else 1)
-    on_device = 0.0 if offload else 1.0
-    ours = {
-        "compute_params": (compute_bytes * psi if not rules.shard_params
-                           else compute_bytes * psi / n if offload else 0.0),
-        "fp32_master": state * on_device,
-        "fp32_grads": 4 * psi / (n if rules.shard_grads else 1),
-        "adam_m": state * on_device,
-        "adam_v": state * on_device,
-    }
-    host = {k: state * (1.0 - on_device) for k in ("fp32_master", "adam_m", "adam_v")}
+    model = state_bytes(rules, psi, psi / n, compute_bytes, offload)
+    ours = model["device"]
+    host = {k: float(model["host"].get(k, 0.0)) for k in ("fp32_master", "adam_m", "adam_v")}
     host["total"] = sum(host.values())
     # fp16 parameters and gradients (2 bytes each) and K = 12 bytes of optimizer state, each
     # over N where the stage shards it.
     paper = (2 * psi / (n if rules.shard_params else 1) + 2 * psi / (n if rules.shard_grads else 1)
-             + 12 * psi / (n if rules.shard_optimizer else 1)) - 3 * state * (1.0 - on_device)
+             + 12 * psi / (n if rules.shard_optimizer else 1)) - host["total"]
     return {**ours, "ours": sum(ours.values()), "working": float(working), "paper": paper,
             "host": host}
