@@ -41,7 +41,7 @@ from bloomtrain.model.attention import (
     flex_attention_available,
 )
 from bloomtrain.model.bloom import alibi_causal_bias, alibi_slopes
-from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
+from bloomtrain.devices import DTYPE_NAMES, torch_dtype
 
 
 

@@ -99,7 +99,7 @@ def sides(checkpoint: Path, export: Path, batch_size: int) -> dict:
     from bloomtrain.eval.lm import BloomtrainLM, default_max_length
     from bloomtrain.eval.model import load_eval_model
     from bloomtrain.eval.protocol import Executor
-    from bloomtrain.runtime import checkpoint_tokenizer
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
     from bloomtrain.topology import Topology
 
     tok = load_tokenizer(checkpoint_tokenizer(checkpoint, None))

@@ -40,7 +40,7 @@ from bloomtrain.config import ModelConfig
 from bloomtrain.errors import UserError
 from bloomtrain.layout import resolve_attention
 from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
-from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
+from bloomtrain.devices import DTYPE_NAMES, torch_dtype
 
 MODES = ("none", "selective", "full")
 DEFAULT_SHAPE = {"hidden": 512, "layers": 8, "heads": 8, "vocab": 8192}

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from bloomtrain import checkpoint as ckpt  # noqa: E402
 from bloomtrain import load_model  # noqa: E402
 from bloomtrain.generate import generate  # noqa: E402
-from bloomtrain.runtime import checkpoint_tokenizer  # noqa: E402
+from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer  # noqa: E402
 
 PROMPT_LENGTHS = (8, 16, 32, 64, 96)
 OUTPUT_LENGTHS = (16, 32, 64, 128)

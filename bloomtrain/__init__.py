@@ -33,7 +33,7 @@ def load_model(path, device="cpu", dtype=None):
     from bloomtrain.checkpoint.reader import open_model
     from bloomtrain.model import BloomForCausalLM, alibi_slopes, check_state
     from bloomtrain.model.presets import EMBEDDING, LM_HEAD
-    from bloomtrain.runtime import torch_dtype
+    from bloomtrain.devices import torch_dtype
 
     if hf.is_hf_dir(path):
         shape, state, _ = hf.collect_hf_state(path)

@@ -19,7 +19,7 @@ from bloomtrain.errors import UserError, each_problem, raise_all
 
 # The keys with a set of choices, declared here once: DOMAINS (the checker) reads them, and so do
 # their owners (the pipeline's schedule table, the ZeRO stage table, the attention kernels, the
-# compute dtypes of bloomtrain.runtime and the CLI's --dtype).
+# compute dtypes of bloomtrain.devices and the CLI's --dtype).
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
 ZeroStage = Literal[0, 1, 2, 3]
 Backend = Literal["auto", "gloo", "nccl"]

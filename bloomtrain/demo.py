@@ -121,7 +121,7 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     processes as that layout needs. Returns (config, metrics records)."""
     from bloomtrain.config import Config, apply_override
     from bloomtrain.layout import validate
-    from bloomtrain.runtime import world_size_from_env
+    from bloomtrain.launch import world_size_from_env
     from bloomtrain.train import launch_local, train
     from bloomtrain.train.cli import worker_entry
     from bloomtrain.utils import atomic_output

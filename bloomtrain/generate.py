@@ -121,7 +121,8 @@ def _main(args) -> int:
 
     from bloomtrain import load_model
     from bloomtrain.data.tokenizer import load_tokenizer
-    from bloomtrain.runtime import checkpoint_tokenizer, resolve_device
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
+    from bloomtrain.devices import resolve_device
 
     sampling_flags = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                      ("--top-p", args.top_p)) if v is not None]

@@ -19,7 +19,7 @@ from bloomtrain.config import Config
 from bloomtrain.data.loader import build_train_valid_test_datasets
 from bloomtrain.layout import resolve_attention
 from bloomtrain.model import build_model, resolve_model_config
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 
 TIED_HEAD = "lm_head.weight"
 

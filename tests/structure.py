@@ -361,7 +361,7 @@ MUTABLE_GLOBALS = {
         "changes); comm.keeps_guard drops Dynamo's guards on it (train.compile)",
     "bloomtrain.train.watchdog.Watchdog._active":
         "one hang watchdog per process: a second trainer's start stops the first one's thread",
-    "bloomtrain.runtime._ARRIVALS":
+    "bloomtrain.launch._ARRIVALS":
         "torch's rendezvous registry calls our handler factory with its own arguments only: the "
         "store it creates is kept here for the launcher to say which nodes never arrived",
     "bloomtrain.data.preprocess._worker_tokenizer":

@@ -519,7 +519,7 @@ def local_lm(checkpoint, batch_size: int = 4):
 
 
 def _tokenizer_dir(checkpoint):
-    from bloomtrain.runtime import checkpoint_tokenizer
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
     return checkpoint_tokenizer(checkpoint, None)
 
 

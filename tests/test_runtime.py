@@ -1,4 +1,4 @@
-"""The local launcher's output (bloomtrain.runtime.launch_local): torch's elastic agent logs a
+"""The local launcher's output (bloomtrain.launch.launch_local): torch's elastic agent logs a
 warning per worker it signals ("W... Closing process 4242 via signal SIGTERM"); bloomtrain
 leaves those out and says in its last line what happened.
 

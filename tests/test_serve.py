@@ -1152,7 +1152,7 @@ def test_one_model_code_path_and_no_training_imports():
     its own, and every ALiBi bias tensor of the package is built in one function
     (model.bloom.alibi_bias; FlexAttention's score_mod is that kernel's in-kernel form). No
     serve module reaches bloomtrain.train or bloomtrain.generate, even through others (the
-    shared launcher, device and dtype code is bloomtrain.runtime), and generate takes its
+    shared launcher is bloomtrain.launch, the device and dtype code bloomtrain.devices), and generate takes its
     sampling from serve, not the other way round."""
     from tests.structure import import_graph
 
@@ -1175,8 +1175,8 @@ def test_one_model_code_path_and_no_training_imports():
     assert sorted(m for m in reached if m.startswith(("bloomtrain.train",
                                                        "bloomtrain.generate"))) == []
     assert "bloomtrain.serve.sampling" in graph["bloomtrain.generate"]
-    assert "bloomtrain.runtime" in graph["bloomtrain.train.launch"]
-    assert "bloomtrain.runtime" in graph["bloomtrain.serve.cli"]
+    assert {"bloomtrain.launch", "bloomtrain.devices"} <= graph["bloomtrain.train.launch"]
+    assert {"bloomtrain.launch", "bloomtrain.devices"} <= graph["bloomtrain.serve.cli"]
 
 
 def test_scheduler_owns_its_queues_and_the_runner_its_imports():

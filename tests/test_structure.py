@@ -189,7 +189,7 @@ def test_each_choice_is_declared_once_and_its_owners_cover_it():
     from bloomtrain.model.attention import ATTENTION_IMPLS
     from bloomtrain.parallel.pipeline.schedules import SCHEDULES
     from bloomtrain.parallel.zero.stages import STAGES
-    from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
+    from bloomtrain.devices import DTYPE_NAMES, torch_dtype
     assert set(SCHEDULES) == set(typing.get_args(config.PipelineSchedule))
     assert set(STAGES) == set(typing.get_args(config.ZeroStage))
     assert set(ATTENTION_IMPLS) | {"auto"} == set(typing.get_args(config.Attention))

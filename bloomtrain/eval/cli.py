@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from bloomtrain.runtime import DTYPE_NAMES
+from bloomtrain.devices import DTYPE_NAMES
 from bloomtrain.errors import UserError
 
 _OVERRIDE = re.compile(r"parallel\.(tp|pp)=(\d+)")
@@ -50,7 +50,7 @@ def _options(args) -> dict:
     """Everything the ranks need, checked before any process starts."""
     import importlib.util
 
-    from bloomtrain.runtime import checkpoint_tokenizer
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
 
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError("bloomtrain eval needs EleutherAI's lm-evaluation-harness: "
@@ -91,7 +91,7 @@ def _options(args) -> dict:
 def _main(args) -> int:
     opts = _options(args)
     if opts["world"] > 1 and "WORLD_SIZE" not in os.environ:
-        from bloomtrain.runtime import failure_text, launch_local
+        from bloomtrain.launch import failure_text, launch_local
 
         def explain(rank, failure) -> str:
             if failure.exitcode == _USAGE_EXIT:
@@ -108,7 +108,7 @@ def eval_worker(opts: dict) -> None:
     """One process of the job: join it, run this rank (`run_rank`), leave it."""
     import torch.distributed as dist
 
-    from bloomtrain.runtime import process_group_backend, resolve_device
+    from bloomtrain.devices import process_group_backend, resolve_device
 
     device = resolve_device(opts["device"])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():

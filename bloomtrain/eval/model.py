@@ -100,7 +100,7 @@ def _load_shards(reader, topo: Topology, dtype) -> EvalModel:
     from bloomtrain.model import BloomForCausalLM, alibi_slopes, check_state
     from bloomtrain.model.presets import EMBEDDING, LM_HEAD
     from bloomtrain.parallel.parallelize import parallelize
-    from bloomtrain.runtime import dtype_name, torch_dtype
+    from bloomtrain.devices import dtype_name, torch_dtype
     from bloomtrain.utils import replace_parameters
 
     shape = reader.shape
@@ -134,7 +134,7 @@ def _load_whole(checkpoint, topo: Topology, dtype) -> EvalModel:
     each local piece out of the full weights)."""
     from bloomtrain import load_model
     from bloomtrain.parallel.parallelize import parallelize
-    from bloomtrain.runtime import dtype_name
+    from bloomtrain.devices import dtype_name
 
     full = load_model(checkpoint, device="cpu", dtype=dtype)
     _check_layout(topo, full.shape)

@@ -20,7 +20,7 @@ from bloomtrain.parallel.compile import compile_blocks
 from bloomtrain.parallel.pipeline.stage import PipelineChunk, build_pipeline_chunks
 from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
 from bloomtrain.parallel.zero.engine import ZeroEngine
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 from bloomtrain.topology import Topology
 from bloomtrain.utils import replace_parameters
 

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bloomtrain.runtime import DTYPE_NAMES
+from bloomtrain.devices import DTYPE_NAMES
 from bloomtrain.errors import UserError
 
 
@@ -64,7 +64,7 @@ def _engine_config(opts: dict):
 def _main(args) -> int:
     import importlib.util
 
-    from bloomtrain.runtime import checkpoint_tokenizer
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
 
     if importlib.util.find_spec("aiohttp") is None:
         raise UserError("bloomtrain serve needs aiohttp: pip install 'bloomtrain[serve]'")
@@ -98,7 +98,7 @@ def _main(args) -> int:
     opts["chat_template_source"] = _chat_template(opts["tokenizer"], args.chat_template)
     _engine_config(opts).check()  # before any process starts
     if tp > 1 and not under_launcher:
-        from bloomtrain.runtime import launch_local
+        from bloomtrain.launch import launch_local
 
         # SIGTERM/SIGINT reaching the launcher is passed on to the ranks, and it waits for
         # them: rank 0 drains and stops the others, a normal end (exit 0).
@@ -141,7 +141,7 @@ def _serve_rank(opts: dict) -> None:
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.serve.tp import (TensorParallelExecutor, build_runner, serving_layout,
                                      worker_loop)
-    from bloomtrain.runtime import process_group_backend, resolve_device
+    from bloomtrain.devices import process_group_backend, resolve_device
     from bloomtrain.topology import Topology
 
     device = resolve_device(opts["device"])

@@ -17,7 +17,7 @@ from bloomtrain.errors import UserError
 from bloomtrain.hf import read_hf_config, shape_from_hf_config
 from bloomtrain.model import check_state
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD
-from bloomtrain.runtime import DTYPE_NAMES, torch_dtype
+from bloomtrain.devices import DTYPE_NAMES, torch_dtype
 from bloomtrain.safetensors_io import DTYPES
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from bloomtrain.parallel import comm
-from bloomtrain.runtime import dtype_name, torch_dtype
+from bloomtrain.devices import dtype_name, torch_dtype
 from bloomtrain.serve.batch import StepBatch
 from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, batch_invariant_rows
 

@@ -21,7 +21,7 @@ def worker_entry(config_path, overrides, run):
     the run's summary (bloomtrain.train.control.summary) to the launcher."""
     import signal
 
-    if STOP_FILE_ENV in os.environ:  # the launcher takes Ctrl-C (runtime.SigintStop), which
+    if STOP_FILE_ENV in os.environ:  # the launcher takes Ctrl-C (bloomtrain.launch.SigintStop), which
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal sends the workers too
     import torch.distributed as dist
 

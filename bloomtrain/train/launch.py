@@ -1,5 +1,5 @@
 """Starting a training job: the device, the process group and the local launcher, from
-bloomtrain.runtime (shared with serve and eval), plus what only training adds: the hang
+bloomtrain.launch (shared with serve), plus what only training adds: the hang
 watchdog's reports. When a job launched here fails it prints what the watchdog of each rank
 reported (bloomtrain.train.watchdog), if any did: who waited in what, on whom; and its last line
 names the rank that failed first and how: the signal that killed it, the watchdog's exit code,
@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bloomtrain import runtime
+from bloomtrain import devices
+from bloomtrain import launch as launcher
 from bloomtrain.config import Config
 from bloomtrain.runtime import (LaunchSpec, env_from_slurm, process_group_backend,
                                 world_size_from_env)
@@ -26,7 +27,7 @@ __all__ = ["LaunchSpec", "env_from_slurm", "failure_text", "init_distributed", "
 
 
 def resolve_device(cfg: Config) -> torch.device:
-    return runtime.resolve_device(cfg.train.device)
+    return devices.resolve_device(cfg.train.device)
 
 
 def init_distributed(cfg: Config, device: torch.device) -> None:
@@ -43,14 +44,14 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
 
 def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
                  checkpoint_dir: str | None = None) -> str | None:
-    """runtime.launch_local, with each worker's hang watchdog leaving its report's path in a
+    """bloomtrain.launch.launch_local, with each worker's hang watchdog leaving its report's path in a
     folder read back when the job fails; the workers resume from the last checkpoint after a
     restart when checkpoint.resume=auto. Ctrl-C makes the workers finish their step and save
     (a second quits at once, naming what is in `checkpoint_dir`): then the step and checkpoint
     they stopped at are returned, for control.exit_after_sigint (`entry` returns
     control.summary of its run)."""
     spec = spec or LaunchSpec(nproc=nproc)
-    sigint = runtime.SigintStop(
+    sigint = launcher.SigintStop(
         hint="the workers stop at the end of this step and save a checkpoint",
         outcome=lambda results: stopped_text(_run_summary(results), checkpoint_dir))
     with tempfile.TemporaryDirectory(prefix="bloomtrain-hang-") as reports:
@@ -67,7 +68,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
             hung = "; the job hung (see the reports above)" if lines and not lost else ""
             return f"{failure_text(rank, failure)}{restarts}{hung}"
 
-        return runtime.launch_local(nproc, entry, *args, spec=spec,
+        return launcher.launch_local(nproc, entry, *args, spec=spec,
                                     worker_env={watchdog.REPORTS_ENV: reports},
                                     explain=explain, sigint=sigint)
 
@@ -79,8 +80,8 @@ def _run_summary(results: dict | None) -> dict | None:
 
 
 def failure_text(rank: int, failure) -> str:
-    """runtime.failure_text, and a rank ended by its hang watchdog named as such."""
+    """bloomtrain.launch.failure_text, and a rank ended by its hang watchdog named as such."""
     if failure.exitcode == watchdog.HANG_EXIT_CODE:
         return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) was ended by "
                 f"its hang watchdog (exit code {failure.exitcode})")
-    return runtime.failure_text(rank, failure)
+    return launcher.failure_text(rank, failure)

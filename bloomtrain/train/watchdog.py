@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloomtrain.parallel import comm
-from bloomtrain.runtime import error_text
+from bloomtrain.launch import error_text
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its limit
 # Set by the local launcher: a folder where each reporting rank leaves the path of its report,

@@ -19,7 +19,7 @@ from bloomtrain.checkpoint.interop import files as dsfiles
 from bloomtrain.checkpoint.interop.safe_load import InteropError, load
 from bloomtrain.checkpoint.interop.source import WEIGHTS, Source, check_decay_groups
 from bloomtrain.checkpoint.interop.zero import ZeroShards
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
 
 

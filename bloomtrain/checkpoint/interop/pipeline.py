@@ -14,7 +14,7 @@ from bloomtrain.checkpoint.interop.hf_zero import precision_of, zero_stage_of
 from bloomtrain.checkpoint.interop.safe_load import InteropError, load
 from bloomtrain.checkpoint.interop.source import WEIGHTS, Source, check_decay_groups
 from bloomtrain.checkpoint.interop.zero import ZeroShards
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 from bloomtrain.model.params import base_spec
 
 

@@ -27,7 +27,7 @@ from bloomtrain.checkpoint.interop.files import deepspeed_position
 from bloomtrain.checkpoint.interop.hf_zero import precision_of, zero_stage_of
 from bloomtrain.checkpoint.interop.safe_load import InteropError, load
 from bloomtrain.checkpoint.interop.source import WEIGHTS, Source
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
 
 

@@ -25,7 +25,7 @@ from bloomtrain.parallel.zero.reduce import GradReducer, global_grad_norm
 from bloomtrain.parallel.zero.segments import bucket_elements, build_layout
 from bloomtrain.parallel.zero.stages import stage_rules
 from bloomtrain.parallel.zero.waits import WaitClock
-from bloomtrain.runtime import torch_dtype
+from bloomtrain.devices import torch_dtype
 
 
 def find_units(modules: list[nn.Module], unit_types: tuple) -> list[nn.Module]:
