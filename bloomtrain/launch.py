@@ -18,11 +18,9 @@ import signal
 import socket
 import sys
 import threading
-import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from bloomtrain.config import Precision
 from bloomtrain.errors import UserError
 
 if TYPE_CHECKING:

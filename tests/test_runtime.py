@@ -22,7 +22,7 @@ import time
 import pytest
 
 from bloomtrain import checkpoint as ckpt
-from bloomtrain.runtime import _AgentNoise
+from bloomtrain.launch import _AgentNoise
 from tests import faults
 from tests.chaos import Job, compare, group_left_after
 from tests.synthetic import write_synthetic_dataset

@@ -8,8 +8,8 @@ import sys
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import validate
-from bloomtrain.runtime import (STOP_FILE_ENV, LaunchSpec, env_from_slurm, node_address,
-                                world_size_from_env)
+from bloomtrain.launch import (env_from_slurm, LaunchSpec, node_address, STOP_FILE_ENV,
+                               world_size_from_env)
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
 LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": None,

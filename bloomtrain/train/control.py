@@ -10,8 +10,8 @@ restored after it.
 Ctrl-C (SIGINT) does the same, and the process then exits 130; a second Ctrl-C quits at once
 without saving (a save cut short leaves only its hidden `.step_N.tmp`, which no reader takes up).
 Who counts the Ctrl-Cs: a process started by bloomtrain's launcher leaves SIGINT to the launcher,
-which creates the file named by `bloomtrain.launch.STOP_FILE_ENV` at the first and ends the workers at the
-second (bloomtrain.runtime.SigintStop); a process started by another elastic agent (torchrun)
+which creates the file named by `bloomtrain.launch.STOP_FILE_ENV` at the first and ends the
+workers at the second (bloomtrain.launch.SigintStop); a process started by another elastic agent (torchrun)
 gets each Ctrl-C twice, from the terminal and from the agent, so any SIGINT only asks for the
 stop; any other process (a plain `bloomtrain train`, an srun task) counts its own. A process
 started with SIGINT ignored (nohup, a background job) leaves it ignored.
@@ -28,7 +28,7 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.parallel import comm
-from bloomtrain.runtime import STOP_FILE_ENV, say_in_handler
+from bloomtrain.launch import say_in_handler, STOP_FILE_ENV
 
 STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minutes", 4: "SIGINT"}
 SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C

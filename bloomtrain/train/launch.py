@@ -17,8 +17,8 @@ import torch.distributed as dist
 from bloomtrain import devices
 from bloomtrain import launch as launcher
 from bloomtrain.config import Config
-from bloomtrain.runtime import (LaunchSpec, env_from_slurm, process_group_backend,
-                                world_size_from_env)
+from bloomtrain.devices import process_group_backend
+from bloomtrain.launch import env_from_slurm, LaunchSpec, world_size_from_env
 from bloomtrain.train import watchdog
 from bloomtrain.train.control import stopped_text
 
