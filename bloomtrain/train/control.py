@@ -11,9 +11,9 @@ Ctrl-C (SIGINT) does the same, and the process then exits 130; a second Ctrl-C q
 without saving (a save cut short leaves only its hidden `.step_N.tmp`, which no reader takes up).
 Who counts the Ctrl-Cs: a process started by bloomtrain's launcher leaves SIGINT to the launcher,
 which creates the file named by `bloomtrain.launch.STOP_FILE_ENV` at the first and ends the
-workers at the second (bloomtrain.launch.SigintStop); a process started by another elastic agent (torchrun)
-gets each Ctrl-C twice, from the terminal and from the agent, so any SIGINT only asks for the
-stop; any other process (a plain `bloomtrain train`, an srun task) counts its own. A process
+workers at the second (bloomtrain.launch.SigintStop); a process started by another elastic agent
+(torchrun) gets each Ctrl-C twice, from the terminal and from the agent, so any SIGINT only asks
+for the stop; any other process (a plain `bloomtrain train`, an srun task) counts its own. A process
 started with SIGINT ignored (nohup, a background job) leaves it ignored.
 """
 from __future__ import annotations
