@@ -4,6 +4,7 @@ of the compute dtypes, the device itself, and the process group's backend for it
 Importing this module loads no torch: the CLI parsers take `DTYPE_NAMES` from here."""
 from __future__ import annotations
 
+import os
 import typing
 from typing import TYPE_CHECKING
 

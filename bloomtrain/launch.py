@@ -19,12 +19,10 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from bloomtrain.errors import UserError
 
-if TYPE_CHECKING:
-    import torch
 
 def env_from_slurm(env=os.environ) -> None:
     """Under a plain `srun` (one task per GPU, no torchrun), translate SLURM's task variables into
