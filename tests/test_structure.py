@@ -84,13 +84,27 @@ def test_the_optimizer_maths_imports_nothing_from_parallel():
 
 
 # Things with one place, by name: the planner, formula() and the engine's report read the same
-# model of a rank's ZeRO state bytes.
-ONE_PLACE = {"state_bytes": "bloomtrain.parallel.zero.memory"}
+# model of a rank's ZeRO state bytes; load_model, serve and eval the same sharded loader, built on
+# the Config-free core of parallelize; every model the same cut of the ALiBi slopes; eval and
+# serve's tp workers the same command channel (rank 0 drives, the others follow).
+ONE_PLACE = {"state_bytes": "bloomtrain.parallel.zero.memory",
+             "load_sharded": "bloomtrain.checkpoint.load",
+             "shard_model": "bloomtrain.parallel.parallelize",
+             "local_alibi_slopes": "bloomtrain.model.bloom",
+             "Commands": "bloomtrain.parallel.commands"}
 
 
 @pytest.mark.parametrize("name", sorted(ONE_PLACE))
 def test_one_definition_of_each_shared_model(name):
     assert [d.split(":")[0] for d in definitions(REPO, name)] == [ONE_PLACE[name]]
+
+
+def test_the_alibi_slopes_are_cut_in_one_function():
+    """No module cuts the slopes per tp rank itself (they were cut in four places)."""
+    cuts = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "bloomtrain").rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "slopes" in line and ".chunk(" in line]
+    assert [c.split(":")[0] for c in cuts] == ["bloomtrain/model/bloom.py"], cuts
 
 
 def test_the_definition_scan_finds_a_second_one(tmp_path):

@@ -1,8 +1,8 @@
 """Rank 0 drives, the other ranks follow: rank 0 runs the harness and turns its requests into
 commands, which it broadcasts to every rank of the job before running them itself; the other
-ranks loop in `worker_loop`, receiving and running commands until told to stop. A command is a
-header of four int64 (op and three sizes) and an int64 payload, both broadcast from global
-rank 0 over the world group (bloomtrain.serve.tp does the same for a tensor-parallel server).
+ranks loop in `worker_loop`, receiving and running commands until told to stop. The channel is
+bloomtrain.parallel.commands' (the one a tensor-parallel server's workers follow too), over the
+world group.
 
 Ops: SCORE (bloomtrain.eval.forward.score), PREFILL (start a generated batch: a fresh KV cache,
 then its prompts), DECODE (finished rows leave the cache, the others' next tokens), STOP.
@@ -14,33 +14,9 @@ import torch
 from bloomtrain.eval import forward
 from bloomtrain.eval.model import EvalModel
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.commands import Commands, follow
 
-STOP, SCORE, PREFILL, DECODE = 0, 1, 2, 3
-
-
-def _send(group, op: int, sizes: tuple[int, int, int], payload: torch.Tensor | None) -> None:
-    comm.broadcast(torch.tensor([op, *sizes], dtype=torch.int64), 0, group, forward.COMM_NAME)
-    if payload is not None and group is not None:
-        comm.broadcast(payload, 0, group, forward.COMM_NAME)
-
-
-def _receive(group) -> tuple[int, tuple[int, int, int], torch.Tensor | None]:
-    head = torch.empty(4, dtype=torch.int64)
-    comm.broadcast(head, 0, group, forward.COMM_NAME)
-    op, a, b, c = head.tolist()
-    if op == STOP:
-        return op, (a, b, c), None
-    payload = torch.empty(_payload_size(op, a, b, c), dtype=torch.int64)
-    comm.broadcast(payload, 0, group, forward.COMM_NAME)
-    return op, (a, b, c), payload
-
-
-def _payload_size(op: int, a: int, b: int, c: int) -> int:
-    if op == SCORE:  # a rows of b tokens, c queries: lengths, ids, (row, pos, target) each
-        return a + a * b + 3 * c
-    if op == PREFILL:  # a rows of b tokens (c: the position whose logits are wanted)
-        return a * b
-    return 2 * a  # DECODE: a tokens, the cache rows they continue
+SCORE, PREFILL, DECODE = 1, 2, 3  # and commands.STOP
 
 
 def _score_batch(payload: torch.Tensor, rows: int, seq: int, queries: int) -> forward.ScoreBatch:
@@ -57,7 +33,7 @@ class Executor:
 
     def __init__(self, model: EvalModel, micro_rows: int | None = None):
         self.model, self.micro_rows = model, micro_rows
-        self.group = comm.world_group()
+        self.commands = Commands(comm.world_group(), forward.COMM_NAME)
         self.cache: forward.EvalCache | None = None
         self.rows: torch.Tensor | None = None  # the generated batch so far, without a cache
         self.closed = False
@@ -65,7 +41,7 @@ class Executor:
 
     def _run(self, op: int, sizes: tuple[int, int, int], payload: torch.Tensor, work):
         self.busy = True
-        _send(self.group, op, sizes, payload)
+        self.commands.send(op, sizes, payload)
         out = work()
         self.busy = False
         return out
@@ -127,18 +103,16 @@ class Executor:
         with this rank, whose error is then the job's)."""
         if not self.closed and not self.busy:
             self.closed = True
-            _send(self.group, STOP, (0, 0, 0), None)
+            self.commands.stop()
 
 
 def worker_loop(model: EvalModel, micro_rows: int | None = None) -> int:
     """Every rank but 0: run the commands rank 0 broadcasts until STOP. Returns how many ran."""
-    group = comm.world_group()
     cache = None
-    count = 0
-    while True:
-        op, (a, b, c), payload = _receive(group)
-        if op == STOP:
-            return count
+
+    def run(op: int, sizes, payload: torch.Tensor) -> None:
+        nonlocal cache
+        a, b, c = sizes
         if op == SCORE:
             forward.score(model, _score_batch(payload, a, b, c), micro_rows)
         elif op == PREFILL:
@@ -154,4 +128,5 @@ def worker_loop(model: EvalModel, micro_rows: int | None = None) -> int:
             forward.next_logits(model, payload[:a, None], 0, cache)
         else:
             raise RuntimeError(f"unknown evaluation command {op} from rank 0")
-        count += 1
+
+    return follow(Commands(comm.world_group(), forward.COMM_NAME), run)

@@ -44,6 +44,14 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def local_alibi_slopes(num_heads: int, tp_size: int = 1, tp_rank: int = 0) -> torch.Tensor:
+    """The slopes of the heads tensor-parallel rank `tp_rank` of `tp_size` runs (a contiguous
+    block of heads, as the column-parallel QKV splits them): the one place they are cut. fp32
+    whatever the weights' dtype: a slope like 2^-0.5625 rounded to bf16 would shift every
+    score. Not persistent state: derived from the head count wherever a model is built."""
+    return alibi_slopes(num_heads).chunk(tp_size)[tp_rank].clone()
+
+
 def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_len: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The ALiBi + causal bias of n query sets at once: `q_pos` [n, q] (fp32 positions) against

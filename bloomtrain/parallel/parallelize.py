@@ -1,6 +1,8 @@
 """`parallelize(model, topo, cfg, attention=...) -> ModelParts`: the one place where tensor,
 pipeline and ZeRO data parallelism compose, on the layout and attention kernel the caller
 resolved (the Trainer: bloomtrain.layout.validate and resolve_attention, once per run).
+`shard_model(model, topo, attention)` is its Config-free core (the tensor-parallel plan and the
+pipeline's chunks), which the sharded loader (bloomtrain.checkpoint.load) builds on too.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from bloomtrain.config import Config
-from bloomtrain.model.bloom import BloomForCausalLM, alibi_slopes
+from bloomtrain.model.bloom import BloomForCausalLM, local_alibi_slopes
 from bloomtrain.model.params import ParamSpec, init_into, init_std, param_spec
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.zero.optimizer import ZeroAdamW
@@ -89,6 +91,34 @@ def _per_node(topo: Topology) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", topo.layout.world_size))
 
 
+def shard_model(model: BloomForCausalLM, topo: Topology, attention: str, *, seed: int = 1234,
+                device=None) -> tuple[list[PipelineChunk], dict[str, ParamSpec]]:
+    """This rank's model chunks of `model` under `topo`'s layout, and their parameters' specs by
+    name: the tensor-parallel plan (sequence parallel as the layout says; `seed` seeds its
+    dropout streams), the pipeline's chunks, the `attention` kernel. No training settings: what
+    parallelize adds for training (recompute, the ZeRO engine, compile) and what the loaders add
+    (bloomtrain.checkpoint.load: the weights) come after. Like torchtitan's parallelize_*
+    functions, a model and a plan, no Config."""
+    layout = topo.layout
+    apply_tensor_parallel(model, topo, layout.sequence_parallel, seed=seed, device=device)
+    chunks = build_pipeline_chunks(model, layout, topo.pp_rank)
+    specs = {}
+    for chunk in chunks:
+        chunk.transformer.attention_impl = attention
+        for name, _ in chunk.named_parameters():
+            specs[name] = param_spec(name, tp=layout.tp, pp=layout.pp,
+                                     sequence_parallel=layout.sequence_parallel)
+    return chunks, specs
+
+
+def set_local_slopes(chunks, shape: BloomShape, topo: Topology, device) -> None:
+    """Each chunk's ALiBi slopes: this tp rank's heads, fp32, on `device` (not persistent, so
+    never read from a checkpoint)."""
+    local = local_alibi_slopes(shape.num_heads, topo.tp_size, topo.tp_rank).to(device)
+    for chunk in chunks:
+        chunk.transformer.alibi_slopes = local.clone()
+
+
 def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attention: str,
                 device=None, engine: bool = True) -> ModelParts:
     """This rank's parts of `model` under `topo`'s (validated) layout, running the `attention`
@@ -110,15 +140,9 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
     if device is None:
         device = "cpu" if model.lm_head.weight.is_meta else model.lm_head.weight.device
     device = torch.device(device)
-    apply_tensor_parallel(model, topo, layout.sequence_parallel, seed=t.seed, device=device)
-    chunks = build_pipeline_chunks(model, layout, topo.pp_rank)
-    specs = {}
+    chunks, specs = shard_model(model, topo, attention, seed=t.seed, device=device)
     for chunk in chunks:
         chunk.set_activation_checkpointing(t.activation_checkpointing)
-        chunk.transformer.attention_impl = attention
-        for name, _ in chunk.named_parameters():
-            specs[name] = param_spec(name, tp=layout.tp, pp=layout.pp,
-                                     sequence_parallel=layout.sequence_parallel)
     parts = ModelParts(topo, model.shape, chunks, specs, None)
     if engine:
         parts.engine = ZeroEngine(chunks, specs, topo, t.precision, zero_stage=layout.zero_stage,
@@ -138,9 +162,7 @@ def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attenti
     if device.type != "meta":
         # Not persistent: derived from the head count, and fp32 whatever the compute dtype
         # (a non-power-of-2 slope rounded to bf16 would shift every score).
-        local = alibi_slopes(model.shape.num_heads).chunk(layout.tp)[topo.tp_rank]
-        for chunk in chunks:
-            chunk.transformer.alibi_slopes = local.clone().to(device)
+        set_local_slopes(chunks, model.shape, topo, device)
     if t.compile:
         compile_blocks(chunks)
     return parts

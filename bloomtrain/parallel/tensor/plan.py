@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from bloomtrain.model.bloom import BloomForCausalLM
+from bloomtrain.model.bloom import BloomForCausalLM, local_alibi_slopes
 from bloomtrain.model.params import base_spec
 from bloomtrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                                VocabParallelEmbedding, VocabParallelLMHead)
@@ -85,7 +85,8 @@ def apply_tensor_parallel(model: BloomForCausalLM, topo, sequence_parallel: bool
             fork_rng_around_forward(block, rng.fork)
         else:
             block.self_attention.rng_context = rng.fork
-    transformer.alibi_slopes = transformer.alibi_slopes.chunk(tp_size)[tp_rank].clone()
+    transformer.alibi_slopes = local_alibi_slopes(model.shape.num_heads, tp_size,
+                                                  tp_rank).to(transformer.alibi_slopes.device)
     transformer.sequence_parallel_size = tp_size if sp else 1
     model.lm_head = VocabParallelLMHead(embedding, group, sp)
     model.loss_fn = VocabParallelLMLoss(group)
