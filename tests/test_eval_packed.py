@@ -127,16 +127,14 @@ def test_scoring_writes_no_kv_cache(hf_model, monkeypatch):
     monkeypatch.setattr(kv_cache.PagedKVCache, "__init__", refuse)
     rows, queries = requests()
     model = load_eval_model(hf_model[1], Topology.single(), "cpu")
-    batch = protocol._score_batch(*_payload(rows, queries))
+    batch = score_batch(rows, queries)
     assert forward.score(model, batch).shape == (2, len(queries))
 
 
-def _payload(rows, queries):
-    seq = max(len(r) for r in rows)
-    inputs = torch.zeros((len(rows), seq), dtype=torch.int64)
+def score_batch(rows, queries) -> forward.ScoreBatch:
+    """The batch a SCORE command carries: rows right-padded, their lengths, the queries."""
+    inputs = torch.zeros((len(rows), max(len(r) for r in rows)), dtype=torch.int64)
     for i, r in enumerate(rows):
         inputs[i, :len(r)] = torch.tensor(r)
     q = torch.tensor(queries, dtype=torch.int64).t()
-    payload = torch.cat([torch.tensor([len(r) for r in rows]), inputs.reshape(-1),
-                         q.reshape(-1)])
-    return payload, len(rows), seq, len(queries)
+    return forward.ScoreBatch(inputs, torch.tensor([len(r) for r in rows]), q[0], q[1], q[2])
