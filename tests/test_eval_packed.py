@@ -42,16 +42,18 @@ def hf_model(tmp_path_factory):
     return model, path
 
 
-def requests(seed: int = 1) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
-    """Rows of LENGTHS random tokens, and a query at every position of each: half of them the
-    next token of the row, half a random one (greedy flags both ways)."""
+def requests(model, seed: int = 1) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    """Rows of LENGTHS random tokens, and a query at every position of each: at even positions
+    the token HF's model ranks first there (greedy), at odd ones a random token (almost never
+    greedy), so that greedy flags go both ways."""
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
     queries = []
     for r, row in enumerate(rows):
+        with torch.no_grad():
+            top = model(torch.tensor([row])).logits[0].argmax(-1).tolist()
         for p in range(len(row)):
-            target = row[p + 1] if p + 1 < len(row) and p % 2 == 0 else \
-                int(torch.randint(0, VOCAB, (1,), generator=g))
+            target = top[p] if p % 2 == 0 else int(torch.randint(0, VOCAB, (1,), generator=g))
             queries.append((r, p, target))
     return rows, queries
 
@@ -68,7 +70,7 @@ def hf_reference(model, rows, queries) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("micro_rows", [None, 3], ids=["one-micro-batch", "micro-batches-of-3"])
 def test_packed_scoring_equals_hf_on_each_request_alone(hf_model, micro_rows):
     model, path = hf_model
-    rows, queries = requests()
+    rows, queries = requests(model)
     want_lp, want_greedy = hf_reference(model, rows, queries)
     executor = protocol.Executor(load_eval_model(path, Topology.single(), "cpu"), micro_rows)
     got = executor.score(rows, queries)
@@ -82,8 +84,8 @@ def test_packed_scoring_equals_hf_on_each_request_alone(hf_model, micro_rows):
 def test_packed_scoring_equals_the_padded_forward(hf_model):
     """The same batch through the right-padded path (sequence parallelism's): the same
     figures within fp32 rounding (SDPA on padded rows against per-sequence eager attention)."""
-    _, path = hf_model
-    rows, queries = requests(seed=2)
+    hf, path = hf_model
+    rows, queries = requests(hf, seed=2)
     model = load_eval_model(path, Topology.single(), "cpu")
     executor = protocol.Executor(model)
     packed = executor.score(rows, queries)
@@ -93,7 +95,7 @@ def test_packed_scoring_equals_the_padded_forward(hf_model):
     finally:
         model.sequence_parallel = False
     assert (packed[0] - padded[0]).abs().max() < 1e-5
-    assert torch.equal(packed[1], padded[1])
+    assert torch.equal(packed[1], padded[1]) and 0 < int(packed[1].sum()) < len(queries)
 
 
 def test_packed_attention_is_each_sequence_alone():
@@ -125,7 +127,7 @@ def test_scoring_writes_no_kv_cache(hf_model, monkeypatch):
         raise AssertionError("scoring built a KV cache")
 
     monkeypatch.setattr(kv_cache.PagedKVCache, "__init__", refuse)
-    rows, queries = requests()
+    rows, queries = requests(hf_model[0])
     model = load_eval_model(hf_model[1], Topology.single(), "cpu")
     batch = score_batch(rows, queries)
     assert forward.score(model, batch).shape == (2, len(queries))
