@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
@@ -43,6 +43,14 @@ ATTENTION_IMPLS = tuple(a for a in typing.get_args(Attention) if a != "auto")
 
 def flex_attention_available() -> bool:
     return flex_attention is not None
+
+
+def alibi_scores(slopes, k_pos, q_pos):
+    """ALiBi's bias (Press et al., arXiv 2108.12409), slope * (k - q), from relative positions
+    and in fp32 (slopes are): the one formula behind every bias of the model, the materialized
+    ones (bloomtrain.model.bloom.alibi_bias) and FlexAttention's score_mods (training's below,
+    the paged decode's in bloomtrain.model.paged_flex). Broadcasts; positions int or float."""
+    return slopes * (k_pos - q_pos)
 
 
 @functools.cache
@@ -115,7 +123,7 @@ def attention_core(q, k, v, bias, dropout_p: float = 0.0):
 
     def alibi(score, b, h, q_idx, kv_idx):
         # Relative positions, as the SDPA bias: 0 on the diagonal, negative below it.
-        return score + slopes[h] * (kv_idx - q_idx - offset)
+        return score + alibi_scores(slopes[h], kv_idx, q_idx + offset)
 
     # Inside a compiled region (train.compile) that region's compilation lowers the kernel.
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
@@ -130,6 +138,8 @@ class PagedKV(Protocol):
 
     def read(self, layer: int, tables: torch.Tensor, buffer
              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def eager_attention(q, k, v, bias):
@@ -188,13 +198,16 @@ class PagedAttention(StepAttention):
       per prompt chunk: rows [start, end) attend to the first L positions of their blocks;
     - `decodes`: (rows [D], tables [D, W], read buffer, bias [nh * D, 1, W * block_size]) for
       the sequences decoding one token, attended in one batched call over their blocks padded
-      to a common width (the padding is masked by the bias)."""
+      to a common width (the padding is masked by the bias);
+    - `flex_decodes`: decoding sequences read in place from the cache's planes by FlexAttention
+      (bloomtrain.model.paged_flex.FlexPagedDecode), instead of `decodes`."""
 
     cache: PagedKV
     write_slots: torch.Tensor
     num_tokens: int
     prefills: list
     decodes: list
+    flex_decodes: list = field(default_factory=list)
 
     def attend(self, layer: int, q, k, v):
         """q, k, v [1, nh, rows, hd] of `layer` -> context [1, nh, rows, hd]."""
@@ -214,4 +227,8 @@ class PagedAttention(StepAttention):
             out = eager_attention(qd, keys.reshape(m, -1, head_dim),
                                   values.reshape(m, -1, head_dim), bias)  # [nh * D, 1, hd]
             ctx.index_copy_(1, rows, out.view(num_heads, -1, head_dim))
+        for d in self.flex_decodes:
+            keys, values = self.cache.planes(layer)  # [1, nh, P * bs, hd], read in place
+            out = d.attend(q.index_select(1, d.rows), keys, values)  # [nh, num_real, hd]
+            ctx.index_copy_(1, d.rows[:d.num_real], out.to(ctx.dtype))
         return ctx[None]

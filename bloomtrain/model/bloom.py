@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bloomtrain.model.attention import (ATTENTION_IMPLS, EagerBias, PackedAttention,
-                                        StepAttention, attention_core, flex_alibi)
+                                        StepAttention, alibi_scores, attention_core,
+                                        flex_alibi)
 from bloomtrain.config import Recompute
 from bloomtrain.errors import UserError
 from bloomtrain.model.params import base_spec, init_full, init_std
@@ -63,7 +64,8 @@ def alibi_bias(slopes: torch.Tensor, q_pos: torch.Tensor, k_len: int,
     # are the same after softmax (it is shift-invariant) but round the larger values coarser.
     k_pos = torch.arange(k_len, device=q_pos.device, dtype=torch.float32)
     rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, q, k]
-    bias = slopes.to(device=q_pos.device, dtype=torch.float32)[:, None, None, None] * rel
+    slopes = slopes.to(device=q_pos.device, dtype=torch.float32)[:, None, None, None]
+    bias = alibi_scores(slopes, k_pos[None, None, :], q_pos[:, :, None])
     bias = bias.masked_fill(rel > 0, float("-inf"))  # [heads, n, q, k]
     return bias.to(dtype)
 

@@ -26,6 +26,7 @@ import torch
 
 from bloomtrain.model.attention import PagedAttention
 from bloomtrain.model.bloom import alibi_bias
+from bloomtrain.model.paged_flex import flex_paged_decode
 from bloomtrain.serve.batch import StepBatch
 from bloomtrain.serve.config import blocks_for
 from bloomtrain.serve.runner import DECODE_BUCKET
@@ -157,6 +158,12 @@ class DecodeGraphs:
         r, cache = self.runner, self.runner.cache
         rows = max(size, r.min_rows)
         tables = self.tables[:size, :keys // cache.block_size]
+        if r.decode == "flex":  # read in place (bloomtrain.model.paged_flex), from the buffers
+            flex = [flex_paged_decode(self.seq_rows[:size], tables, self.q_pos[:size],
+                                      self.slopes, cache.block_size, cache.plane_blocks,
+                                      compiled=self.capture)]
+            meta = PagedAttention(cache, self.write_slots[:size], size, [], [], flex)
+            return r.model.transformer(self.ids[None, :rows], paged=meta)[0]
         # [nh, size, 1, keys] -> [nh * size, 1, keys], head-major like the cache's reads.
         bias = alibi_bias(self.slopes, self.q_pos[:size], keys, r.dtype).view(-1, 1, keys)
         decodes = [(self.seq_rows[:size], tables, cache.buffer(tables), bias)]

@@ -128,6 +128,18 @@ class PagedKVCache:
         out = out.view(2, self.num_heads, b, w * self.block_size, self.head_dim)
         return out[0], out[1]
 
+    def planes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values in place, each [1, heads, (num_blocks + 1) *
+        block_size, head_dim]: every slot of every block as one long sequence (slot s at
+        position s), for FlexAttention's paged decode (bloomtrain.model.paged_flex)."""
+        kv = self.kv[layer].view(2, 1, self.num_heads, -1, self.head_dim)
+        return kv[0], kv[1]
+
+    @property
+    def plane_blocks(self) -> int:
+        """Blocks per plane: the pool's and the scratch block."""
+        return self._plane_blocks
+
 
 def slots_of(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Slots of positions [0, length) of a sequence whose block table is `blocks` [n] (or

@@ -12,7 +12,11 @@ keys padded by whole DECODE_BUCKETs; each at its line); on CUDA, cuBLAS picks ke
 among them) by problem size, so batched and alone agree to float rounding, not bitwise.
 
 On CUDA, decode-only steps replay CUDA graphs instead (bloomtrain.serve.graphs: the same model
-code on static buffers at padded shapes; `ModelRunner.graphs`), unless --enforce-eager.
+code on static buffers at padded shapes; `ModelRunner.graphs`), unless --enforce-eager. There,
+decodes read their keys and values in place with FlexAttention (bloomtrain.model.paged_flex;
+`ModelRunner.decode`, BLOOMTRAIN_PAGED_DECODE=gather|flex|auto); on CPU they gather them, the
+batch-invariant way (flex's compiled CPU kernel, faster at large batches, rounds a sequence
+differently alone than batched: README, Serve).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from bloomtrain.model.attention import PagedAttention
 from bloomtrain.model.bloom import alibi_bias
+from bloomtrain.model.paged_flex import decode_kernel, flex_paged_decode, pad_pow2
 from bloomtrain.serve.batch import StepBatch
 from bloomtrain.serve.kv_cache import PagedKVCache, slots_of
 from bloomtrain.serve.sampler import SamplingBatch, sample
@@ -98,11 +103,14 @@ def batch_invariant_rows(model, max_rows: int, dtype: torch.dtype, matmul=F.line
 
 
 def plan_step(batch: StepBatch, cache: PagedKVCache, slopes: torch.Tensor, dtype: torch.dtype,
-              device, min_rows: int = 1) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
+              device, min_rows: int = 1, decode: str = "gather"
+              ) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
     """A step's (token ids [rows] padded to `min_rows`, its attention metadata for the model's
     paged backend, the logit rows [>= min_rows]), built the same way on every rank that runs
     it: each prompt chunk's block table and ALiBi bias (`slopes`: this rank's heads), the
-    decodes' tables and biases padded to a common width, and the slot of every new token."""
+    decodes' tables and biases padded to a common width (`decode` "gather"), or their
+    FlexAttention metadata (`decode` "flex": bloomtrain.model.paged_flex), and the slot of
+    every new token."""
     dev, bs = device, cache.block_size
     num_tokens = len(batch.input_ids)
     ids = batch.input_ids + [0] * (max(num_tokens, min_rows) - num_tokens)
@@ -122,8 +130,10 @@ def plan_step(batch: StepBatch, cache: PagedKVCache, slopes: torch.Tensor, dtype
             decoding.append(s)
             p = s.ctx_len - 1
             write_slots[s.row] = s.blocks[p // bs] * bs + p % bs
-    decodes = []
-    if decoding:
+    decodes, flex = [], []
+    if decoding and decode == "flex":
+        flex.append(_flex_decodes(decoding, cache, slopes, dev))
+    elif decoding:
         longest = max(s.ctx_len for s in decoding)
         # Whole blocks, and a multiple of DECODE_BUCKET keys (why: at DECODE_BUCKET).
         bucket = math.lcm(DECODE_BUCKET, bs)
@@ -138,10 +148,26 @@ def plan_step(batch: StepBatch, cache: PagedKVCache, slopes: torch.Tensor, dtype
         rows = torch.tensor([s.row for s in decoding], device=dev)
         decodes.append((rows, tables, cache.buffer(tables), bias.view(-1, 1, padded)))
     meta = PagedAttention(cache, torch.tensor(write_slots, device=dev, dtype=torch.int64),
-                          num_tokens, prefills, decodes)
+                          num_tokens, prefills, decodes, flex)
     num_logits = len(batch.logit_rows)
     logit_rows = batch.logit_rows + [0] * (max(num_logits, min_rows) - num_logits)
     return (torch.tensor(ids, device=dev), meta, torch.tensor(logit_rows, device=dev))
+
+
+def _flex_decodes(decoding: list, cache: PagedKVCache, slopes: torch.Tensor, dev):
+    """The decoding sequences' FlexAttention metadata, the batch padded to a power of two and
+    the tables to a power-of-two width, so that the compiled kernel meets few shapes (padding
+    sequences: row of the first, position 0 of block 0; their output is dropped)."""
+    d = len(decoding)
+    size, width = pad_pow2(d), pad_pow2(max(len(s.blocks) for s in decoding))
+    tables = [s.blocks + [0] * (width - len(s.blocks)) for s in decoding]
+    tables += [[0] * width] * (size - d)
+    rows = [s.row for s in decoding] + [decoding[0].row] * (size - d)
+    q_pos = [s.ctx_len - 1 for s in decoding] + [0] * (size - d)
+    return flex_paged_decode(torch.tensor(rows, device=dev), torch.tensor(tables, device=dev),
+                             torch.tensor(q_pos, device=dev), slopes, cache.block_size,
+                             cache.plane_blocks, num_real=d,
+                             compiled=torch.device(dev).type == "cuda")
 
 
 class ModelRunner:
@@ -164,9 +190,13 @@ class ModelRunner:
         # Decode steps from CUDA graphs (bloomtrain.serve.graphs.use_decode_graphs), or None:
         # every step eager.
         self.graphs = None
+        # "flex": decodes read the cache in place (bloomtrain.model.paged_flex); "gather":
+        # copied out and attended with HF's math. BLOOMTRAIN_PAGED_DECODE, or by device.
+        self.decode = decode_kernel(self.device, cache.block_size)
 
     def _plan(self, batch: StepBatch) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
-        return plan_step(batch, self.cache, self.slopes, self.dtype, self.device, self.min_rows)
+        return plan_step(batch, self.cache, self.slopes, self.dtype, self.device, self.min_rows,
+                         self.decode)
 
     # ---- the forward ----------------------------------------------------------------------------
 
