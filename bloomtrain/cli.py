@@ -15,28 +15,31 @@ import sys
 
 from bloomtrain.errors import UserError
 
-# name -> (the module whose register(subparsers) adds it, its line in `bloomtrain --help`),
-# in listing order.
+# name -> (the cli module whose register(subparsers) adds it, as "module" or
+# "module:function" where one cli module registers several commands, and its line in
+# `bloomtrain --help`), in listing order. Every parser lives in a cli module.
 COMMANDS = {
-    "demo": ("bloomtrain.demo", "run the whole path on built-in data (no download)"),
+    "demo": ("bloomtrain.cli:register_demo",
+             "run the whole path on built-in data (no download)"),
     "train": ("bloomtrain.train.cli", "train a BLOOM model"),
-    "tokenizer": ("bloomtrain.data.tokenizer", "train a byte-level BPE tokenizer"),
-    "preprocess": ("bloomtrain.data.preprocess", "tokenize text into a Megatron .bin/.idx dataset"),
-    "data": ("bloomtrain.data.inspect", "inspect or merge .bin/.idx datasets"),
-    "import-hf": ("bloomtrain.hf", "convert an HF Bloom model directory into a bloomtrain "
-                                   "checkpoint"),
-    "export-hf": ("bloomtrain.hf", "write a bloomtrain checkpoint as an HF BloomForCausalLM "
-                                   "directory"),
-    "import-deepspeed": ("bloomtrain.checkpoint.interop.importer",
+    "tokenizer": ("bloomtrain.data.cli:register_tokenizer", "train a byte-level BPE tokenizer"),
+    "preprocess": ("bloomtrain.data.cli:register_preprocess",
+                   "tokenize text into a Megatron .bin/.idx dataset"),
+    "data": ("bloomtrain.data.cli:register_data", "inspect or merge .bin/.idx datasets"),
+    "import-hf": ("bloomtrain.checkpoint.cli:register_hf",
+                  "convert an HF Bloom model directory into a bloomtrain checkpoint"),
+    "export-hf": ("bloomtrain.checkpoint.cli:register_hf",
+                  "write a bloomtrain checkpoint as an HF BloomForCausalLM directory"),
+    "import-deepspeed": ("bloomtrain.checkpoint.cli:register_deepspeed",
                          "convert a DeepSpeed / Megatron-DeepSpeed checkpoint into a bloomtrain "
                          "checkpoint"),
-    "generate": ("bloomtrain.generate", "continue a prompt with a bloomtrain checkpoint or an HF "
-                                        "Bloom model"),
+    "generate": ("bloomtrain.cli:register_generate",
+                 "continue a prompt with a bloomtrain checkpoint or an HF Bloom model"),
     "eval": ("bloomtrain.eval.cli", "evaluate with EleutherAI's lm-evaluation-harness, in any "
                                     "parallel layout"),
     "serve": ("bloomtrain.serve.cli", "serve a model over an OpenAI-compatible HTTP API"),
-    "pipeline-timeline": ("bloomtrain.pipeline_timeline", "print a pipeline step's per-stage "
-                                                          "timeline and bubble"),
+    "pipeline-timeline": ("bloomtrain.report.cli:register_timeline",
+                          "print a pipeline step's per-stage timeline and bubble"),
     "plan": ("bloomtrain.planner.cli", "predict memory and step time of layouts; find the best "
                                        "ones"),
     "plot": ("bloomtrain.report.cli", "plot runs (PNGs and report.html)"),
@@ -102,11 +105,138 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             continue
         if wanted is None or COMMANDS.get(wanted, ("",))[0] == module:
             if module not in registered:
-                importlib.import_module(module).register(_Registrar(sub))
+                name_, _, function = module.partition(":")
+                getattr(importlib.import_module(name_), function or "register")(_Registrar(sub))
                 registered.add(module)
         else:
             sub.add_parser(name, help=help_line)
     return parser
+
+
+# ---- the commands that live in no package: demo and generate ----------------------------
+
+def register_demo(sub) -> None:
+    p = sub.add_parser("demo",
+                       description="Build a corpus from the Python standard library, train a "
+                                   "tokenizer, preprocess, train a small BLOOM, evaluate, export "
+                                   "to HF and generate text.")
+    p.add_argument("--run-dir", default="bloomtrain_demo",
+                   help="where everything is written (default: ./bloomtrain_demo)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, e.g. train.train_iters=100")
+    p.set_defaults(func=_demo)
+
+
+
+def _demo(args) -> int:
+    from bloomtrain.demo import run_demo
+
+    run_demo(args.run_dir, args.overrides)
+    return 0
+
+
+
+def register_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        description="Print the prompt and its continuation. Decoding is greedy unless "
+        "--temperature, --top-k or --top-p is given, which switches to sampling (HF order: "
+        "temperature, then top-k, then top-p). Generation stops at the tokenizer's end-of-"
+        "document token. Tokens beyond the tokenizer's vocabulary (embedding padding) are "
+        "never produced.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR_OR_HF",
+                   help="a bloomtrain checkpoint (step dir or root) or an HF Bloom directory")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sample with this temperature")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="sample from the K most likely tokens (0: no limit)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the smallest set of tokens with total probability >= P")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed for sampling (default: a fresh random seed)")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy decoding (the default when no sampling option is given)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json or a directory holding one (default: the checkpoint's)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8: per-output-channel int8 weights for the linear layers and the "
+                   "tied embedding, dequantized in the matmul (a quarter of fp32's bytes)")
+    p.set_defaults(func=_generate)
+
+
+
+def _generate_options(args) -> tuple[bool, float, float]:
+    """(do_sample, temperature, top_p) from generate's flags, each bad value a one-line error."""
+    from pathlib import Path
+
+    sampling_flags = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                     ("--top-p", args.top_p)) if v is not None]
+    if args.greedy and sampling_flags:
+        raise UserError(f"--greedy conflicts with {', '.join(sampling_flags)}")
+    do_sample = bool(sampling_flags)
+    temperature = 1.0 if args.temperature is None else args.temperature
+    top_p = 1.0 if args.top_p is None else args.top_p
+    if do_sample and temperature <= 0:
+        raise UserError(f"--temperature must be positive, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if args.top_k is not None and args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0, got {args.top_k}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not Path(args.checkpoint).exists():
+        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
+    return do_sample, temperature, top_p
+
+
+def _generate(args) -> int:
+    import torch
+
+    from bloomtrain import load_model
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.devices import resolve_device
+    from bloomtrain.generate import generate
+
+    do_sample, temperature, top_p = _generate_options(args)
+    tokenizer = load_tokenizer(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
+    device = resolve_device(args.device)
+    model = load_model(args.checkpoint, device=device)
+    if args.quantize:
+        from bloomtrain.serve.quantize import quantize_model
+        quantize_model(model, args.quantize)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise UserError("--prompt encodes to no tokens")
+    if tokenizer.vocab_size > model.shape.vocab_size:
+        raise UserError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                        f"{model.shape.vocab_size}; pass the tokenizer the model was trained with")
+    try:
+        eos = tokenizer.eod_id
+    except UserError:
+        eos = None
+    generator = None
+    if do_sample:
+        generator = torch.Generator(device=device)
+        if args.seed is not None:
+            generator.manual_seed(args.seed)
+        else:
+            generator.seed()
+    ids = generate(model, torch.tensor([prompt_ids], device=device), args.max_new_tokens,
+                   do_sample=do_sample, temperature=temperature, top_k=args.top_k or 0,
+                   top_p=top_p, eos_token_id=eos, generator=generator,
+                   vocab_limit=tokenizer.vocab_size)[0].tolist()
+    new = ids[len(prompt_ids):]
+    if eos is not None and eos in new:
+        new = new[:new.index(eos)]
+    # Decoding the whole sequence, not prompt + decode(new), keeps a multi-byte character that
+    # straddles the boundary intact.
+    sys.stdout.write(tokenizer.decode(prompt_ids + new) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

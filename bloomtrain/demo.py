@@ -221,20 +221,3 @@ def _report(run_dir: str, log) -> Path | None:
         return None
     log(f"[demo] plots and report -> {html}")
     return html
-
-
-def cmd_demo(args) -> int:
-    run_demo(args.run_dir, args.overrides)
-    return 0
-
-
-def register(sub) -> None:
-    p = sub.add_parser("demo",
-                       description="Build a corpus from the Python standard library, train a "
-                                   "tokenizer, preprocess, train a small BLOOM, evaluate, export "
-                                   "to HF and generate text.")
-    p.add_argument("--run-dir", default="bloomtrain_demo",
-                   help="where everything is written (default: ./bloomtrain_demo)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="config overrides, e.g. train.train_iters=100")
-    p.set_defaults(func=cmd_demo)

@@ -8,13 +8,9 @@ than the training sequence length work as they are.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bloomtrain.errors import UserError
-
-if TYPE_CHECKING:  # the CLI parser imports this module and must not wait for torch
+if TYPE_CHECKING:
     import torch
 
 
@@ -115,96 +111,3 @@ def _recompute(model, input_ids, max_new_tokens, eos, vocab_limit):
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-
-def _main(args) -> int:
-    import torch
-
-    from bloomtrain import load_model
-    from bloomtrain.data.tokenizer import load_tokenizer
-    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
-    from bloomtrain.devices import resolve_device
-
-    sampling_flags = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
-                                     ("--top-p", args.top_p)) if v is not None]
-    if args.greedy and sampling_flags:
-        raise UserError(f"--greedy conflicts with {', '.join(sampling_flags)}")
-    do_sample = bool(sampling_flags)
-    temperature = 1.0 if args.temperature is None else args.temperature
-    top_p = 1.0 if args.top_p is None else args.top_p
-    if do_sample and temperature <= 0:
-        raise UserError(f"--temperature must be positive, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
-    if args.top_k is not None and args.top_k < 0:
-        raise UserError(f"--top-k must be >= 0, got {args.top_k}")
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not Path(args.checkpoint).exists():
-        raise UserError(f"--checkpoint {args.checkpoint} does not exist")
-
-    tokenizer = load_tokenizer(checkpoint_tokenizer(args.checkpoint, args.tokenizer))
-    device = resolve_device(args.device)
-    model = load_model(args.checkpoint, device=device)
-    if args.quantize:
-        from bloomtrain.serve.quantize import quantize_model
-        quantize_model(model, args.quantize)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise UserError("--prompt encodes to no tokens")
-    if tokenizer.vocab_size > model.shape.vocab_size:
-        raise UserError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                        f"{model.shape.vocab_size}; pass the tokenizer the model was trained with")
-    try:
-        eos = tokenizer.eod_id
-    except UserError:
-        eos = None
-    generator = None
-    if do_sample:
-        generator = torch.Generator(device=device)
-        if args.seed is not None:
-            generator.manual_seed(args.seed)
-        else:
-            generator.seed()
-    ids = generate(model, torch.tensor([prompt_ids], device=device), args.max_new_tokens,
-                   do_sample=do_sample, temperature=temperature, top_k=args.top_k or 0,
-                   top_p=top_p, eos_token_id=eos, generator=generator,
-                   vocab_limit=tokenizer.vocab_size)[0].tolist()
-    new = ids[len(prompt_ids):]
-    if eos is not None and eos in new:
-        new = new[:new.index(eos)]
-    # Decoding the whole sequence, not prompt + decode(new), keeps a multi-byte character that
-    # straddles the boundary intact.
-    sys.stdout.write(tokenizer.decode(prompt_ids + new) + "\n")
-    return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        description="Print the prompt and its continuation. Decoding is greedy unless "
-        "--temperature, --top-k or --top-p is given, which switches to sampling (HF order: "
-        "temperature, then top-k, then top-p). Generation stops at the tokenizer's end-of-"
-        "document token. Tokens beyond the tokenizer's vocabulary (embedding padding) are "
-        "never produced.")
-    p.add_argument("--checkpoint", required=True, metavar="DIR_OR_HF",
-                   help="a bloomtrain checkpoint (step dir or root) or an HF Bloom directory")
-    p.add_argument("--prompt", required=True, metavar="TEXT")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default: 64")
-    p.add_argument("--temperature", type=float, default=None, metavar="T",
-                   help="sample with this temperature")
-    p.add_argument("--top-k", type=int, default=None, metavar="K",
-                   help="sample from the K most likely tokens (0: no limit)")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample from the smallest set of tokens with total probability >= P")
-    p.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="seed for sampling (default: a fresh random seed)")
-    p.add_argument("--greedy", action="store_true",
-                   help="greedy decoding (the default when no sampling option is given)")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tokenizer.json or a directory holding one (default: the checkpoint's)")
-    p.add_argument("--device", default=None,
-                   help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--quantize", choices=["int8"], default=None,
-                   help="int8: per-output-channel int8 weights for the linear layers and the "
-                   "tied embedding, dequantized in the matmul (a quarter of fp32's bytes)")
-    p.set_defaults(func=_main)

@@ -336,31 +336,3 @@ def _write_json(path: Path, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
         f.write("\n")
-
-
-# ---- CLI -----------------------------------------------------------------------------------------
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "import-hf",
-        description="Read an HF BloomForCausalLM/BloomModel directory (config.json plus "
-        "model.safetensors, pytorch_model.bin, or their sharded *.index.json) and write a "
-        "bloomtrain checkpoint (step 0) with the same tensors, bit for bit, and its tokenizer.")
-    p.add_argument("--input", required=True, metavar="HF_DIR")
-    p.add_argument("--output", required=True, metavar="DIR", help="checkpoint root to create")
-    p.set_defaults(func=lambda args: _run(import_hf, args.input, args.output))
-
-    p = subparsers.add_parser(
-        "export-hf",
-        description="Write config.json, model.safetensors (tied head stored once), "
-        "generation_config.json and the tokenizer files of a bloomtrain checkpoint, loadable "
-        "with transformers' BloomForCausalLM.from_pretrained.")
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint step directory or a root holding `latest`")
-    p.add_argument("--output", required=True, metavar="DIR")
-    p.set_defaults(func=lambda args: _run(export_hf, args.checkpoint, args.output))
-
-
-def _run(convert, source, output) -> int:
-    convert(source, output)
-    return 0

@@ -104,21 +104,3 @@ def format_timeline(run_dir, step: int | None = None, width: int | None = None) 
     lines.append(f"measured bubble (idle / compute, all stages) {measured:.3f} vs theory "
                  f"{formula} = {summaries[0]['theory']:.3f}")
     return "\n".join(lines)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "pipeline-timeline",
-        description="Print the forward/backward/recv timeline of one pipeline-parallel step, one "
-                    "row per stage on a time grid, and the measured bubble against (p-1)/m "
-                    "(GPipe, 1F1B), (p-1)/(v*m) (interleaved) or (p-1)/(3m) (zb-h1).")
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--step", type=int, default=None, help="step to show (default: the latest)")
-    p.add_argument("--width", type=int, default=None,
-                   help="columns of the time grid (default: the terminal width)")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    print(format_timeline(args.run_dir, args.step, args.width))
-    return 0

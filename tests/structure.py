@@ -103,6 +103,23 @@ def definitions(repo: Path, name: str) -> list[str]:
             and node.name == name]
 
 
+PARSING = re.compile(r"\b(ArgumentParser\(|add_argument\(|add_parser\(|add_subparsers\(|"
+                     r"parse_args\(|parse_known_args\()")
+
+
+def argument_parsing(repo: Path) -> list[str]:
+    """Lines that build or run an argument parser outside the package's cli modules (a module
+    named `cli`): library code takes arguments, commands parse them."""
+    hits = []
+    for name, path in modules(repo).items():
+        if name.split(".")[-1] == "cli":
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if PARSING.search(line) and not line.lstrip().startswith("#"):
+                hits.append(f"{name}:{i}")
+    return hits
+
+
 ERROR_NAMES = {"UserError"}
 
 

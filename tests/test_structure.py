@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.structure import (MUTABLE_GLOBALS, calls_outside, cited_docs, composition_sites,
-                             cycles, definitions, direct_collective_calls, import_graph,
-                             imports_of_config_for_errors, mutable_globals,
+from tests.structure import (MUTABLE_GLOBALS, argument_parsing, calls_outside, cited_docs,
+                             composition_sites, cycles, definitions, direct_collective_calls,
+                             import_graph, imports_of_config_for_errors, mutable_globals,
                              parameter_flag_writes, private_imports, reads_of_test_variables, sizes)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,23 @@ def test_the_definition_scan_finds_a_second_one(tmp_path):
         "class Model:\n    def state_bytes(self):\n        return 0\n")
     assert definitions(tmp_path, "state_bytes") == ["bloomtrain.memory:1",
                                                     "bloomtrain.planner.model:2"]
+
+
+def test_only_cli_modules_parse_arguments():
+    """Every command's parser lives in a cli module next to its package (data/cli.py,
+    checkpoint/cli.py, report/cli.py, bloomtrain/cli.py for demo and generate, ...); library
+    modules take arguments, as Python callers give them."""
+    assert argument_parsing(REPO) == []
+
+
+def test_the_parsing_scan_finds_a_parser_in_library_code(tmp_path):
+    pkg = tmp_path / "bloomtrain" / "data"
+    pkg.mkdir(parents=True)
+    (pkg / "cli.py").write_text("def register(sub):\n    sub.add_parser('x')\n")
+    (pkg / "tokenizer.py").write_text("def register(sub):\n    p = sub.add_parser('t')\n"
+                                      "    p.add_argument('--n')\n")
+    assert argument_parsing(tmp_path) == ["bloomtrain.data.tokenizer:2",
+                                          "bloomtrain.data.tokenizer:3"]
 
 
 def test_errors_come_from_the_errors_module():

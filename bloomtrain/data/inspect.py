@@ -87,35 +87,3 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:
         for ds in datasets:
             builder.add_index(ds.prefix)
     return MMapIndexedDataset(output_prefix)
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("data")
-    sub = p.add_subparsers(dest="data_command", metavar="ACTION")
-    sub.required = True
-    i = sub.add_parser("inspect", help="print counts, a length histogram and decoded samples",
-                       description="Print a dataset's documents, sequences, tokens, dtype, document "
-                       "length statistics and histogram, and decoded samples with --tokenizer.")
-    i.add_argument("prefix", metavar="PREFIX", help="dataset prefix (without .bin/.idx)")
-    i.add_argument("--tokenizer", metavar="PATH", help="tokenizer to decode samples with")
-    i.add_argument("--samples", type=int, default=3, metavar="K",
-                   help="decoded documents to show, evenly spaced (default: 3)")
-    i.set_defaults(func=_inspect_main)
-    m = sub.add_parser("merge", help="concatenate datasets that share a dtype",
-                       description="Concatenate datasets in the given order into one, like "
-                       "Megatron's tools/merge_datasets.py.")
-    m.add_argument("--inputs", nargs="+", required=True, metavar="PREFIX")
-    m.add_argument("--output-prefix", required=True, metavar="OUT")
-    m.set_defaults(func=_merge_main)
-
-
-def _inspect_main(args) -> int:
-    inspect_dataset(args.prefix, args.tokenizer, args.samples)
-    return 0
-
-
-def _merge_main(args) -> int:
-    ds = merge_datasets(args.inputs, args.output_prefix)
-    print(f"wrote {ds.prefix}.bin/.idx: {ds.num_docs:,} documents, {len(ds):,} sequences, "
-          f"{ds.num_tokens:,} tokens ({ds.dtype.name})")
-    return 0

@@ -253,39 +253,3 @@ def _log_summary(stats: PreprocessStats, dtype: np.dtype, log: Callable[[str], N
     log(f"wrote {stats.output_prefix}.bin/.idx: {stats.docs:,} documents, "
         f"{stats.tokens:,} tokens ({dtype.name}) from {stats.files} file(s) "
         f"in {stats.elapsed:.1f}s; skipped: {stats.skips.summary()}")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "preprocess",
-        description="Tokenize documents into PREFIX_<json-key>_document.bin/.idx (Megatron MMIDIDX). "
-        "Inputs are files, globs or directories (recursed, sorted). By extension: .jsonl/.json "
-        "(optionally .gz or .zst) hold one JSON object per line with the text under --json-key; "
-        ".parquet holds it in column --json-key; any other file is plain text and is ONE "
-        "document (held in memory whole, so use jsonl for big corpora). Each document becomes "
-        "one sequence. Invalid JSON, a missing key, non-UTF-8 bytes and empty documents are "
-        "skipped and reported with file:line.",
-    )
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="input files, globs or directories")
-    p.add_argument("--tokenizer", required=True, metavar="PATH",
-                   help="tokenizer.json or a directory holding one (any local HF tokenizer), "
-                        "or Megatron's GPT-2 vocab.json with its merges.txt beside it")
-    p.add_argument("--output-prefix", required=True, metavar="P",
-                   help="writes P_<json-key>_document.bin and .idx")
-    p.add_argument("--json-key", default="text", help="JSON key / Parquet column of the text (default: text)")
-    p.add_argument("--append-eod", action="store_true",
-                   help="append the end-of-document token (</s>) to every document")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1)")
-    p.add_argument("--strict", action="store_true",
-                   help="fail on the first unusable document instead of skipping it")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress line (drawn on stderr when it is a terminal)")
-    p.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    preprocess(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
-               append_eod=args.append_eod, workers=args.workers, strict=args.strict,
-               progress=not args.no_progress)
-    return 0

@@ -323,35 +323,3 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         gpt2_bpe.check_same(tok.path, tok._tok, *pair)
         tok.megatron_files = pair
     return tok
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser("tokenizer")
-    sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
-    sub.required = True
-    t = sub.add_parser(
-        "train",
-        help="train a byte-level BPE tokenizer",
-        description="Train a BLOOM-style byte-level BPE (specials <unk> <s> </s> <pad> = ids 0-3) "
-        "and write DIR/tokenizer.json plus tokenizer_config.json and special_tokens_map.json. "
-        "Inputs are read like `bloomtrain preprocess` reads them (jsonl/gz/zst with the text "
-        "under --json-key, parquet, or plain text files as one document each); unusable "
-        "documents are skipped and named by file and line.",
-    )
-    t.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="input files, globs or directories")
-    t.add_argument("--vocab-size", type=int, required=True, metavar="N")
-    t.add_argument("--json-key", default="text",
-                   help="JSON key / Parquet column of the text, as for preprocess (default: text)")
-    t.add_argument("--output", required=True, metavar="DIR")
-    t.add_argument("--min-frequency", type=int, default=2,
-                   help="pairs seen fewer times are not merged (default: 2)")
-    t.set_defaults(func=_train_main)
-
-
-def _train_main(args) -> int:
-    path = train_tokenizer(args.input, args.vocab_size, args.output, args.min_frequency,
-                           args.json_key)
-    tok = load_tokenizer(path)
-    print(f"wrote {path} (vocab size {tok.vocab_size})")
-    return 0

@@ -41,3 +41,23 @@ def register(sub) -> None:
                     "loss spikes and alerts, from its run directory, while it trains or after.")
     s.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (run_dir in its config)")
     s.set_defaults(func=cmd_status)
+
+
+def register_timeline(subparsers) -> None:
+    p = subparsers.add_parser(
+        "pipeline-timeline",
+        description="Print the forward/backward/recv timeline of one pipeline-parallel step, one "
+                    "row per stage on a time grid, and the measured bubble against (p-1)/m "
+                    "(GPipe, 1F1B), (p-1)/(v*m) (interleaved) or (p-1)/(3m) (zb-h1).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, default=None, help="step to show (default: the latest)")
+    p.add_argument("--width", type=int, default=None,
+                   help="columns of the time grid (default: the terminal width)")
+    p.set_defaults(func=cmd_timeline)
+
+
+def cmd_timeline(args) -> int:
+    from bloomtrain.pipeline_timeline import format_timeline
+
+    print(format_timeline(args.run_dir, args.step, args.width))
+    return 0

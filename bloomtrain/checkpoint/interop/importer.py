@@ -171,31 +171,3 @@ def _report(src: Source, path: Path, yaml_path: Path, lines: list[str], log) -> 
     log(f"wrote {path}")
     log(f"continue with: bloomtrain train --config {yaml_path} [--nproc N parallel.tp=.. "
         f"parallel.pp=..] (any layout; set data.paths to your data)")
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "import-deepspeed",
-        description="Read a DeepSpeed checkpoint (an HF BloomForCausalLM under ZeRO 1/2/3 or the "
-        "BF16_Optimizer, a Megatron-DeepSpeed BLOOM pipeline checkpoint at any tp x pp x dp, or a "
-        "DeepSpeed universal checkpoint) and write a bloomtrain checkpoint with its weights, fp32 "
-        "masters, Adam moments and step, and the run's iteration and consumed samples; "
-        "`bloomtrain train --config OUT/bloomtrain.yaml` continues it on any layout. deepspeed "
-        "is not needed: the pickles are read with torch.load(weights_only=True) and stand-ins for "
-        "the few DeepSpeed classes they name.")
-    p.add_argument("--input", required=True, metavar="DIR",
-                   help="a save directory (with `latest`), HF Trainer's checkpoint-N/, a "
-                        "global_stepN/ directory, or a universal checkpoint")
-    p.add_argument("--output", required=True, metavar="CKPT", help="checkpoint root to create")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="the run's tokenizer (an HF tokenizer directory or Megatron's vocab.json "
-                        "+ merges.txt), stored with the checkpoint")
-    p.add_argument("--weights-only", action="store_true",
-                   help="import the weights alone: a new optimizer and schedule start from them")
-    p.add_argument("--model-config", metavar="FILE",
-                   help="for an HF model trained under DeepSpeed without its config.json beside "
-                        "the checkpoint: the model's HF config.json, or a bloomtrain YAML whose "
-                        "model section gives the shape (a preset or explicit keys)")
-    p.set_defaults(func=lambda a: import_deepspeed(a.input, a.output, a.tokenizer,
-                                                   a.weights_only,
-                                                   model_config=a.model_config) and 0)
