@@ -38,7 +38,7 @@ from bench.common import add_shape_args, alternate_rounds, shape_from_args
 from bench.memtrack import LiveMemory
 from bloomtrain.config import ModelConfig
 from bloomtrain.errors import UserError
-from bloomtrain.layout import resolve_attention
+from bloomtrain.model.attention import resolve_attention
 from bloomtrain.model import BloomForCausalLM, alibi_slopes, resolve_model_config
 from bloomtrain.devices import DTYPE_NAMES, torch_dtype
 

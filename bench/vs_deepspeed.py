@@ -12,9 +12,9 @@ bloomtrain: the HF model's weights copied into bloomtrain's model, `parallelize`
 stage, the ZeroAdamW step (reduce, clip, AdamW, refresh) as the Trainer calls it.
 Attention: HF's BLOOM runs its default eager attention (softmax of the scores plus the ALiBi bias),
 bloomtrain the kernel its `train.attention: auto` resolves to on the CPU (the Trainer's rule,
-bloomtrain.layout.resolve_attention): SDPA with the bias as a float mask in fp32, and in bf16 at
-sequences up to 128 the same eager math as HF's (SDPA's CPU kernel is slower there); the kernel
-is part of what is measured, as a user of either gets it.
+bloomtrain.model.attention.resolve_attention): SDPA with the bias as a float mask in fp32, and in
+bf16 at sequences up to 128 the same eager math as HF's (SDPA's CPU kernel is slower there); the
+kernel is part of what is measured, as a user of either gets it.
 Both in `--precision` (fp32 by default: the losses then agree to ~1e-6; with bf16 both sides
 accumulate and reduce gradients in fp32, as BLOOM did: DeepSpeed's ZeRO-1 is then BLOOM's
 BF16_Optimizer, its ZeRO-2/3 take `grad_accum_dtype` and `communication_data_type` fp32).
@@ -150,7 +150,7 @@ def deepspeed_side(stage: int, batches, args):
 def bloomtrain_side(stage: int, batches, args):
     from bloomtrain.config import Config
     from bloomtrain.hf import shape_from_hf_config
-    from bloomtrain.layout import resolve_attention
+    from bloomtrain.model.attention import resolve_attention
     from bloomtrain.model import BloomForCausalLM
     from tests import helpers
 

@@ -183,8 +183,8 @@ class TrainConfig:
     # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).
     compile: bool = False
     # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available; on
-    # CPU in bf16/fp16 at sequences up to layout.EAGER_MAX_SEQ HF's eager math; else SDPA with
-    # the ALiBi bias as a float mask), sdpa, flex or eager.
+    # CPU in bf16/fp16 at sequences up to model.kernel_choice.EAGER_MAX_SEQ HF's eager math;
+    # else SDPA with the ALiBi bias as a float mask), sdpa, flex or eager.
     attention: Attention = "auto"
     log_interval: int = 10
     eval_interval: int | None = None
@@ -490,7 +490,7 @@ class Config:
     def check(self) -> None:
         """Check every key against its domain (DOMAINS), then the rules between keys of one
         section; raises one UserError naming every key out of its domain, else every broken
-        rule. The rules across sections are bloomtrain.layout.validate's, which calls this
+        rule. The rules across sections are bloomtrain.validate's, which calls this
         first."""
         problems = []
         for key, domain in DOMAINS.items():

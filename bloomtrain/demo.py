@@ -120,7 +120,7 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     """Step 4: the demo config with the layout fitted to this machine, trained on as many
     processes as that layout needs. Returns (config, metrics records)."""
     from bloomtrain.config import Config, apply_override
-    from bloomtrain.layout import validate
+    from bloomtrain.validate import validate
     from bloomtrain.launch import world_size_from_env
     from bloomtrain.train import launch_local, train
     from bloomtrain.train.cli import worker_entry

@@ -1,5 +1,6 @@
-"""The parallel layout of a run and every rule that ties the config's sections together, each
-stated here once and applied by `validate` once per run, before any process group starts.
+"""The parallel layout of a run and the rules that tie it to the model and the batch, each
+stated here once and applied by bloomtrain.validate once per run, before any process group
+starts.
 
 The rank grid is Megatron-LM's (arXiv 2104.04473, §3), `arange(world).view(pp, dp, tp)`: tp ranks
 innermost, on one node, pipeline stages outermost. Stages hold blocks by Megatron-DeepSpeed's
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from bloomtrain.config import DOMAINS, Config, ParallelConfig, TrainConfig, parse_tasks
+from bloomtrain.config import Config, ParallelConfig, TrainConfig
 from bloomtrain.errors import UserError, each_problem, raise_all
-from bloomtrain.model.presets import BloomShape, resolve_model_config
+from bloomtrain.model.presets import BloomShape
 
 
 @dataclass(frozen=True)
@@ -417,159 +418,3 @@ def check_micro_batches(num_micro: int, pp_size: int, schedule: str) -> None:
                         f"({num_micro} = global_batch / (micro_batch * dp)) to be divisible by "
                         f"parallel.pp ({pp_size}); change train.global_batch_size or "
                         f"train.micro_batch_size")
-
-
-# ---- the attention kernel ------------------------------------------------------------------------
-
-def check_attention(requested: str, attention_dropout: float) -> None:
-    """What the config alone decides of `train.attention` (auto, sdpa, flex or eager)."""
-    if requested == "flex" and attention_dropout > 0:
-        raise UserError(f"train.attention=flex has no attention dropout; set "
-                        f"model.attention_dropout=0 (it is {attention_dropout}) or "
-                        f"train.attention=sdpa")
-
-
-# On CPU in bf16/fp16, auto takes the "eager" kernel (HF's baddbmm + fp32 softmax + bmm) up to
-# this sequence length and SDPA above it: SDPA's fused CPU kernel is slow in reduced precision at
-# short sequences (its backward above all). Measured fwd+bwd, bf16, one thread, the same ALiBi +
-# causal bias, median of 60 interleaved reps (15 from 512), eager/sdpa time:
-#   [b, heads, s, hd] = [2, 8, s, 32]:  s=64 0.33, 128 0.58, 256 0.91, 512 1.75, 1024 3.28
-#                       [1, 16, s, 64]: s=128 0.34, 256 0.42, 512 1.19, 1024 2.07
-# so the time crossover lies between 256 and 512 (torch 2.13 CPU). But eager stores the s² fp32
-# softmax output and bf16 probabilities per layer: at s=256 in bench/vs_deepspeed.py (bf16,
-# ZeRO-2, 4 layers, 2 x 256 tokens) it raised the peak by 72 MiB (345 vs 273 MiB) for a step
-# 0.87x DeepSpeed's against SDPA's 0.93x; hence 128, where the time gain is large and the s²
-# memory small. fp32 keeps SDPA (its numerics).
-EAGER_MAX_SEQ = 128
-
-
-def resolve_attention(requested: str, attention_dropout: float, device,
-                      precision: str = "fp32", seq_length: int | None = None) -> str:
-    """The kernel for `train.attention` when training on `device` in `precision` at
-    `seq_length` tokens.
-
-    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
-    CPU it is eager in bf16/fp16 when seq_length <= EAGER_MAX_SEQ (faster there, see above),
-    else sdpa (bench/attention.py); FlexAttention cannot run backward on CPU. Raises UserError
-    for a combination that cannot train."""
-    import torch
-
-    from bloomtrain.model.attention import flex_attention_available
-
-    DOMAINS["train.attention"].check("train.attention", requested)
-    check_attention(requested, attention_dropout)
-    device = torch.device(device)
-    if requested in ("sdpa", "eager"):
-        return requested
-    if requested == "auto":
-        if (device.type == "cpu" and precision in ("bf16", "fp16") and seq_length is not None
-                and seq_length <= EAGER_MAX_SEQ):
-            return "eager"
-        if device.type != "cuda" or not flex_attention_available():
-            return "sdpa"
-        if attention_dropout > 0:
-            warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "
-                          f"FlexAttention has no dropout and model.attention_dropout is "
-                          f"{attention_dropout}; set it to 0 to use FlexAttention", stacklevel=2)
-            return "sdpa"
-        return "flex"
-    if not flex_attention_available():
-        raise UserError(f"train.attention=flex needs torch.nn.attention.flex_attention, which "
-                        f"torch {torch.__version__} lacks; set train.attention=sdpa or auto")
-    if device.type in ("cpu", "mps"):
-        raise UserError(f"train.attention=flex cannot train on {device.type}: FlexAttention has "
-                        f"no backward there (torch {torch.__version__}); set "
-                        f"train.attention=sdpa or auto")
-    return "flex"
-
-
-# ---- the run -------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RunLayout:
-    """What `validate` resolves: the model shape, the parallel layout and the batch schedule."""
-
-    shape: BloomShape
-    layout: ParallelLayout
-    batches: BatchSchedule
-
-    def with_vocab(self, cfg: Config, vocab_size: int) -> "RunLayout":
-        """The run with the tokenizer's vocabulary (known once it is loaded): the model's rows
-        follow it, padded as the config says, and must still split over tp."""
-        shape = resolve_model_config(cfg.model, vocab_size)
-        self.layout.check_tensor_parallel(shape, cfg.data.seq_length,
-                                          cfg.model.make_vocab_size_divisible_by)
-        return replace(self, shape=shape)
-
-
-# How much longer than the hang timeout the rendezvous must wait for a job to re-form after a
-# failure: the watchdog's poll (<= 1 s) and its grace after a raised op (10 s), and the elastic
-# agent noticing and stopping its workers, with room to spare.
-RESTART_MARGIN_S = 30
-
-
-def check_run(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> None:
-    """The rules between the training, checkpoint, data and launch settings."""
-    raise_all(run_problems(cfg, max_restarts, nnodes))
-
-
-def run_problems(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> list[str]:
-    """What `check_run` finds wrong, one message per broken rule."""
-    t, c, p, out = cfg.train, cfg.checkpoint, cfg.parallel, []
-    if t.on_loss_spike == "rollback" and not c.dir:
-        out.append("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the last "
-                   "checkpoint)")
-    if parse_tasks(t.eval_harness_tasks) and not cfg.data.tokenizer:
-        out.append("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
-    if max_restarts and (c.resume != "auto" or not c.dir):
-        out.append(f"--max-restarts {max_restarts} restarts the workers, which then resume "
-                   f"from checkpoint.resume={c.resume!r}"
-                   f"{'' if c.dir else ' with no checkpoint.dir'}: set checkpoint.dir and "
-                   f"checkpoint.resume=auto so that a restart continues from the job's last "
-                   f"checkpoint")
-    rdzv_s = p.rdzv_timeout_minutes * 60
-    if max_restarts and nnodes > 1 and rdzv_s < p.hang_timeout_s + RESTART_MARGIN_S:
-        # After a failure the first node to restart waits at the rendezvous for the others,
-        # whose workers may notice only when their watchdog fires (a cut link raises nothing).
-        out.append(f"--max-restarts {max_restarts} over {nnodes} nodes: the rendezvous timeout "
-                   f"({rdzv_s:g} s, parallel.rdzv_timeout_minutes or --rdzv-timeout) must "
-                   f"exceed the hang timeout ({p.hang_timeout_s:g} s, "
-                   f"parallel.hang_timeout_minutes) by {RESTART_MARGIN_S} s or more: after a "
-                   f"failure the nodes that restart first wait that long for the others, whose "
-                   f"watchdogs notice it within the hang timeout; raise the rendezvous timeout "
-                   f"or lower the hang timeout")
-    return out
-
-
-def validate(cfg: Config, world_size: int, *, max_restarts: int = 0,
-             nnodes: int = 1) -> RunLayout:
-    """Check the whole config for `world_size` processes, once per run and before anything
-    starts: each key, then every rule that combines them, all of whose failures one UserError
-    lists. The model has `model.vocab_size` rows until `RunLayout.with_vocab` gives it the
-    tokenizer's; `max_restarts` and `nnodes` are the launcher's."""
-    cfg.check()
-    problems = run_problems(cfg, max_restarts, nnodes)
-    try:
-        check_attention(cfg.train.attention, cfg.model.attention_dropout)
-    except UserError as e:
-        problems += each_problem(e)
-    try:
-        shape = resolve_model_config(cfg.model, cfg.model.vocab_size or 1)
-    except UserError as e:  # no shape: the layout's rules cannot be judged
-        raise_all(problems + each_problem(e))
-    p, batches = cfg.parallel, None
-    try:
-        layout = ParallelLayout.from_config(p, world_size)
-    except UserError as e:
-        problems += each_problem(e)
-        # The other rules hold whatever the process count: judged on one replica. How the
-        # batch splits over dp waits for a dp.
-        layout = ParallelLayout.from_config(p, p.tp * p.pp)
-    else:
-        try:
-            batches = BatchSchedule.from_config(cfg.train, layout)
-        except UserError as e:
-            problems += each_problem(e)
-    problems += layout.problems(shape, cfg)
-    raise_all(problems)
-    return RunLayout(shape, layout, batches)

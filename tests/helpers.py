@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from bloomtrain.config import Config
-from bloomtrain.layout import ParallelLayout, resolve_attention
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.attention import resolve_attention
 from bloomtrain.model import BloomForCausalLM
 from bloomtrain.model.params import ParamSpec, base_spec, tp_shard_shape
 from bloomtrain.model.presets import BloomShape, resolve_model_config

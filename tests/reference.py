@@ -17,7 +17,7 @@ import torch
 
 from bloomtrain.config import Config
 from bloomtrain.data.loader import build_train_valid_test_datasets
-from bloomtrain.layout import resolve_attention
+from bloomtrain.model.attention import resolve_attention
 from bloomtrain.model import build_model, resolve_model_config
 from bloomtrain.devices import torch_dtype
 

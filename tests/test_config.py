@@ -1,7 +1,7 @@
 import pytest
 
 from bloomtrain.config import Config, apply_override, parse_data_paths
-from bloomtrain.layout import validate
+from bloomtrain.validate import validate
 from bloomtrain.utils import UserError
 
 

@@ -18,7 +18,7 @@ from bloomtrain.config import Config, ModelConfig
 from bloomtrain.import_config import megatron_to_config
 from bloomtrain.import_config.bash import read_launch
 from bloomtrain.import_config.megatron_args import OPTIONS, REASONS, parse_argv
-from bloomtrain.layout import validate
+from bloomtrain.validate import validate
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.utils import UserError
 

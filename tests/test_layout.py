@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from bloomtrain.errors import UserError
-from bloomtrain.layout import (EAGER_MAX_SEQ, ParallelLayout, partition_layers, resolve_attention,
-                               validate)
+from bloomtrain.layout import partition_layers, ParallelLayout
+from bloomtrain.model.attention import resolve_attention
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ
+from bloomtrain.validate import validate
 from bloomtrain.model import attention
 from tests import helpers
 

@@ -17,7 +17,8 @@ import torch
 
 from bloomtrain import cli
 from bloomtrain.config import Config
-from bloomtrain.layout import ParallelLayout, validate
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.validate import validate
 from bloomtrain.model import BloomShape, build_model
 from bloomtrain.parallel.pipeline import (
     SCHEDULES,

@@ -180,8 +180,8 @@ def vocab_source(model_cfg, tokenizer, padded: int) -> str:
 
 
 def check_data(cfg, run):
-    """Load data.tokenizer, give `run` (what `layout.validate` returned) its vocabulary, and
-    check the datasets against it. Returns (tokenizer or None, run). A missing tokenizer and
+    """Load data.tokenizer, give `run` (what bloomtrain.validate.validate returned) its
+    vocabulary, and check the datasets against it. Returns (tokenizer or None, run). A missing tokenizer and
     missing datasets are named in one error."""
     from bloomtrain.data.tokenizer import load_tokenizer
     problems, tokenizer, datasets = [], None, None

@@ -150,7 +150,7 @@ def _ds_config(path: str | None, megatron: dict, launch, source: Path):
 def _check(config: dict, world: int | None) -> None:
     """The config as `bloomtrain train` will check it: each key, then (at the world size) every
     rule between them."""
-    from bloomtrain.layout import validate
+    from bloomtrain.validate import validate
 
     try:
         cfg = Config.from_dict(config)

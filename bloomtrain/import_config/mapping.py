@@ -34,7 +34,7 @@ def megatron_to_config(args: Mapping[str, Any], ds_config: Mapping[str, Any] | N
     not a launch's arguments; `labels`: dest -> where that value came from, for arguments that
     are not a launch's flags (an HF model's config.json fields). Raises UserError for arguments that contradict each other (a batch rule
     broken, a value that is not a number, an unresolved variable). The caller validates the
-    result (Config.from_dict, bloomtrain.layout.validate)."""
+    result (Config.from_dict, bloomtrain.validate)."""
     c = Conversion(args, ds_config, world_size, saved, labels)
     sections.parallel(c)
     sections.model(c)

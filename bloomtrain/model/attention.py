@@ -1,5 +1,5 @@
 """BLOOM's attention core, softmax(q kᵀ / sqrt(d) + ALiBi + causal mask) v, by one of four
-kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_attention turns
+kernels, chosen by `transformer.attention_impl` (resolve_attention, below, turns
 `train.attention` into sdpa, flex or eager):
 - "sdpa": `F.scaled_dot_product_attention` with ALiBi (Press et al., arXiv 2108.12409) and the
   causal mask as one float bias [1, heads, q, k], built once per forward and shared by the
@@ -10,7 +10,7 @@ kernels, chosen by `transformer.attention_impl` (bloomtrain.layout.resolve_atten
 - "eager": HF BloomAttention's math (baddbmm with the same float bias, fp32 softmax, bmm), the
   scores and probabilities materialized; on CPU in bf16/fp16 at short sequences faster than
   SDPA's fused kernel, whose reduced-precision backward is slow there (see
-  bloomtrain.layout.EAGER_MAX_SEQ for the measured crossover and its memory);
+  bloomtrain.model.kernel_choice.EAGER_MAX_SEQ for the measured crossover and its memory);
 - "paged", for serving: keys and values in the engine's block-paged KV cache (PagedAttention,
   Kwon et al., arXiv 2309.06180), attended per sequence with HF BloomAttention's math;
   "packed", for scoring (eval's loglikelihoods): whole sequences packed into one row, each
@@ -23,14 +23,16 @@ from __future__ import annotations
 import functools
 import math
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from bloomtrain.config import Attention
+from bloomtrain.config import DOMAINS, Attention
 from bloomtrain.errors import UserError
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ, check_attention
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -43,6 +45,44 @@ ATTENTION_IMPLS = tuple(a for a in typing.get_args(Attention) if a != "auto")
 
 def flex_attention_available() -> bool:
     return flex_attention is not None
+
+
+# ---- the kernel a run trains with ---------------------------------------------------------
+
+def resolve_attention(requested: str, attention_dropout: float, device,
+                      precision: str = "fp32", seq_length: int | None = None) -> str:
+    """The kernel for `train.attention` when training on `device` in `precision` at
+    `seq_length` tokens.
+
+    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
+    CPU it is eager in bf16/fp16 when seq_length <= EAGER_MAX_SEQ (faster there: kernel_choice.py),
+    else sdpa (bench/attention.py); FlexAttention cannot run backward on CPU. Raises UserError
+    for a combination that cannot train."""
+    DOMAINS["train.attention"].check("train.attention", requested)
+    check_attention(requested, attention_dropout)
+    device = torch.device(device)
+    if requested in ("sdpa", "eager"):
+        return requested
+    if requested == "auto":
+        if (device.type == "cpu" and precision in ("bf16", "fp16") and seq_length is not None
+                and seq_length <= EAGER_MAX_SEQ):
+            return "eager"
+        if device.type != "cuda" or not flex_attention_available():
+            return "sdpa"
+        if attention_dropout > 0:
+            warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "
+                          f"FlexAttention has no dropout and model.attention_dropout is "
+                          f"{attention_dropout}; set it to 0 to use FlexAttention", stacklevel=2)
+            return "sdpa"
+        return "flex"
+    if not flex_attention_available():
+        raise UserError(f"train.attention=flex needs torch.nn.attention.flex_attention, which "
+                        f"torch {torch.__version__} lacks; set train.attention=sdpa or auto")
+    if device.type in ("cpu", "mps"):
+        raise UserError(f"train.attention=flex cannot train on {device.type}: FlexAttention has "
+                        f"no backward there (torch {torch.__version__}); set "
+                        f"train.attention=sdpa or auto")
+    return "flex"
 
 
 def alibi_scores(slopes, k_pos, q_pos):

@@ -1,6 +1,6 @@
 """`parallelize(model, topo, cfg, attention=...) -> ModelParts`: the one place where tensor,
 pipeline and ZeRO data parallelism compose, on the layout and attention kernel the caller
-resolved (the Trainer: bloomtrain.layout.validate and resolve_attention, once per run).
+resolved (the Trainer: bloomtrain.validate and model.attention.resolve_attention, once per run).
 `shard_model(model, topo, attention)` is its Config-free core (the tensor-parallel plan and the
 pipeline's chunks), which the sharded loader (bloomtrain.checkpoint.load) builds on too.
 """
@@ -122,7 +122,7 @@ def set_local_slopes(chunks, shape: BloomShape, topo: Topology, device) -> None:
 def parallelize(model: BloomForCausalLM, topo: Topology, cfg: Config, *, attention: str,
                 device=None, engine: bool = True) -> ModelParts:
     """This rank's parts of `model` under `topo`'s (validated) layout, running the `attention`
-    kernel (bloomtrain.layout.resolve_attention's), set up as `cfg` says (precision, seed,
+    kernel (bloomtrain.model.attention.resolve_attention's), set up as `cfg` says (precision, seed,
     activation checkpointing, optimizer and ZeRO settings). `device` defaults to the model's (or
     cpu for a meta model); with device "meta" nothing is materialized, which describes any rank
     of any size cheaply.

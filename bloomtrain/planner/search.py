@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.layout import EAGER_MAX_SEQ, ParallelLayout
+from bloomtrain.layout import ParallelLayout
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of,

@@ -7,7 +7,7 @@ import sys
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.layout import validate
+from bloomtrain.validate import validate
 from bloomtrain.launch import (env_from_slurm, LaunchSpec, node_address, STOP_FILE_ENV,
                                world_size_from_env)
 

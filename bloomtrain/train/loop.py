@@ -17,7 +17,8 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.data.check import check_data
 from bloomtrain.eval.training import HarnessHook
-from bloomtrain.layout import RunLayout, resolve_attention, validate
+from bloomtrain.model.attention import resolve_attention
+from bloomtrain.validate import validate, RunLayout
 from bloomtrain.model import BloomForCausalLM
 from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm

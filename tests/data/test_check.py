@@ -12,7 +12,7 @@ from bloomtrain.data import check
 from bloomtrain.data.check import check_data, check_token_ids, open_datasets, token_id_range
 from bloomtrain.data.indexed import MMapIndexedDataset, write_dataset
 from bloomtrain.errors import UserError
-from bloomtrain.layout import validate
+from bloomtrain.validate import validate
 
 from tests.data import FIXTURES
 

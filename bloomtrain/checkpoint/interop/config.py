@@ -241,7 +241,7 @@ def _check(config: dict, world: int) -> None:
     """The config passes bloomtrain's checks at the source's world size (where the train length
     is unknown, with a stand-in for it)."""
     from bloomtrain.config import Config
-    from bloomtrain.layout import validate
+    from bloomtrain.validate import validate
     from bloomtrain.errors import UserError
 
     probe = json.loads(json.dumps(config))
