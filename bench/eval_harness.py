@@ -135,7 +135,7 @@ def main() -> None:
 
     from lm_eval.tasks import TaskManager
 
-    from bloomtrain.hf import export_hf
+    from bloomtrain.checkpoint.hf.convert import export_hf
 
     load_start = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")

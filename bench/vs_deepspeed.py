@@ -149,7 +149,7 @@ def deepspeed_side(stage: int, batches, args):
 
 def bloomtrain_side(stage: int, batches, args):
     from bloomtrain.config import Config
-    from bloomtrain.hf import shape_from_hf_config
+    from bloomtrain.checkpoint.hf.convert import shape_from_hf_config
     from bloomtrain.model.attention import resolve_attention
     from bloomtrain.model import BloomForCausalLM
     from tests import helpers

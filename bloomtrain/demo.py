@@ -171,7 +171,7 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     from bloomtrain import load_model
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.generate import generate
-    from bloomtrain.hf import export_hf
+    from bloomtrain.checkpoint.hf.convert import export_hf
     from bloomtrain.report.closing import closing_lines
 
     t_start = time.time()

@@ -188,7 +188,7 @@ def test_malicious_pickle_is_refused(dataset, tmp_path, monkeypatch):
         Trainer(make_cfg(dataset, tmp_path / "r", checkpoint={"dir": str(root),
                                                               "resume": str(step)}), **QUIET)
     # And an HF directory whose pytorch_model.bin is a malicious pickle.
-    from bloomtrain import hf
+    from bloomtrain.checkpoint import hf
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(

@@ -98,7 +98,8 @@ def train_on_the_tasks(model, tok, steps: int = 400) -> None:
 def model_dirs(tmp_path_factory, tiny_tokenizer_dir):
     """(bloomtrain checkpoint, its HF export) of the tiny model trained on the tasks' texts,
     with the tokenizer."""
-    from bloomtrain import checkpoint, hf
+    from bloomtrain import checkpoint
+    from bloomtrain.checkpoint import hf
     from bloomtrain.data.tokenizer import load_tokenizer
     from bloomtrain.model import BloomShape, build_model
 

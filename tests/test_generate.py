@@ -165,7 +165,7 @@ def test_cli_generate(trained_checkpoint, capsys, tmp_path, device):
     assert capsys.readouterr().out == first
 
     # An HF directory with its tokenizer, exported from the same checkpoint, gives the same text.
-    from bloomtrain import hf
+    from bloomtrain.checkpoint import hf
     hf.export_hf(root, tmp_path / "export", log=lambda *_: None)
     assert main(["generate", "--checkpoint", str(tmp_path / "export"), "--prompt", prompt,
                  "--max-new-tokens", "8", "--greedy", *on]) == 0

@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 
 import bloomtrain
-from bloomtrain import checkpoint, hf
+from bloomtrain import checkpoint
+from bloomtrain.checkpoint import hf
 from bloomtrain.cli import main
 from bloomtrain.utils import UserError
 

@@ -296,7 +296,7 @@ def _make_mine(root: Path, get) -> Path:
 def _make_demo(root: Path, get) -> Path:
     """A run of 6 steps on the tiny model, as bloomtrain_demo/ and runs/{mine,other}/."""
     from bloomtrain.config import Config
-    from bloomtrain.hf import export_hf
+    from bloomtrain.checkpoint.hf.convert import export_hf
     from bloomtrain.train import train
     mine = get("mine")
     out = root / "demo"

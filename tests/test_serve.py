@@ -793,7 +793,7 @@ def _tp_rank_from_checkpoint(rank, world, path):
     import weakref
 
     from bloomtrain.checkpoint.reader import CheckpointReader
-    from bloomtrain.serve.hf_slices import HFSliceReader
+    from bloomtrain.checkpoint.hf.slices import HFSliceReader
     from bloomtrain.serve.tp import load_serving_model, serving_layout
     from bloomtrain.topology import Topology
 
@@ -839,8 +839,8 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
     shape = BloomShape(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
                        ffn_hidden_size=256)
     full = build_model(shape, seed=7).eval()
-    from bloomtrain import hf
-    from bloomtrain.serve.hf_slices import sliceable
+    from bloomtrain.checkpoint import hf
+    from bloomtrain.checkpoint.hf.slices import sliceable
 
     checkpoint.save_checkpoint(tmp_path / "ck", 1, full.state_dict(), shape)
     exported = hf.export_hf(tmp_path / "ck", tmp_path / "hf", log=lambda *_: None)
@@ -887,9 +887,9 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from bloomtrain.checkpoint.hf_files import canonical_name
+    from bloomtrain.checkpoint.hf.files import canonical_name
     from bloomtrain.model.presets import EMBEDDING
-    from bloomtrain.serve.hf_slices import HFSliceReader, sliceable
+    from bloomtrain.checkpoint.hf.slices import HFSliceReader, sliceable
     from bloomtrain.utils import UserError
 
     _, path = model_dir

@@ -53,7 +53,7 @@ def test_tensor_parallel_training_matches_single_process(dataset, tmp_path, sing
         # A checkpoint trained with tp=2 exports to HF with logit parity.
         transformers = pytest.importorskip("transformers")
         from bloomtrain import load_model
-        from bloomtrain.hf import export_hf
+        from bloomtrain.checkpoint.hf.convert import export_hf
         ckpt = outs[0][2]
         export_hf(ckpt, str(tmp_path / "hf"))
         hf = transformers.BloomForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
@@ -164,7 +164,7 @@ def test_3d_tp2_pp2_dp2_matches_single_process(dataset, tmp_path, zero):
         # export-hf from a tp2.pp2.dp2 ZeRO-3 checkpoint: HF loads it with our logits.
         transformers = pytest.importorskip("transformers")
         from bloomtrain import load_model
-        from bloomtrain.hf import export_hf
+        from bloomtrain.checkpoint.hf.convert import export_hf
         export_hf(outs[0][1], str(tmp_path / "hf"), log=lambda *a: None)
         hf = transformers.BloomForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
         ids = torch.randint(0, 256, (2, 24))

@@ -21,7 +21,7 @@ import torch
 
 import bloomtrain
 from bloomtrain import checkpoint as ckpt
-from bloomtrain import hf
+from bloomtrain.checkpoint import hf
 from bloomtrain.model import BloomShape, build_model, expected_parameters
 from bloomtrain.utils import UserError
 

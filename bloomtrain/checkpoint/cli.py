@@ -26,13 +26,13 @@ def register_hf(subparsers) -> None:
 
 
 def _import_hf(args) -> int:
-    from bloomtrain.hf import import_hf
+    from bloomtrain.checkpoint.hf.convert import import_hf
     import_hf(args.input, args.output)
     return 0
 
 
 def _export_hf(args) -> int:
-    from bloomtrain.hf import export_hf
+    from bloomtrain.checkpoint.hf.convert import export_hf
     export_hf(args.checkpoint, args.output)
     return 0
 

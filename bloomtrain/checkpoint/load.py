@@ -74,8 +74,8 @@ def _partial_reader(source):
     """A reader that gives one tp shard of one parameter at a time, or None where the files
     cannot be read in part (HF .bin of the pickle format)."""
     from bloomtrain.checkpoint.reader import open_model
-    from bloomtrain.hf import is_hf_dir
-    from bloomtrain.serve.hf_slices import HFSliceReader, sliceable
+    from bloomtrain.checkpoint.hf.convert import is_hf_dir
+    from bloomtrain.checkpoint.hf.slices import HFSliceReader, sliceable
 
     if not is_hf_dir(source):
         return open_model(source)
@@ -124,7 +124,7 @@ def _load_shards(reader, topo: Topology, dtype, attention: str) -> LoadedModel:
 def _load_whole(source, dtype) -> BloomForCausalLM:
     """The whole model on the CPU: every tensor read (the one-device case, and files that cannot
     be read in part)."""
-    from bloomtrain import hf
+    from bloomtrain.checkpoint import hf
     from bloomtrain.checkpoint.reader import open_model
 
     if hf.is_hf_dir(source):

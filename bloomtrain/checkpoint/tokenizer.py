@@ -11,7 +11,7 @@ def checkpoint_tokenizer(checkpoint, explicit: str | None):
     """`explicit`, else the tokenizer an HF directory or a bloomtrain checkpoint carries (used by
     `generate`, `serve` and `eval`)."""
     from bloomtrain import checkpoint as ckpt_mod
-    from bloomtrain import hf
+    from bloomtrain.checkpoint import hf
 
     if explicit:
         return Path(explicit)

@@ -43,7 +43,7 @@ def hf_shape(files, where, model_config: Path | None = None, vocab_rows: int | N
     """(BloomShape, Megatron-style args, their labels) of an HF model under DeepSpeed: from
     `model_config` (--model-config: an HF config or a bloomtrain model section) when given, else
     the HF config.json beside the checkpoint."""
-    from bloomtrain.hf import shape_from_hf_config
+    from bloomtrain.checkpoint.hf.convert import shape_from_hf_config
     from bloomtrain.errors import UserError
 
     if model_config is not None:
@@ -70,7 +70,7 @@ def model_config_shape(path: Path, vocab_rows: int | None):
     import yaml
 
     from bloomtrain.errors import UserError
-    from bloomtrain.hf import shape_from_hf_config
+    from bloomtrain.checkpoint.hf.convert import shape_from_hf_config
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -133,7 +133,7 @@ def _model_states(files: dsfiles.CheckpointFiles) -> dict:
 
 def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
                  model_config: Path | None = None) -> Source:
-    from bloomtrain.checkpoint.hf_files import canonical_name as canonical
+    from bloomtrain.checkpoint.hf.files import canonical_name as canonical
     from bloomtrain.model import check_state
 
     where, meta = files.tag_dir, _model_states(files)

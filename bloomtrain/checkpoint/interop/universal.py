@@ -65,7 +65,7 @@ def _scalar(obj, file: Path) -> int:
 def _shape_and_names(root: Path, names: list[str], meta: dict, model_config: Path | None):
     """(BloomShape, universal name -> HF name, Megatron-style args, their labels) of the
     model."""
-    from bloomtrain.checkpoint.hf_files import canonical_name
+    from bloomtrain.checkpoint.hf.files import canonical_name
     from bloomtrain.checkpoint.interop.files import CheckpointFiles
     from bloomtrain.checkpoint.interop.hf_zero import hf_shape
 

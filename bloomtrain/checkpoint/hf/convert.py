@@ -2,7 +2,7 @@
 BloomShape, `import-hf` and `export-hf` (bit for bit: bloomtrain's parameters have HF's names, the
 tied LM head is stored once as `save_pretrained` writes it, nothing is cast), and their CLI.
 transformers itself is never imported; the weight files are read by
-bloomtrain.checkpoint.hf_files.
+bloomtrain.checkpoint.hf.files.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from bloomtrain.checkpoint.hf_files import SAFETENSORS_FILE, WEIGHT_FILES
+from bloomtrain.checkpoint.hf.files import SAFETENSORS_FILE, WEIGHT_FILES
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD
 from bloomtrain.utils import disk_full_error, fsync_dir, is_disk_full
@@ -146,7 +146,7 @@ def is_hf_dir(path: str | os.PathLike) -> bool:
 
 def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]:
     """(shape, state_dict without the tied head, config) of an HF Bloom directory, validated."""
-    from bloomtrain.checkpoint.hf_files import check_tied_head, iter_hf_tensors
+    from bloomtrain.checkpoint.hf.files import check_tied_head, iter_hf_tensors
     from bloomtrain.model import check_state
 
     hf_dir = Path(hf_dir)

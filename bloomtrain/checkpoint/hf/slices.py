@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from bloomtrain.checkpoint.hf_files import (canonical_name, check_tied_head, load_state_dict,
+from bloomtrain.checkpoint.hf.files import (canonical_name, check_tied_head, load_state_dict,
                                             weight_files)
 from bloomtrain.errors import UserError
-from bloomtrain.hf import read_hf_config, shape_from_hf_config
+from bloomtrain.checkpoint.hf.convert import read_hf_config, shape_from_hf_config
 from bloomtrain.model import check_state
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD
 from bloomtrain.devices import DTYPE_NAMES, torch_dtype
