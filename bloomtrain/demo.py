@@ -124,7 +124,7 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     from bloomtrain.launch import world_size_from_env
     from bloomtrain.train import launch_local, train
     from bloomtrain.train.cli import worker_entry
-    from bloomtrain.utils import atomic_output
+    from bloomtrain.files import atomic_output
 
     data = yaml.safe_load(DEMO_CONFIG)
     data["run_dir"] = str(root / "run")

@@ -20,7 +20,7 @@ import torch
 import bloomtrain
 from bloomtrain.model import BloomShape, build_model
 from bloomtrain.model.attention import EagerBias, FlexAlibi, attention_core
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests import helpers
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,7 +2,7 @@ import pytest
 
 from bloomtrain.config import Config, apply_override, parse_data_paths
 from bloomtrain.validate import validate
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 
 def base(**over):

@@ -283,7 +283,7 @@ def test_latest_marker_that_cannot_be_written_takes_the_step_back_out(tmp_path):
 
 def test_config_rejects_unknown_on_save_error():
     from bloomtrain.config import Config
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
     with pytest.raises(UserError, match="checkpoint.on_save_error must be continue or stop, "
                                         "got 'retry'"):
         Config.from_dict({"train": {"train_iters": 1},

@@ -24,7 +24,7 @@ pytest.importorskip("lm_eval")
 from bloomtrain import cli  # noqa: E402
 from bloomtrain.config import Config  # noqa: E402
 from bloomtrain.train import Trainer, train  # noqa: E402
-from bloomtrain.utils import UserError  # noqa: E402
+from bloomtrain.errors import UserError  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 from tests.synthetic import write_synthetic_dataset  # noqa: E402
 

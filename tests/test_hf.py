@@ -18,7 +18,7 @@ import bloomtrain
 from bloomtrain import checkpoint
 from bloomtrain.checkpoint import hf
 from bloomtrain.cli import main
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

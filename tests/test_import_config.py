@@ -20,7 +20,7 @@ from bloomtrain.import_config.bash import read_launch
 from bloomtrain.import_config.megatron_args import OPTIONS, REASONS, parse_argv
 from bloomtrain.validate import validate
 from bloomtrain.model.presets import resolve_model_config
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_args"
 TR11 = FIXTURES / "tr11-176B-ml.slurm"

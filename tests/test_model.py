@@ -8,7 +8,7 @@ from bloomtrain.config import ModelConfig
 from bloomtrain.model import (BloomForCausalLM, BloomShape, alibi_slopes, build_model,
                               resolve_model_config)
 from bloomtrain.model.presets import megatron_tflops
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 # Published parameter counts (docs/bloom_facts.md §1, §3).
 PUBLISHED = {

@@ -29,7 +29,7 @@ from bloomtrain.parallel.pipeline import (
     theoretical_bubble,
 )
 from bloomtrain.topology import Topology
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests import helpers
 from tests.dist import run_ranks
 

@@ -34,7 +34,7 @@ from bloomtrain.parallel.pipeline import (
     theoretical_bubble,
 )
 from bloomtrain.train import Trainer
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests import test_pipeline as tp
 from tests.dist import run_ranks
 from tests.reference import reference_eval, reference_train

@@ -890,7 +890,7 @@ def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_
     from bloomtrain.checkpoint.hf.files import canonical_name
     from bloomtrain.model.presets import EMBEDDING
     from bloomtrain.checkpoint.hf.slices import HFSliceReader, sliceable
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
 
     _, path = model_dir
     reader = HFSliceReader(path)

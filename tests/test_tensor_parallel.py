@@ -22,7 +22,7 @@ from bloomtrain.parallel.tensor import (
     vocab_parallel_lm_loss,
 )
 from bloomtrain.topology import Topology
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests.dist import run_ranks
 from tests.helpers import gather_full_tensors, shard_full
 

@@ -125,7 +125,7 @@ def test_data_parallel_matches_single_process(dataset, tmp_path):
 
 def test_slurm_environment_mapping():
     from bloomtrain.train import env_from_slurm
-    from bloomtrain.utils import UserError
+    from bloomtrain.errors import UserError
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
            "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
     env_from_slurm(env)

@@ -23,7 +23,7 @@ import bloomtrain
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint import hf
 from bloomtrain.model import BloomShape, build_model, expected_parameters
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 SHAPE = BloomShape(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=32)
 PACKAGE = Path(bloomtrain.__file__).parent

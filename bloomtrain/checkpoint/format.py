@@ -18,7 +18,7 @@ from typing import Any
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
 from bloomtrain.safetensors_io import DTYPES
-from bloomtrain.utils import PathOutside, path_inside
+from bloomtrain.files import PathOutside, path_inside
 
 FORMAT = "bloomtrain-checkpoint"
 FORMAT_VERSION = 2

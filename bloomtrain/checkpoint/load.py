@@ -29,7 +29,7 @@ from bloomtrain.model.bloom import BloomForCausalLM, check_state, local_alibi_sl
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
 from bloomtrain.parallel.parallelize import set_local_slopes, shard_model
 from bloomtrain.topology import Topology
-from bloomtrain.utils import replace_parameters
+from bloomtrain.model.params import replace_parameters
 
 
 @dataclass

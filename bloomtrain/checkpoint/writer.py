@@ -28,7 +28,7 @@ from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
 from bloomtrain.safetensors_io import write_safetensors_streaming
-from bloomtrain.utils import atomic_output, disk_space, fsync_dir
+from bloomtrain.files import atomic_output, disk_space, fsync_dir
 
 
 class CheckpointSaveError(CheckpointError):

@@ -26,7 +26,8 @@ import numpy as np
 from bloomtrain.config import parse_data_paths
 from bloomtrain.data.indexed import MMapIndexedDataset, bin_path, idx_path
 from bloomtrain.errors import UserError
-from bloomtrain.utils import ProgressLine, atomic_output
+from bloomtrain.files import atomic_output
+from bloomtrain.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bloomtrain.errors import UserError
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 MAX_DOC_CHARS = 20_000
 MIN_DOCSTRING_CHARS = 40

@@ -28,7 +28,8 @@ import numpy as np
 
 from bloomtrain.config import parse_split  # noqa: F401  (the one parser of data.split)
 from bloomtrain.errors import UserError
-from bloomtrain.utils import ProgressLine, atomic_output, fsync_dir
+from bloomtrain.files import atomic_output, fsync_dir
+from bloomtrain.progress import ProgressLine
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Iterable
 import numpy as np
 
 from bloomtrain.errors import UserError
-from bloomtrain.utils import fsync_dir, tmp_name
+from bloomtrain.files import fsync_dir, tmp_name
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1

@@ -28,7 +28,8 @@ from bloomtrain.data.sources import (
 )
 from bloomtrain.data.tokenizer import Tokenizer, load_tokenizer
 from bloomtrain.errors import UserError
-from bloomtrain.utils import ProgressLine, disk_full_error, format_duration, is_disk_full
+from bloomtrain.files import disk_full_error, is_disk_full
+from bloomtrain.progress import ProgressLine, format_duration
 
 _BATCH_RECORDS = 256
 _BATCH_BYTES = 4 << 20

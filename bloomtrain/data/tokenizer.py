@@ -16,7 +16,7 @@ from pathlib import Path
 from bloomtrain.data import gpt2_bpe
 from bloomtrain.data.sources import SkipReport, expand_inputs, iter_texts
 from bloomtrain.errors import UserError
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")

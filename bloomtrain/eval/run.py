@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from bloomtrain.errors import UserError
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 
 def find_tasks(tasks: list[str], include_paths: list[str] | tuple = ()):

@@ -17,7 +17,7 @@ import yaml
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 _SECTIONS = ("model", "parallel", "data", "optim", "train", "checkpoint", "run")
 

@@ -163,3 +163,14 @@ def init_full(spec: ParamSpec, full_shape: tuple[int, ...], std: float, seed: in
     """The whole initial value of a parameter."""
     out = torch.empty(math.prod(full_shape), dtype=torch.float32)
     return init_into(out, spec, full_shape, std, seed).view(full_shape).to(dtype)
+
+
+def replace_parameters(modules, new: dict) -> None:
+    """Put new[id(p)] in place of every parameter p of `modules` that `new` names, in every
+    module that holds p, so that parameters shared between modules (a tied LM head) stay
+    shared."""
+    for m in modules:
+        for mod in m.modules():
+            for key, p in list(mod._parameters.items()):
+                if p is not None and id(p) in new:
+                    mod._parameters[key] = new[id(p)]

@@ -24,7 +24,7 @@ from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
 from bloomtrain.parallel.zero.engine import ZeroEngine
 from bloomtrain.devices import torch_dtype
 from bloomtrain.topology import Topology
-from bloomtrain.utils import replace_parameters
+from bloomtrain.model.params import replace_parameters
 
 
 @dataclass

@@ -8,7 +8,7 @@ from bloomtrain.planner.evaluate import SYSTEMS, Plan, evaluate
 from bloomtrain.planner.hardware import GPUS
 from bloomtrain.planner.search import config_compression, plan_or_explain
 from bloomtrain.planner.workload import parse_layout
-from bloomtrain.utils import ProgressLine
+from bloomtrain.progress import ProgressLine
 
 GIB = 2 ** 30
 

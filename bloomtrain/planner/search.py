@@ -20,7 +20,7 @@ from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of
 from bloomtrain.planner.hardware import GPUS, Cluster
 from bloomtrain.planner.workload import (RECOMPUTE, ZERO_STAGES, Candidate, Workload,
                                          matches, parse_pairs)
-from bloomtrain.utils import ProgressLine
+from bloomtrain.progress import ProgressLine
 
 MICRO_BATCHES = (1, 2, 4, 8)
 VIRTUAL_STAGES = (2, 4)

@@ -20,7 +20,7 @@ from bloomtrain.errors import UserError
 from bloomtrain.report.plot import Panel, write_plots
 from bloomtrain.report.runs import (Run, Summary, fmt, fmt_mem, fmt_spike, fmt_steps, load_runs,
                                     summarize)
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 # Alerts and spikes listed per run in the report; the summary table gives the full counts.
 MAX_LISTED = 50

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bloomtrain.errors import UserError
 from bloomtrain.report.runs import HARNESS_PREFIX, Run, harness_metrics, number
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 GIB = 2.0 ** 30
 

@@ -37,7 +37,7 @@ from bloomtrain.train.sinks import open_sinks
 from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter
 from bloomtrain.train.steplog import StepLog, layout_text
 from bloomtrain.train.watchdog import Watchdog
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 
 @dataclass

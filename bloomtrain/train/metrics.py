@@ -16,7 +16,8 @@ from pathlib import Path
 
 from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.train.sinks import open_sinks
-from bloomtrain.utils import atomic_output, draw_in_place, format_duration, is_terminal
+from bloomtrain.files import atomic_output
+from bloomtrain.progress import draw_in_place, format_duration, is_terminal
 
 
 class Console:

@@ -24,7 +24,7 @@ from bloomtrain.errors import UserError
 from bloomtrain.data.loader import batches_between
 from bloomtrain.parallel import comm
 from bloomtrain.train.metrics import IntervalMeter
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 # Losses needed before a spike can be flagged (or the whole window, when it is smaller): the
 # median and MAD of a handful of losses are too unsteady to call anything 6 deviations out.

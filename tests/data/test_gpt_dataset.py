@@ -14,7 +14,7 @@ import pytest
 from bloomtrain.data import gpt_dataset as gd
 from bloomtrain.data.gpt_dataset import GPTDataset, parse_split, split_documents
 from bloomtrain.data.indexed import MMapIndexedDataset, write_dataset
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 from tests.data import FIXTURES
 CASES = json.loads((FIXTURES / "cases.json").read_text())

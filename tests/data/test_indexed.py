@@ -13,7 +13,7 @@ from bloomtrain.data.indexed import (
     best_fitting_dtype,
     write_dataset,
 )
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 from tests.data import FIXTURES
 CASES = [("wide_int32", np.int32), ("narrow_uint16", np.uint16)]

@@ -17,7 +17,7 @@ from bloomtrain.data.indexed import MMapIndexedDataset
 from bloomtrain.config import TrainConfig
 from bloomtrain.data.loader import DataIterator, build_train_valid_test_datasets, get_micro_batches
 from bloomtrain.layout import BatchSchedule, ParallelLayout
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 from tests.data import FIXTURES
 

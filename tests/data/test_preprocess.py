@@ -12,7 +12,7 @@ from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset
 from bloomtrain.data.preprocess import preprocess
 from bloomtrain.data.sources import expand_inputs
 from bloomtrain.data.tokenizer import load_tokenizer
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 
 TEXTS = ["hello world", "数据并行", "Привет 👩‍👩‍👧", "def f():\n\treturn 1  \n", "مرحبا"]
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from bloomtrain.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, train_tokenizer
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests.conftest import MULTILINGUAL_TEXT
 
 ROUND_TRIP = [

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from bloomtrain.data.tokenizer import GPT2BPETokenizer, Tokenizer, load_tokenizer
-from bloomtrain.utils import UserError
+from bloomtrain.errors import UserError
 from tests.conftest import MULTILINGUAL_TEXT
 
 TEXTS = [

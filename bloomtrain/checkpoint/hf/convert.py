@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from bloomtrain.checkpoint.hf.files import SAFETENSORS_FILE, WEIGHT_FILES
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD
-from bloomtrain.utils import disk_full_error, fsync_dir, is_disk_full
+from bloomtrain.files import disk_full_error, fsync_dir, is_disk_full
 
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
     from bloomtrain.model import BloomShape

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import LM_HEAD
-from bloomtrain.utils import PathOutside, path_inside
+from bloomtrain.files import PathOutside, path_inside
 
 if TYPE_CHECKING:
     import torch

@@ -271,7 +271,7 @@ def render_config(config: dict, report, notes: list[tuple[str, str]], src: Sourc
 
 
 def write_config(text: str, output: Path) -> Path:
-    from bloomtrain.utils import atomic_output
+    from bloomtrain.files import atomic_output
 
     path = output / CONFIG_NAME
     with atomic_output(path, "w") as f:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from bloomtrain.parallel.pipeline.schedules import theoretical_bubble
-from bloomtrain.utils import atomic_output
+from bloomtrain.files import atomic_output
 
 TIMELINE_DIR = "pipeline_timeline"
 COMPUTE = ("F", "B", "W")

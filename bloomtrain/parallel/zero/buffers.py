@@ -23,7 +23,7 @@ from bloomtrain.model.params import ParamSpec
 from bloomtrain.parallel.zero.memory import RING_SLOTS, pinned_size, staging_chunk
 from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
 from bloomtrain.parallel.zero.stages import StageRules
-from bloomtrain.utils import replace_parameters
+from bloomtrain.model.params import replace_parameters
 
 # values(param, spec, start, out): write elements [start, start + out.numel()) of the flattened
 # (tp-local) first value of `param` into the flat fp32 tensor `out`.
