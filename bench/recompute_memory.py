@@ -1,6 +1,8 @@
-"""Activation memory and step time with activation recomputation none / selective / full
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", arXiv
-2205.05198): selective recomputes only the attention core, full every block, as BLOOM did.
+"""Activation memory and step time with activation recomputation none / selective / full: full
+recomputes every block, as BLOOM did; selective keeps each block's matmul and fused-attention
+outputs and recomputes the rest (bloomtrain.model.recompute). Korthikanti et al.'s selective
+("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198) recomputed
+only the attention core, which saves nothing next to a fused kernel (issue 38).
 
 For each mode, on one model and one micro-batch:
 - activations: the memory held between forward and backward, i.e. allocated in forward and
@@ -13,13 +15,15 @@ For each mode, on one model and one micro-batch:
 Next to them, the paper's per-layer formulas (tp = 1, 16-bit activations, dropout masks
 included, attention unfused): none sbh(34 + 5as/h), selective 34sbh, full 2sbh bytes. Fused
 attention kernels (SDPA's, FlexAttention) never store the a·s² scores, so there "none" is already
-close to 34sbh; the unfused path (attention dropout > 0 on CPU) shows the 5as/h term.
+close to 34sbh; the unfused path (attention dropout > 0 on CPU, or --attention eager) shows the
+5as/h term. Our selective keeps about 22sbh (input, QKV, attention output, dense, h->4h, 4h->h).
 
 Prints a table, then one JSON line. Measures; asserts nothing.
 
     python bench/recompute_memory.py                       # h 512, 8 layers, s 512, b 4, bf16, CPU
     python bench/recompute_memory.py --preset bloom-1b7 --seq 2048 --device cuda
     python bench/recompute_memory.py --attention-dropout 0.1   # the unfused attention path
+    python bench/recompute_memory.py --attention eager         # HF's math: fp32 softmax stored
 """
 from __future__ import annotations
 
@@ -168,7 +172,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--attention", choices=("auto", "sdpa", "flex"), default="auto")
+    ap.add_argument("--attention", choices=("auto", "sdpa", "flex", "eager"), default="auto")
     ap.add_argument("--attention-dropout", type=float, default=0.0,
                     help="> 0 runs SDPA's unfused path on CPU, which stores the a·s² scores")
     ap.add_argument("--precision", choices=sorted(DTYPE_NAMES), default="bf16")

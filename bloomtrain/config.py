@@ -176,8 +176,13 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = None
     precision: Precision = "bf16"
     seed: int = 1234
-    # none; selective: recompute only the attention core (softmax, dropout, the matmuls with K
-    # and V), Korthikanti et al. (arXiv 2205.05198); full: recompute every block, as BLOOM did.
+    # none; full: recompute every block, as BLOOM did; selective: each block under an op-level
+    # policy (bloomtrain.model.recompute, torchtitan's): the outputs of its four linear layers'
+    # matmuls and of a fused attention kernel are kept, LayerNorm, GeLU, bias adds, dropout
+    # (the same masks: the RNG state is restored), residual adds and tp/sp's collectives are
+    # recomputed in backward. An unfused core (attention=eager) is recomputed whole, softmax and
+    # dropout included: Korthikanti et al.'s (arXiv 2205.05198) selective is kept, and a fused
+    # kernel, which stores no s² tensors, still saves memory (issue 38).
     activation_checkpointing: Recompute = "none"
     # Regional torch.compile of each transformer block (inductor fuses LayerNorm, bias-GeLU and
     # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).

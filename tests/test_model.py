@@ -3,6 +3,8 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from bloomtrain.config import ModelConfig
 from bloomtrain.model import (BloomForCausalLM, BloomShape, alibi_slopes, build_model,
@@ -90,51 +92,81 @@ RECOMPUTE_SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_h
                              ffn_hidden_size=256)
 
 
-def _recompute_run(mode: str, dropout: float, ids, count_saved: bool = False):
-    """Loss, gradients and (optionally) the bytes autograd saved in forward, each storage once.
-    The hooks also see what torch.utils.checkpoint keeps of a recomputed region: its inputs."""
+class _KeptForBackward(TorchDispatchMode):
+    """The bytes a forward leaves alive for backward: every storage an op makes inside the mode,
+    held weakly, summed over those still alive after it (each once). Not saved_tensors_hooks:
+    selective recompute keeps the matmul outputs in torch.utils.checkpoint's own cache, which
+    autograd's saved-tensor hooks never see (they see only the checkpoint's inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = WeakIdKeyDictionary()  # storage -> None, dropped when the storage is freed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made[t.untyped_storage()] = None
+        return out
+
+    def kept(self, *exclude: torch.Tensor) -> int:
+        skip = {t.untyped_storage().data_ptr() for t in exclude}
+        return sum(st.nbytes() for st in list(self.made.keys()) if st.data_ptr() not in skip)
+
+
+def _recompute_run(mode: str, dropout: float, ids, count_kept: bool = False,
+                   attention: str = "sdpa"):
+    """Loss, gradients and (optionally) the bytes the forward keeps for backward."""
     shape = RECOMPUTE_SHAPE.replace(hidden_dropout=dropout, attention_dropout=dropout)
     model = build_model(shape, seed=1).train()
+    model.transformer.attention_impl = attention
     model.set_activation_checkpointing(mode)
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     torch.manual_seed(7)
-    hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved
-             else contextlib.nullcontext())
-    with hooks:
+    mode_ = _KeptForBackward() if count_kept else contextlib.nullcontext()
+    with mode_:
         loss = model(ids[:, :-1], labels=ids[:, 1:])
+    kept = mode_.kept(loss) if count_kept else 0
     loss.backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()], sum(storages.values())
+    return loss.item(), [p.grad.clone() for p in model.parameters()], kept
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_activation_checkpointing_same_gradients(dropout):
-    # Bitwise: recomputation runs the same deterministic CPU kernels on bit-identical inputs, and
+def test_activation_checkpointing_same_gradients(dropout, attention):
+    # Bitwise: recomputation runs the same deterministic CPU kernels on bit-identical inputs,
+    # selective takes the matmul outputs from its cache (the very tensors forward made), and
     # torch.utils.checkpoint restores the RNG state, so dropout draws the same masks.
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    loss, grads, _ = _recompute_run("none", dropout, ids)
+    loss, grads, _ = _recompute_run("none", dropout, ids, attention=attention)
     for mode in ("selective", "full"):
-        loss_r, grads_r, _ = _recompute_run(mode, dropout, ids)
+        loss_r, grads_r, _ = _recompute_run(mode, dropout, ids, attention=attention)
         assert loss_r == loss, mode
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_r)), mode
     with pytest.raises(ValueError, match="one of"):
         build_model(RECOMPUTE_SHAPE).set_activation_checkpointing(True)
 
 
-def test_selective_recompute_saves_less_than_none_more_than_full():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_selective_recompute_keeps_less_than_none_more_than_full(dropout, attention):
+    # Issue 38: with SDPA's fused kernel (dropout 0) recomputing only the attention core kept
+    # as much as no recompute. Selective now keeps per block only the block's input, the four
+    # matmul outputs and the fused kernel's output and logsumexp.
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
-    saved = {mode: _recompute_run(mode, 0.1, ids, count_saved=True)[2]
-             for mode in ("none", "selective", "full")}
-    assert saved["none"] > saved["selective"] > saved["full"]
-    # What selective drops is at least Korthikanti et al.'s 5as² per layer (softmax output,
-    # dropout mask, dropped probabilities; here fp32 + bool + fp32 = 9 bytes per score).
-    s = RECOMPUTE_SHAPE
-    scores = ids.shape[0] * s.num_heads * (ids.shape[1] - 1) ** 2
-    assert saved["none"] - saved["selective"] >= s.num_layers * 9 * scores
+    kept = {mode: _recompute_run(mode, dropout, ids, True, attention)[2]
+            for mode in ("none", "selective", "full")}
+    assert kept["none"] > kept["selective"] > kept["full"]
+    s, (b, n) = RECOMPUTE_SHAPE, ids.shape
+    sbh, per_block = b * (n - 1) * s.hidden_size, kept["selective"] - kept["full"]
+    # 4-byte elements: q, k, v (3 sbh), dense (1), h->4h (4), 4h->h (1), and with the fused,
+    # dropout-free kernel its context (1) and a float32 logsumexp per head and token. None of
+    # the a·s² scores of an unfused core.
+    core = 4 * sbh + 4 * s.num_heads * b * (n - 1) if (attention, dropout) == ("sdpa", 0) else 0
+    assert per_block == s.num_layers * (4 * 9 * sbh + core)
+    # none keeps the two LayerNorm outputs, the second LayerNorm's input and the GeLU output
+    # (1 + 1 + 1 + 4 sbh); selective keeps the dense and 4h->h outputs that none frees (at
+    # dropout 0 nothing in backward reads them; kept, the replay need not run those matmuls).
+    assert kept["none"] - kept["selective"] >= s.num_layers * 4 * (7 - 2) * sbh
 
 
 def test_kv_cache_matches_full_forward(device):

@@ -122,7 +122,7 @@ def _case_shape(case) -> BloomShape:
 def _case_config(case):
     return helpers.config(
         _case_shape(case), precision="fp32", seed=SEED,
-        activation_checkpointing="full" if case.get("recompute") else "none",
+        activation_checkpointing=case.get("recompute", "none"),
         parallel={"tp": case["tp"], "pp": case["pp"], "sequence_parallel": case["sp"],
                   "pp_schedule": case["schedule"], "num_virtual_stages": case["v"],
                   "pp_partition": case["partition"]})
@@ -222,7 +222,7 @@ def _case(pp, tp, schedule, partition="uniform", sp=False, steps=NUM_STEPS, **kw
 WORLDS = {
     2: {
         "pp2-gpipe": _case(2, 1, "gpipe", "type:transformer|embedding", timeline=True),
-        "pp2-1f1b": _case(2, 1, "1f1b", "type:transformer|embedding", recompute=True),
+        "pp2-1f1b": _case(2, 1, "1f1b", "type:transformer|embedding", recompute="full"),
         "pp2-interleaved": _case(2, 1, "interleaved"),
     },
     4: {
@@ -232,7 +232,8 @@ WORLDS = {
         "pp2tp2-gpipe": _case(2, 2, "gpipe"),
         "pp2tp2-1f1b": _case(2, 2, "1f1b", "type:transformer|embedding"),
         "pp2tp2-interleaved": _case(2, 2, "interleaved"),
-        "pp2tp2sp-1f1b": _case(2, 2, "1f1b", sp=True),
+        # selective under tp and sp: the replay reruns the block's collectives (model/recompute)
+        "pp2tp2sp-1f1b": _case(2, 2, "1f1b", sp=True, recompute="selective"),
     },
     8: {
         "pp4tp2-gpipe": _case(4, 2, "gpipe"),

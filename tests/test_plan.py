@@ -56,6 +56,10 @@ SHAPE8 = BloomShape(vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, f
 # the shapes; what it leaves out (LayerNorm statistics, labels, masks) is < 2% at these shapes.
 # The issue's bound is 10%.
 ACTIVATION_RTOL = 0.10
+# What selective recompute saves (none - selective) is a difference of such sums: measured
+# within 4% of the planned saving (the eager kernel's unplanned LayerNorm statistics and labels
+# weigh more in the smaller difference), 0.6% with SDPA.
+SAVING_RTOL = 0.05
 BLOOM_TFLOPS = 149.5      # logged 149-150 (bloom_facts.md §2)
 BLOOM_MEMORY = 59.5e9     # "59 GB/GPU", "60 GB of memory on each GPU"
 
@@ -145,14 +149,19 @@ def test_activation_bytes_match_the_live_storages_of_a_forward(dtype, dropout, a
     model.train()
     ids = torch.randint(0, shape.vocab_size, (MBS, SEQ + 1))
     c = torch.empty(0, dtype=dtype).element_size()
+    measured, planned = {}, {}
     for mode in ("none", "selective", "full"):
         model.set_activation_checkpointing(mode)
         model(ids[:, :-1], labels=ids[:, 1:]).backward()  # warm: no first-call allocations
-        measured = _measure_forward(model, ids, list(model.parameters()))
-        planned = _planned_activations(shape, c, mode, dropout=dropout, attention=attention)
-        assert planned == pytest.approx(measured, rel=ACTIVATION_RTOL), mode
-    # the planner's recompute modes order as the measurement does
-    assert _planned_activations(shape, c, "full") < _planned_activations(shape, c, "selective")
+        measured[mode] = _measure_forward(model, ids, list(model.parameters()))
+        planned[mode] = _planned_activations(shape, c, mode, dropout=dropout, attention=attention)
+        assert planned[mode] == pytest.approx(measured[mode], rel=ACTIVATION_RTOL), mode
+    # the planner's recompute modes order as the measurement does: selective saves memory next
+    # to the fused SDPA kernel too (issue 38), and what it saves is what the planner says
+    assert measured["none"] > measured["selective"] > measured["full"]
+    assert planned["none"] > planned["selective"] > planned["full"]
+    saved = measured["none"] - measured["selective"]
+    assert planned["none"] - planned["selective"] == pytest.approx(saved, rel=SAVING_RTOL)
 
 
 def _tp_activations(rank, world):

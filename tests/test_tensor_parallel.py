@@ -301,9 +301,10 @@ def test_dropout_rng(tp_run, reference, sp):
         loss_a, loss_b, loss_c, loss_d = d["losses"]
         assert loss_a == loss_b, "same seed must give the same dropout masks"
         assert d["grads_equal_rerun"]
-        # Recomputation (full: every block; selective: the attention core, inside the forked
-        # per-rank RNG) replays the same masks, so the gradients are bitwise those of the run
-        # that kept its activations.
+        # Recomputation (full: every block; selective: every op of the block but its matmuls,
+        # the attention core's dropout inside the forked per-rank RNG, whose draw from the
+        # default generator the replay repeats) replays the same masks, so the gradients are
+        # bitwise those of the run that kept its activations.
         assert loss_c == loss_a and d["grads_equal_recompute"]
         assert loss_d == loss_a and d["grads_equal_selective"]
         assert abs(loss_a - reference["loss"]) > 1e-4, "dropout had no effect"

@@ -147,10 +147,10 @@ def _eager_core(q, k, v, bias: torch.Tensor, dropout_p: float):
 def attention_core(q, k, v, bias, dropout_p: float = 0.0):
     """q [b, nh, q_len, hd], k and v [b, nh, k_len, hd] -> context [b, nh, q_len, hd]. `bias` is
     an additive float bias [1, nh, q_len, k_len] (SDPA), an EagerBias (HF's math) or a
-    FlexAlibi (FlexAttention). The
-    unit of selective recomputation (arXiv 2205.05198): checkpointing it keeps q, k and v and
-    recomputes the O(s²) scores, softmax and dropout mask, the same mask since
-    torch.utils.checkpoint restores the RNG state it saw in forward."""
+    FlexAlibi (FlexAttention). Under selective recomputation (bloomtrain.model.recompute) a
+    fused kernel's outputs are kept and an unfused core (eager, SDPA's math path) is recomputed
+    whole, its O(s²) scores, softmax and dropout mask (the same mask:
+    torch.utils.checkpoint restores the RNG state it saw in forward)."""
     if isinstance(bias, EagerBias):
         return _eager_core(q, k, v, bias.bias, dropout_p)
     if not isinstance(bias, FlexAlibi):

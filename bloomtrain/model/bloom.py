@@ -27,6 +27,7 @@ from bloomtrain.config import Recompute
 from bloomtrain.errors import UserError
 from bloomtrain.model.params import base_spec, init_full, init_std
 from bloomtrain.model.presets import BloomShape
+from bloomtrain.model.recompute import selective_checkpoint
 
 # train.activation_checkpointing's choices.
 ACTIVATION_CHECKPOINTING = typing.get_args(Recompute)
@@ -106,7 +107,7 @@ class BloomAttention(nn.Module):
         # dropout on different heads differs across ranks (see parallel/tensor/rng.py).
         self.rng_context = contextlib.nullcontext
 
-    def forward(self, x, bias, recompute_core=False):
+    def forward(self, x, bias):
         b, s, _ = x.shape
         qkv = self.query_key_value(x)
         # The fused projection is laid out per head, so a tensor-parallel shard of its rows is a
@@ -120,12 +121,7 @@ class BloomAttention(nn.Module):
             return self.dense(ctx)
         p = self.attention_dropout if self.training else 0.0
         with self.rng_context():
-            if recompute_core:
-                # Selective recomputation: keep q, k, v (views of the qkv output) and recompute
-                # the core in backward, restoring the RNG state so that dropout replays its mask.
-                ctx = checkpoint(attention_core, q, k, v, bias, p, use_reentrant=False)
-            else:
-                ctx = attention_core(q, k, v, bias, p)
+            ctx = attention_core(q, k, v, bias, p)
         ctx = ctx.transpose(1, 2).reshape(b, s, num_heads * self.head_dim)  # [b, s, h_local]
         return self.dense(ctx)
 
@@ -151,10 +147,10 @@ class BloomBlock(nn.Module):
         self.mlp = BloomMLP(shape)
         self.hidden_dropout = shape.hidden_dropout
 
-    def forward(self, x, bias, recompute_core=False):
+    def forward(self, x, bias):
         # Pre-LN; the residual is the un-normalized input (apply_residual_connection_post_layernorm
         # = False in every BLOOM config).
-        attn = self.self_attention(self.input_layernorm(x), bias, recompute_core)
+        attn = self.self_attention(self.input_layernorm(x), bias)
         if self.training:  # (out of training F.dropout is the identity: not even called)
             attn = F.dropout(attn, self.hidden_dropout, True)
         x = x + attn
@@ -224,8 +220,13 @@ class BloomModel(nn.Module):
             if recompute == "full":
                 # Recompute every block in backward, as BLOOM did (--checkpoint-activations).
                 x = checkpoint(block, x, bias, use_reentrant=False)
+            elif recompute == "selective":
+                # The whole block under an op-level policy (model/recompute.py): the matmuls'
+                # and fused attention's outputs kept, the rest recomputed. Called as a module,
+                # as full calls it, so its hooks (ZeRO-3's gathers) run again in the replay.
+                x = selective_checkpoint(block, x, bias)
             else:
-                x = block(x, bias, recompute_core=recompute == "selective")
+                x = block(x, bias)
         return x
 
     def forward(self, input_ids, paged: StepAttention | None = None):
@@ -256,10 +257,9 @@ class BloomForCausalLM(nn.Module):
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """none, selective or full. "full" recomputes every block in backward, as BLOOM did;
-        "selective" only the attention core (Korthikanti et al., arXiv 2205.05198), whose
-        activations grow with s² but whose FLOPs are a small share of a block's. Fused kernels
-        keep no s² tensors anyway, so selective saves most where the core runs unfused (SDPA
-        with dropout on CPU)."""
+        "selective" keeps each block's matmul outputs and a fused attention kernel's, and
+        recomputes the rest: LayerNorm, GeLU, bias adds, dropout, residual adds and an unfused
+        attention core's softmax and dropout (bloomtrain.model.recompute)."""
         self.transformer.set_activation_checkpointing(mode)
 
 

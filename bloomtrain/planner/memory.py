@@ -9,8 +9,11 @@ exact sizes of its flat buffers. The megatron-deepspeed system keeps DeepSpeed's
 Activations per micro-batch follow Korthikanti et al. ("Reducing Activation Recomputation in
 Large Transformer Models", arXiv 2205.05198, §4): per layer sbh(34 + 5as/h) bytes at 16 bits
 without tensor parallelism, sbh(10 + 24/t + 5as/(ht)) with it, and /t of all of it with sequence
-parallelism; selective recompute drops the a·s² terms, full recompute keeps 2sbh (the layer's
-input). Each term of their sum is an item below, sized for the kernels that run:
+parallelism; full recompute keeps 2sbh (the layer's input). Selective recompute is not the
+paper's (which drops only the a·s² terms, and so nothing next to a fused kernel, issue 38): it
+keeps the layer's input, the outputs of its four matmuls and a fused attention kernel's output
+and logsumexp (bloomtrain.model.recompute), 2sbh(11/t + ...) at 16 bits, nothing of an unfused
+core. Each term of these sums is an item below, sized for the kernels that run:
 - a fused attention kernel (FlexAttention, SDPA's flash/efficient kernels) stores its output and
   a float32 logsumexp, never the a·s² scores; an unfused one (Megatron's fused softmax, which BLOOM
   ran) stores the softmax output, the dropout mask and the dropout output (5as²b at 16 bits);
@@ -184,8 +187,7 @@ def layer_items(shape: BloomShape, a: ActivationSpec) -> dict[str, float]:
 
 
 def attention_core_items(shape: BloomShape, a: ActivationSpec) -> dict[str, float]:
-    """What the attention core (softmax(QKᵀ/√d + alibi)·V) itself stores: what selective recompute
-    saves."""
+    """What the attention core (softmax(QKᵀ/√d + alibi)·V) itself stores beside its output."""
     s, b, c = a.seq, a.micro_batch, a.compute_bytes
     heads = shape.num_heads // a.tp
     if a.attention == "unfused":
@@ -203,6 +205,27 @@ def attention_core_items(shape: BloomShape, a: ActivationSpec) -> dict[str, floa
     return {"logsumexp": 4 * heads * s * b}
 
 
+def selective_layer_items(shape: BloomShape, a: ActivationSpec) -> dict[str, float]:
+    """Bytes one transformer layer keeps per micro-batch under selective recompute: the input the
+    checkpoint holds and the outputs its policy caches (bloomtrain.model.recompute.
+    selective_policy): the four matmuls' (the row-parallel ones full size on every rank, before
+    their reduction) and a fused attention kernel's (context and logsumexp) unless it draws
+    dropout. An unfused core (eager, or SDPA's math path) keeps nothing: it is recomputed."""
+    s, b, h, t, c = a.seq, a.micro_batch, shape.hidden_size, a.tp, a.compute_bytes
+    sbh = s * b * h
+    items = {
+        "block_input": c * (sbh / t if a.sequence_parallel else sbh),
+        "qkv_output": 3 * c * sbh / t,
+        "dense_output": c * sbh,
+        "h_to_4h_output": c * s * b * shape.ffn_hidden_size / t,
+        "4h_to_h_output": c * sbh,
+    }
+    if a.attention in ("fused", "sdpa") and not a.attention_dropout:
+        items["attention_output"] = c * sbh / t
+        items.update(attention_core_items(shape, a))
+    return items
+
+
 def chunk_activation_items(shape: BloomShape, a: ActivationSpec, num_layers: int, first: bool,
                            last: bool, recompute: str) -> dict[str, float]:
     """Bytes one model chunk stores per micro-batch under `recompute` (none|selective|full)."""
@@ -212,7 +235,7 @@ def chunk_activation_items(shape: BloomShape, a: ActivationSpec, num_layers: int
     layer = layer_items(shape, a)
     per_layer = sum(layer.values())
     if recompute == "selective":
-        per_layer -= sum(attention_core_items(shape, a).values())
+        per_layer = sum(selective_layer_items(shape, a).values())
     elif recompute == "full":
         per_layer = c * rep
     items = {"blocks": num_layers * per_layer}
@@ -230,11 +253,12 @@ def chunk_activation_items(shape: BloomShape, a: ActivationSpec, num_layers: int
 
 def recompute_working_set(shape: BloomShape, a: ActivationSpec, recompute: str) -> float:
     """The activations rebuilt during one layer's backward: full recompute rebuilds a whole layer,
-    selective its attention core."""
+    selective what the layer stores without recompute beyond what its cache kept."""
     if recompute == "full":
         return sum(layer_items(shape, a).values())
     if recompute == "selective":
-        return sum(attention_core_items(shape, a).values())
+        return max(0.0, sum(layer_items(shape, a).values())
+                   - sum(selective_layer_items(shape, a).values()))
     return 0.0
 
 

@@ -79,7 +79,10 @@ def block_gemm_seconds(shape, seq: int, micro_batch: int, tp: int, recompute: st
     core_bwd = 2 * scores + 2 * context + (0.0 if full else scores)
     fwd += scores + context
     bwd += core_bwd
-    if recompute in ("full", "selective"):
+    # Selective recompute (bloomtrain.model.recompute) keeps every linear's output and a fused
+    # kernel's: it replays only an unfused core's matmuls (a fused kernel with attention dropout,
+    # recomputed for its RNG draw, is left out: no BLOOM config has attention dropout).
+    if recompute == "full" or (recompute == "selective" and full):
         again += scores + context
     return fwd + bwd + again, fwd
 
@@ -103,8 +106,8 @@ def block_memory_bytes(shape, seq: int, micro_batch: int, tp: int, sp: bool, c: 
 
 def _passes(recompute: str) -> float:
     """Forward-equivalents of memory traffic per micro-batch: forward, backward (twice the
-    forward's) and the recompute."""
-    return 3.0 + (1.0 if recompute == "full" else 0.0)
+    forward's) and the recompute (full and selective both replay the memory-bound kernels)."""
+    return 3.0 + (1.0 if recompute in ("full", "selective") else 0.0)
 
 
 def rank_time(cand, work, cluster: Cluster, pp_rank: int) -> RankTime:
@@ -165,7 +168,7 @@ def _add_accumulation(out: RankTime, cand, work, cluster: Cluster, pp_rank: int)
 
 
 def _block_ops(recompute: str, hidden_dropout: bool) -> int:
-    keys = ("forward", "backward") + (("recompute",) if recompute == "full" else ())
+    keys = ("forward", "backward") + (("recompute",) if recompute != "none" else ())
     return sum(BLOCK_OPS[k] + (DROPOUT_OPS[k] if hidden_dropout else 0) for k in keys)
 
 

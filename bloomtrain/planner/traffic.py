@@ -34,9 +34,10 @@ def tp_collectives(cand, work, blocks: int, first: bool, last: bool) -> dict[str
     backward; the embedding's g (first stage) and the head's f (last). A full recompute repeats
     the forward's up to the last saved tensor: under our engine the attention's g (and, with
     sequence parallelism, both all-gathers and that reduce-scatter), not the MLP's; under
-    Megatron-DeepSpeed's reentrant checkpoint both."""
+    Megatron-DeepSpeed's reentrant checkpoint both. Selective replays the same collectives as
+    full under our engine: they write in place, so its policy recomputes them."""
     ends = int(first) + int(last)
-    full = cand.recompute == "full"
+    full = cand.recompute in ("full", "selective")
     again = (2 if work.megatron else 1) if full else 0
     if cand.layout.sequence_parallel:
         ag = blocks * (4 + (2 if full else 0)) + ends
