@@ -5,7 +5,8 @@ minutes on one H200 and leaves one JSON file and a readable summary.
     bench/gpu.sh --out /tmp/gpu.json   # elsewhere
     bench/gpu.sh --only largest_fit    # rerun some sections (name substrings, comma-separated)
     bench/gpu.sh --cpu-smoke           # the same sections on the CPU, tiny shapes (its test:
-                                       # tests/test_gpu_script.py)
+                                       # tests/test_gpu_script.py; bloom-7b1's are the tiny
+                                       # shape at micro-batch 1)
 
 Sections, in this order (each a subprocess with its own timeout, all under one `--budget`):
 1. `tests`: the single-process tests marked `device` (models, optimizer, generation, HF parity),
@@ -23,8 +24,12 @@ Sections, in this order (each a subprocess with its own timeout, all under one `
    graphs (the default) and with --enforce-eager.
 5. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
    activation recomputation at bloom-1b7.
-6. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
-   and without ZeRO-Offload.
+6. `throughput/bloom-7b1/eager-sdpa-zero1-offload-<full|selective>`: bench/step_throughput.py at
+   bloom-7b1, micro-batch 1, seq 2048, ZeRO-1 with the optimizer offloaded (on one GPU its model
+   states leave no room otherwise), full and selective recompute, no HF side; one warmup step and
+   two timed (the host's AdamW makes a step ~14 s), so both fit in the budget (issue 38).
+7. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
+   and without ZeRO-Offload; its budget is what is left.
 Four throughput variants (eager-flex and compile-sdpa of each preset) come last: they are the
 first to go when the budget runs out.
 
@@ -80,6 +85,16 @@ def _throughput(preset_args, label, variant, timeout, with_hf, extra) -> Section
                    {"preset": label, "variant": variant, "with_hf": with_hf})
 
 
+def _big_throughput(shape, label, recompute, timeout, timing) -> Section:
+    """One process training a model near the device's limit (bloom-7b1 on one GPU): ZeRO-1 with
+    the optimizer offloaded, eager SDPA, no HF side, one recompute mode."""
+    variant = f"eager-sdpa-zero1-offload-{recompute}"
+    cmd = [PY, "bench/step_throughput.py", *shape, "--attention", "sdpa", "--zero-stage", "1",
+           "--offload-optimizer", "--activation-checkpointing", recompute, "--skip-hf", *timing]
+    return Section(f"throughput/{label}/{variant}", "throughput", cmd, timeout,
+                   {"preset": label, "variant": variant, "with_hf": False, "compare_hf": False})
+
+
 def plan(args) -> list[Section]:
     """The sections in run order: GPU shapes, or tiny CPU ones with --cpu-smoke."""
     if args.cpu_smoke:
@@ -93,8 +108,10 @@ def plan(args) -> list[Section]:
         fit = ["--presets", "bloom-176b,tiny", "--seq", "32", "--micro-batch", "2",
                "--try-timeout", "60"]
         serve = ["--cpu-smoke"]
+        big = {"tiny": shapes["tiny"][:-1] + ["1"]}  # micro-batch 1
+        big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "1", "--device", "cpu"]
         timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60,
-                    "profile": 90, "serve": 90}
+                    "profile": 90, "serve": 90, "big": 90}
     else:
         dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
                                "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
@@ -107,8 +124,16 @@ def plan(args) -> list[Section]:
                      "--micro-batch", str(args.recompute_micro_batch)]
         fit = ["--seq", "2048", "--micro-batch", "1", "--try-timeout", "150"]
         serve = []
+        # bloom-7b1 at micro-batch 1 (issue 38): one process holds all its model states, so
+        # ZeRO-1 shards nothing, and those states (bf16 weights and gradients, fp32 master,
+        # accumulator and Adam moments: 127 GB) leave an H200 no room; the planner puts full
+        # recompute at 141 GiB on the device, with the optimizer offloaded at 56 GiB and a
+        # 14 s step (the host's AdamW). Hence three steps: warmup, two timed.
+        big = {"bloom-7b1": ["--preset", "bloom-7b1", "--seq", "2048", "--micro-batch", "1"]}
+        big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "2", "--device", "cuda",
+                      "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
         timeouts = {"tests": 150, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
-                    "profile": 90, "serve": 120}
+                    "profile": 90, "serve": 120, "big": 150}
     junit = str(args.logs / "pytest.xml")
     sections = [Section("tests", "tests",
                         [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,
@@ -129,6 +154,11 @@ def plan(args) -> list[Section]:
     sections.append(Section("recompute_memory", "recompute_memory",
                             [PY, "bench/recompute_memory.py", *recompute, "--device", dev,
                              "--modes", "none,selective,full"], timeouts["recompute"]))
+    # Before largest_fit, whose budget shrinks to what is left (it tries bloom-7b1 too).
+    for label, shape in big.items():
+        for recompute in ("full", "selective"):
+            sections.append(_big_throughput(shape, label, recompute, timeouts["big"],
+                                            big_timing))
     sections.append(Section("largest_fit", "largest_fit",
                             [PY, "bench/largest_fit.py", "--device", dev, *fit], timeouts["fit"],
                             budgeted=True))
@@ -312,7 +342,8 @@ def compare_with_hf(records: list[dict]) -> None:
           if r["kind"] == "throughput" and r.get("with_hf") and r["status"] == "ok"}
     for r in records:
         f = r["figures"]
-        if r["kind"] == "throughput" and f and f.get("ratio_vs_hf") is None and hf.get(r["preset"]):
+        if (r["kind"] == "throughput" and f and f.get("ratio_vs_hf") is None
+                and r.get("compare_hf", True) and hf.get(r["preset"])):
             f["hf_tokens_per_s_from"] = f"throughput/{r['preset']}/eager-sdpa"
             f["ratio_vs_hf"] = f["tokens_per_s"] / hf[r["preset"]]
 

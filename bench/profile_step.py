@@ -27,7 +27,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import add_shape_args  # noqa: E402
-from bench.step_throughput import make_bloomtrain, shape_and_batch, sync  # noqa: E402
+from bench.step_throughput import (  # noqa: E402
+    add_zero_args,
+    check_zero_args,
+    make_bloomtrain,
+    shape_and_batch,
+    sync,
+)
 
 # (category, pattern over a kernel's or an op's name, lower case): the first that matches.
 CATEGORIES = (
@@ -137,7 +143,9 @@ def parse_args(argv=None):
                     choices=("none", "selective", "full"))
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "eager"))
+    add_zero_args(ap)
     args = ap.parse_args(argv)
+    check_zero_args(ap, args)
     args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                                else ("cpu" if args.device == "auto" else args.device))
     return args

@@ -29,6 +29,8 @@ time) for one step of each side. Prints the figures, then one JSON line. Measure
     python bench/step_throughput.py --profile
     python bench/step_throughput.py --preset bloom-560m --seq 2048 --micro-batch 4 --device cuda \
         --compile --attention flex
+    python bench/step_throughput.py --preset bloom-7b1 --seq 2048 --micro-batch 1 --device cuda \
+        --zero-stage 1 --offload-optimizer --activation-checkpointing selective --skip-hf
 """
 from __future__ import annotations
 
@@ -81,7 +83,9 @@ def make_bloomtrain(shape, ids, device, args):
                                        "eps": EPS, "weight_decay": WD, "clip_grad": CLIP},
                          precision="bf16", seed=1,
                          activation_checkpointing=args.activation_checkpointing,
-                         compile=args.compile, attention=args.attention)
+                         compile=args.compile, attention=args.attention,
+                         parallel={"zero_stage": args.zero_stage,
+                                   "offload_optimizer": args.offload_optimizer})
     with unseeded_init():  # values do not change the speed; seeded ones take a minute at 1b7
         parts = helpers.build(cfg, device=device)
     model = parts.chunks[0]
@@ -97,8 +101,11 @@ def make_bloomtrain(shape, ids, device, args):
                   "attention": impl or f"train.attention={args.attention}",
                   "compile": args.compile,
                   "activation_checkpointing": args.activation_checkpointing,
+                  "zero_stage": args.zero_stage, "offload_optimizer": args.offload_optimizer,
                   "optimizer": "bloomtrain BF16 optimizer: fp32 master + fp32 grad "
-                               "accumulation, AdamW, no decay on biases/LayerNorms",
+                               "accumulation, AdamW, no decay on biases/LayerNorms"
+                               + (", states and step on the host" if args.offload_optimizer
+                                  else ""),
                   "clip_grad": CLIP}
 
 
@@ -193,6 +200,21 @@ def profile_step(name: str, step, device, rows: int) -> list[dict]:
              "self_device_ms": getattr(e, "self_device_time_total", 0) / 1e3} for e in top]
 
 
+def add_zero_args(ap) -> None:
+    """make_bloomtrain's ZeRO options (this bench's and bench/profile_step.py's)."""
+    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                    help="bloomtrain's parallel.zero_stage (one process: the engine's layout, "
+                         "nothing to shard)")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="bloomtrain's parallel.offload_optimizer (ZeRO-Offload: the fp32 "
+                         "states and the AdamW step on the host), for ZeRO stages 1-3")
+
+
+def check_zero_args(ap, args) -> None:
+    if args.offload_optimizer and args.zero_stage == 0:
+        ap.error("--offload-optimizer needs --zero-stage 1, 2 or 3")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default=None, help="a model preset instead of the explicit shape")
@@ -216,8 +238,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="print torch.profiler's top ops for one step of each side")
     ap.add_argument("--profile-rows", type=int, default=15)
+    add_zero_args(ap)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args(argv)
+    check_zero_args(ap, args)
     args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                                else ("cpu" if args.device == "auto" else args.device))
     return args

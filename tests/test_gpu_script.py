@@ -37,8 +37,9 @@ def test_every_section_ran_and_left_numbers(smoke):
     proc, report, out = smoke
     sections = {r["name"]: r for r in report["sections"]}
     assert report["mode"] == "cpu-smoke"
+    big = [f"throughput/tiny/eager-sdpa-zero1-offload-{m}" for m in ("full", "selective")]
     assert set(sections) == {"tests", "throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa",
-                             "profile/tiny", "serve", "recompute_memory", "largest_fit"}
+                             "profile/tiny", "serve", "recompute_memory", "largest_fit", *big}
     failed = {n: r["error"] for n, r in sections.items() if r["status"] != "ok"}
     assert failed == {}, failed
     assert report["ok"] and proc.returncode == 0, proc.stdout[-2000:]
@@ -51,6 +52,12 @@ def test_every_section_ran_and_left_numbers(smoke):
                     "ratio_vs_hf"):
             assert _number(f[key]) and f[key] > 0, (name, key, f[key])
     assert _number(sections["throughput/tiny/eager-sdpa"]["figures"]["hf_tokens_per_s"])
+    for name in big:  # bloom-7b1's sections: ZeRO-1 offloaded, micro-batch 1, no HF
+        f, cmd = sections[name]["figures"], sections[name]["cmd"]
+        assert _number(f["tokens_per_s"]) and f["tokens_per_s"] > 0, (name, f)
+        assert f["hf_tokens_per_s"] is None and f["ratio_vs_hf"] is None, (name, f)
+        assert "--zero-stage 1 --offload-optimizer" in cmd and "--micro-batch 1" in cmd
+        assert sections[name]["result"]["bloomtrain"]["activation_checkpointing"] in name
     peaks = sections["recompute_memory"]["figures"]
     for mode in MODES:
         assert any(mode in k and _number(v) and v > 0 for k, v in peaks.items()), (mode, peaks)
