@@ -313,6 +313,14 @@ def tiny_tokenizer_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A synthetic Megatron .bin/.idx corpus (tests/synthetic.py), one per test module; its
+    prefix."""
+    from tests.synthetic import write_synthetic_dataset
+    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Pin torch to one intra-op thread for a module of tiny-tensor tests. With two threads on a
     shared 2-core machine, OpenMP's spin-waiting made single tiny calls 30-300x slower."""

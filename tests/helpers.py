@@ -1,9 +1,11 @@
-"""Helpers shared by tests (bloomtrain never imports them): configs for the tiny model, a rank's
+"""Helpers shared by tests (bloomtrain never imports them): configs for the tiny model (`config`
+for a model built in process, `make_cfg` for a run on a dataset), a run's metrics, a rank's
 parts built through `parallelize`, and the tp gathers and sums tests use to compare a
 parallel run with one process."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,46 @@ def config(shape: BloomShape | None = None, parallel: dict | None = None, optim:
         "parallel": parallel or {},
         "optim": optim or {},
         "train": {"train_iters": 1, **train}})
+
+
+def make_cfg(dataset, tmp_path, **over) -> Config:
+    """A training run of the tiny preset on `dataset` (the `dataset` fixture's synthetic corpus)
+    in `tmp_path/run`: fp32, 6 steps of 8 samples on the CPU. `over`: whole sections
+    (`train={...}`) or single keys (`train__precision="bf16"`)."""
+    d = {
+        "model": {"preset": "tiny", "vocab_size": 256},
+        "data": {"paths": [dataset], "seq_length": 32, "split": "90,10,0"},
+        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_samples": 16, "decay_samples": 400},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 6,
+                  "precision": "fp32", "log_interval": 1, "device": "cpu"},
+        "run_dir": str(tmp_path / "run"),
+    }
+    for key, val in over.items():
+        section, _, name = key.partition("__")
+        if name:
+            d.setdefault(section, {})[name] = val
+        else:
+            d[section] = val
+    return Config.from_dict(d)
+
+
+def write_config(tmp_path, dataset, run):
+    """make_cfg's run as a YAML file `tmp_path/RUN.yaml` (run_dir `tmp_path/RUN`), for the CLI."""
+    cfg = tmp_path / f"{run}.yaml"
+    cfg.write_text(
+        f"model: {{preset: tiny, vocab_size: 256}}\n"
+        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
+        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: 400}}\n"
+        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: 6, precision: fp32,"
+        f" log_interval: 1, device: cpu}}\n"
+        f"run_dir: {tmp_path / run}\n")
+    return cfg
+
+
+def metrics(run_dir) -> list[dict]:
+    """A run directory's metrics.jsonl, one dict per record."""
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
 
 
 def topology(cfg: Config, base: Topology | None = None) -> Topology:

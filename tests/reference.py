@@ -60,6 +60,12 @@ def num_valid_samples(cfg: Config) -> int:
     return cfg.train.eval_iters * cfg.train.global_batch_size
 
 
+def is_no_decay(name: str, p) -> bool:
+    """Megatron's rule, written out here: no weight decay for biases and LayerNorm parameters
+    (all the 1-D ones)."""
+    return p.ndim < 2
+
+
 def datasets(cfg: Config):
     train, valid, _ = build_train_valid_test_datasets(
         cfg.data, None, [num_train_samples(cfg), num_valid_samples(cfg), 0], cfg.data.seq_length)

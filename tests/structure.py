@@ -120,6 +120,24 @@ def argument_parsing(repo: Path) -> list[str]:
     return hits
 
 
+def imports_between_test_modules(repo: Path) -> set[tuple[str, str]]:
+    """(test module, test module it imports): a test module (tests/**/test_*.py) taking names
+    from another instead of from a support module or a conftest fixture."""
+    out = set()
+    for path in sorted((repo / "tests").rglob("test_*.py")):
+        me = _module_name(path, repo)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = ([f"{node.module}.{a.name}" for a in node.names]
+                         if node.module == "tests" else [node.module])
+                out |= {(me, n) for n in names if n.split(".")[-1].startswith("test_")}
+            elif isinstance(node, ast.Import):
+                out |= {(me, a.name) for a in node.names
+                        if a.name.startswith("tests.") and
+                        a.name.split(".")[-1].startswith("test_")}
+    return out
+
+
 ERROR_NAMES = {"UserError"}
 
 

@@ -15,8 +15,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer, train
 from tests import faults
 from tests.dist import run_ranks
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
-from tests.test_train_parallel import _write_config
+from tests.helpers import make_cfg, metrics, write_config
 
 QUIET = dict(log=lambda *a: None)
 
@@ -200,7 +199,7 @@ def test_malicious_pickle_is_refused(dataset, tmp_path, monkeypatch):
 
 
 def _start_training(tmp_path, dataset, *overrides, env=None):
-    cfg = _write_config(tmp_path, dataset, "sig")
+    cfg = write_config(tmp_path, dataset, "sig")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "bloomtrain", "train", "--config", str(cfg),

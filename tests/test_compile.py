@@ -18,8 +18,7 @@ from torch._dynamo.utils import counters
 from bloomtrain.parallel.compile import is_compiled
 from bloomtrain.train import Trainer
 from tests.dist import run_ranks
-from tests.synthetic import write_synthetic_dataset
-from tests.test_train import make_cfg, metrics
+from tests.helpers import make_cfg, metrics
 
 STEPS = 4
 MODEL = {"preset": None, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 256}
@@ -40,11 +39,6 @@ LAYOUTS = {
     "pp2-z2": {"pp": 2, "zero_stage": 2, "pp_schedule": "1f1b", "pp_partition": "uniform"},
     "dp2-z3": {"zero_stage": 3},
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def _graphs() -> int:

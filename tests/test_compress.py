@@ -19,7 +19,6 @@ from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero import compress
 from tests import helpers
 from tests.dist import run_ranks
-from tests.test_train import dataset  # noqa: F401  (fixture)
 
 SHAPE = BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=256)
 SEQ = 16
@@ -208,7 +207,7 @@ EF = {"zero_stage": 1, "grad_reduce_dtype": "int8", "grad_error_feedback": True}
 
 
 def _ef_cfg(dataset, tmp, resume="auto", **parallel):
-    from tests.test_train import make_cfg
+    from tests.helpers import make_cfg
     return make_cfg(dataset, Path(tmp), parallel={**EF, **parallel}, train__precision="bf16",
                     train__micro_batch_size=1, train__train_iters=6,
                     checkpoint={"dir": f"{tmp}/ck", "save_interval": 3, "async_save": False,
@@ -285,7 +284,7 @@ def test_reshard_with_error_feedback_follows_the_rule(dataset, tmp_path):
 
 def _compose_rank(rank, world, dataset, tmp, parallel):
     from bloomtrain.train import Trainer
-    from tests.test_train import make_cfg
+    from tests.helpers import make_cfg
     out = {}
     for name, extra in (("fp32", {}), ("int8", {"grad_reduce_dtype": "int8",
                                                 "grad_error_feedback": True})):
@@ -365,7 +364,7 @@ def _hpz_pipeline_rank(rank, world, dataset, tmp):
 
     from bloomtrain.parallel.zero.gather import Stage3Gatherer
     from bloomtrain.train import Trainer
-    from tests.test_train import make_cfg
+    from tests.helpers import make_cfg
     # Nodes of 2 processes: each holds 2 dp ranks of one pipeline stage.
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     in_node = []  # the gathers served from the node's secondary copies

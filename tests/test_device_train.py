@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bloomtrain.train import Trainer
-from tests.test_train import dataset, make_cfg  # noqa: F401  (fixture)
+from tests.helpers import make_cfg
 
 FEATURES = {
     "plain": {},

@@ -27,17 +27,11 @@ from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.cli import main as cli_main
 from bloomtrain.train import train
 from tests.dist import run_ranks
-from tests.synthetic import write_synthetic_dataset
-from tests.test_train import make_cfg
+from tests.helpers import make_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DISK_BYTES = 16 << 20  # two tiny-model checkpoints (2.6 MiB each) and room to fill
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def du(root: Path) -> int:

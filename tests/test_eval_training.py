@@ -26,7 +26,6 @@ from bloomtrain.config import Config  # noqa: E402
 from bloomtrain.train import Trainer, train  # noqa: E402
 from bloomtrain.errors import UserError  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
-from tests.synthetic import write_synthetic_dataset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "at_root")
 
@@ -50,11 +49,6 @@ metric_list:
 @pytest.fixture
 def at_root(monkeypatch):
     monkeypatch.chdir(ROOT)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def task_dir(root: Path, extra: dict[str, str]) -> Path:

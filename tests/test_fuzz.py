@@ -344,7 +344,7 @@ def train_manifest(tmp_path_factory, one_thread):
     optimizer scalars include the loss scaler), and the trainer keys' paths in it."""
     from bloomtrain.train import train
     from tests.synthetic import write_synthetic_dataset
-    from tests.test_train import make_cfg
+    from tests.helpers import make_cfg
 
     root = tmp_path_factory.mktemp("fuzz_train")
     data = write_synthetic_dataset(root / "data" / "synth_text_document")
@@ -447,7 +447,7 @@ def test_resume_from_damaged_train_state_is_refused(train_manifest, tmp_path):
     import shutil
 
     from bloomtrain.train import Trainer
-    from tests.test_train import make_cfg
+    from tests.helpers import make_cfg
 
     step, manifest, _ = train_manifest
     ck = tmp_path / "ck"

@@ -21,17 +21,11 @@ from bloomtrain.planner.hardware import PROCESS_HOST_BYTES
 from bloomtrain.planner.host import (HOST_MEMORY_ENV, available_host_memory, check_host,
                                      node_host, node_ranks, parse_bytes)
 from tests.dist import spawn_ranks
-from tests.synthetic import write_synthetic_dataset
 
 MIB, GIB = 2 ** 20, 2 ** 30
 # A model whose states dwarf what a process allocates besides them (~20 MB: the data's indices,
 # gloo, Python objects), so that 5% of them is a real bound: 39.9M parameters, 479 MB per rank.
 MODEL = {"preset": None, "hidden_size": 640, "num_layers": 8, "num_heads": 8, "vocab_size": 256}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def _config(dataset, tmp, model=None, **parallel) -> dict:

@@ -26,7 +26,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer
 from bloomtrain.train.spikes import MIN_HISTORY, LossSpikeMonitor, robust_zscore
 from tests.dist import run_ranks
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.helpers import make_cfg, metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,15 +15,10 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import watchdog
 from tests import faults
 from tests.chaos import Job, alive, full_state, group_left_after
-from tests.synthetic import tiny_job_yaml, write_synthetic_dataset
+from tests.synthetic import tiny_job_yaml
 
 TIMEOUT_MINUTES = 0.25  # 15 s: far above a step of the tiny model on a loaded 2-core machine
 LOST, KILL_STEP = 2, 3
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it(dataset, tmp_path):

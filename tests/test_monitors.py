@@ -19,7 +19,7 @@ from bloomtrain.train import Trainer
 from bloomtrain.train.monitors import find_straggler, flag_entries, flags_line
 from tests.dist import run_ranks
 from tests.reference import _batch, datasets, megatron_lr
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.helpers import make_cfg, metrics
 
 # The reference loop and the one-process runs are tiny-tensor work: one intra-op thread.
 pytestmark = pytest.mark.usefixtures("one_thread")

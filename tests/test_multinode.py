@@ -16,18 +16,13 @@ from bloomtrain.config import Config
 from bloomtrain.train import train
 from tests.chaos import Job, group_left_after
 from tests.dist import free_port
-from tests.synthetic import tiny_job_yaml, write_synthetic_dataset
+from tests.synthetic import tiny_job_yaml
 
 # fp32, dropout 0: tp2·dp2 differs from one process only in the summation order of the
 # all-reduced partial matmuls and gradients (~1e-7 relative per step); over 6 AdamW steps the
 # loss stays within 1e-5 relative, as in tests/test_train_parallel.py.
 LOSS_RTOL = 1e-5
 RDZV_TIMEOUT = 5  # seconds; the launcher's own start-up comes on top
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def _config(tmp_path, dataset):

@@ -33,9 +33,8 @@ from bloomtrain.topology import Topology
 from bloomtrain.train import Trainer
 from tests import helpers
 from tests.dist import run_ranks
-from tests.synthetic import write_synthetic_dataset
-from tests.test_optimizer_reference import is_no_decay
-from tests.test_train import make_cfg
+from tests.reference import is_no_decay
+from tests.helpers import make_cfg
 from tests.test_zero import global_batches, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -294,11 +293,6 @@ def test_offload_on_device_matches_no_offload(device):
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
-
 
 def _trainer_cfg(prefix, tmp, offload, stage, resume="auto"):
     return make_cfg(prefix, Path(tmp), parallel={"zero_stage": stage, "bucket_size_mb": BUCKET_MB,

@@ -16,7 +16,6 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer
 from tests.fixtures.make_old_checkpoint import config
 from tests.dist import run_ranks
-from tests.test_train import dataset  # noqa: F401  (fixture)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_checkpoint"
 

@@ -22,7 +22,7 @@ from bloomtrain.parallel.zero.optimizer import ZeroAdamW
 from bloomtrain.parallel.zero.engine import ZeroEngine
 from bloomtrain.topology import Topology
 from tests import helpers
-from tests.reference import megatron_lr
+from tests.reference import is_no_decay, megatron_lr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,11 +35,6 @@ LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 4 * 8, 20 * 8  # samples; 8 per step
 # threshold on some steps and not on others: both branches of the clip coefficient are taken.
 MOMENT_RTOL = 1e-5
 LOSS_SCALES = [0.5, 3.0, 1.0, 2.0]
-
-
-def is_no_decay(name: str, p: torch.Tensor) -> bool:
-    # Megatron's rule, written out here: biases and LayerNorm parameters (all the 1-D ones).
-    return p.ndim < 2
 
 
 def torch_reference(model: nn.Module, **adamw_kw):

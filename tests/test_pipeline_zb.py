@@ -38,7 +38,7 @@ from bloomtrain.errors import UserError
 from tests import test_pipeline as tp
 from tests.dist import run_ranks
 from tests.reference import reference_eval, reference_train
-from tests.test_train import dataset, metrics  # noqa: F401  (fixture)
+from tests.helpers import metrics
 from tests.test_train_parallel import LOSS_RTOL, WEIGHT_ATOL
 from tests.test_train_reference import TOLERANCES, _initial_weights, _rel_l2, _state, case_cfg
 
@@ -177,9 +177,9 @@ def test_accepted_combinations(zero):
 
 STEPS = 3
 WORLDS = {
-    2: {"pp2-zb": tp._case(2, 1, "zb-h1", "type:transformer|embedding", recompute=True,
+    2: {"pp2-zb": tp._case(2, 1, "zb-h1", "type:transformer|embedding", recompute="full",
                            steps=STEPS, timeline=True),
-        "pp2-1f1b": tp._case(2, 1, "1f1b", "type:transformer|embedding", recompute=True,
+        "pp2-1f1b": tp._case(2, 1, "1f1b", "type:transformer|embedding", recompute="full",
                              steps=STEPS)},
     4: {"pp4-zb": tp._case(4, 1, "zb-h1", "2,2,2,2", steps=STEPS),
         "pp4-1f1b": tp._case(4, 1, "1f1b", "2,2,2,2", steps=STEPS),

@@ -49,7 +49,7 @@ from bloomtrain.topology import Topology
 from tests import helpers
 from tests.dist import run_ranks
 from tests.synthetic import write_synthetic_dataset
-from tests.test_train import make_cfg
+from tests.helpers import make_cfg
 
 SHAPE8 = BloomShape(vocab_size=256, hidden_size=64, num_layers=8, num_heads=4, ffn_hidden_size=256)
 # The activation figures are sums over a few dozen tensors whose sizes the planner derives from

@@ -26,7 +26,7 @@ from bloomtrain.model.presets import BloomShape
 from bloomtrain.planner import make_inputs
 from tests.dist import run_ranks
 from tests.synthetic import write_synthetic_dataset
-from tests.test_train import make_cfg
+from tests.helpers import make_cfg
 
 # int8 blockwise: 1 byte per value and an fp32 scale per 128 (ZeRO++'s qgZ/qwZ). The planner
 # prices whole blocks; each chunk's short last block is padded for its scale only, so the

@@ -16,15 +16,9 @@ import pytest
 from bloomtrain import checkpoint as ckpt
 from tests import faults
 from tests.chaos import Job, compare, group_left_after
-from tests.synthetic import write_synthetic_dataset
 
 KILLS = [(1, 3), (0, 5)]  # (rank, step) of restart 0 and of restart 1
 STEPS = 7
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def _config(tmp_path, dataset):

@@ -21,7 +21,7 @@ import torch
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer
 from tests.dist import RankError, run_ranks
-from tests.test_train import dataset, make_cfg  # noqa: F401  (fixture)
+from tests.helpers import make_cfg
 
 CRASH_AT = 3
 LAYOUTS = {

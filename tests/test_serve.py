@@ -36,6 +36,7 @@ from bloomtrain.serve.engine import Engine
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.metrics import ServeMetrics
 from bloomtrain.serve.tp import build_runner
+from tests.serving import random_prompts, save_tiny_hf
 
 transformers = pytest.importorskip("transformers")
 aiohttp = pytest.importorskip("aiohttp")
@@ -57,15 +58,8 @@ CFG = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=2048, max_nu
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_tokenizer_dir):
     """(HF reference model, its save_pretrained directory holding the tokenizer too)."""
-    cfg = transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    ref = transformers.BloomForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("serve") / "tiny"
-    ref.save_pretrained(path)
+    ref = save_tiny_hf(path, VOCAB)
     for f in Path(tiny_tokenizer_dir).iterdir():
         shutil.copy(f, path / f.name)
     return ref, path
@@ -84,11 +78,6 @@ def make_engine(path, cfg=CFG, wrap=None, tokenizer=None, metrics=None, quantize
     return Engine(execute, cfg, vocab_size=VOCAB, tokenizer=tokenizer, metrics=metrics,
                   vocab_limit=tokenizer.vocab_size if tokenizer is not None else None,
                   eos_token_id=eos)
-
-
-def random_prompts(lengths, seed=1, high=VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, high, (n,), generator=g).tolist() for n in lengths]
 
 
 def hf_greedy(ref, prompt, n):

@@ -21,6 +21,7 @@ from bloomtrain.serve.engine import Engine
 from bloomtrain.serve.graphs import DecodeGraphs, graphs_wanted
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.tp import build_runner
+from tests.serving import random_prompts, save_tiny_hf
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -36,21 +37,9 @@ BLOCKS = 16  # blocks per sequence in the hand-built steps: 128 tokens
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """(HF reference model, its save_pretrained directory)."""
-    cfg = transformers.BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB,
-                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    ref = transformers.BloomForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.mul_(5.0) if p.dim() == 2 else p.add_(0.1 * torch.randn_like(p))
     path = tmp_path_factory.mktemp("graphs") / "tiny"
-    ref.save_pretrained(path)
+    ref = save_tiny_hf(path, VOCAB)
     return ref, path
-
-
-def random_prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def lp_values(result):

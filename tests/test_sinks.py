@@ -15,7 +15,7 @@ import pytest
 from bloomtrain.config import UserError
 from bloomtrain.train import Trainer, train
 from bloomtrain.train.metrics import Console, MetricsLog, progress_line
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.helpers import make_cfg, metrics
 
 # Tiny models: one intra-op thread keeps them quick on a shared machine (see conftest).
 pytestmark = pytest.mark.usefixtures("one_thread")

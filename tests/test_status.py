@@ -13,14 +13,8 @@ from bloomtrain.config import UserError
 from bloomtrain.report import status_text
 from bloomtrain.report.runs import fmt_bytes, fmt_duration, planned_steps, read_metrics
 from bloomtrain.train import train
-from tests.synthetic import write_synthetic_dataset
-from tests.test_report import full_records, step_record, write_run
-from tests.test_train import make_cfg
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
+from tests.runs import full_records, step_record, write_run
+from tests.helpers import make_cfg
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from tests import helpers
 from tests.structure import (MUTABLE_GLOBALS, argument_parsing, calls_outside, cited_docs,
                              composition_sites, cycles, definitions, direct_collective_calls,
                              import_graph, imports_of_config_for_errors, mutable_globals,
-                             parameter_flag_writes, private_imports, reads_of_test_variables, sizes)
+                             parameter_flag_writes, private_imports, reads_of_test_variables, sizes,
+                             imports_between_test_modules)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,6 +134,35 @@ def test_the_parsing_scan_finds_a_parser_in_library_code(tmp_path):
                                       "    p.add_argument('--n')\n")
     assert argument_parsing(tmp_path) == ["bloomtrain.data.tokenizer:2",
                                           "bloomtrain.data.tokenizer:3"]
+
+
+# Test modules that still take names from another test module (issue 40: none should). The
+# shared fixtures and builders live in tests/conftest.py (dataset), tests/helpers.py (make_cfg,
+# metrics, write_config), tests/reference.py and tests/runs.py; these are what is left to move.
+# The list only shrinks: a new pair fails, and so does a pair that is gone but still listed.
+TEST_IMPORTS_LEFT = {
+    ("tests.test_attention", "tests.test_hf"),
+    ("tests.test_fuzz", "tests.test_config"),
+    ("tests.test_offload", "tests.test_zero"),
+    ("tests.test_pipeline_zb", "tests.test_pipeline"),
+    ("tests.test_pipeline_zb", "tests.test_train_parallel"),
+    ("tests.test_pipeline_zb", "tests.test_train_reference"),
+    ("tests.test_sampling", "tests.test_serve"),
+    ("tests.test_serve_clients", "tests.test_serve"),
+}
+
+
+def test_no_new_test_module_imports_another():
+    assert imports_between_test_modules(REPO) == TEST_IMPORTS_LEFT
+
+
+def test_the_test_import_scan_finds_them(tmp_path):
+    (tmp_path / "tests" / "data").mkdir(parents=True)
+    (tmp_path / "tests" / "test_a.py").write_text("from tests.test_b import make\n")
+    (tmp_path / "tests" / "data" / "test_c.py").write_text(
+        "from tests import test_a as a, helpers\nfrom tests.helpers import make_cfg\n")
+    assert imports_between_test_modules(tmp_path) == {("tests.test_a", "tests.test_b"),
+                                             ("tests.data.test_c", "tests.test_a")}
 
 
 def test_errors_come_from_the_errors_module():

@@ -10,34 +10,7 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.train import Trainer, train
 from tests.dist import run_ranks
-from tests.synthetic import write_synthetic_dataset
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
-
-
-def make_cfg(dataset, tmp_path, **over):
-    d = {
-        "model": {"preset": "tiny", "vocab_size": 256},
-        "data": {"paths": [dataset], "seq_length": 32, "split": "90,10,0"},
-        "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_samples": 16, "decay_samples": 400},
-        "train": {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 6,
-                  "precision": "fp32", "log_interval": 1, "device": "cpu"},
-        "run_dir": str(tmp_path / "run"),
-    }
-    for key, val in over.items():
-        section, _, name = key.partition("__")
-        if name:
-            d.setdefault(section, {})[name] = val
-        else:
-            d[section] = val
-    return Config.from_dict(d)
-
-
-def metrics(run_dir):
-    return [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl")]
+from tests.helpers import make_cfg, metrics
 
 
 def test_fp32_and_bf16_agree(dataset, tmp_path):

@@ -12,8 +12,7 @@ import torch
 
 from bloomtrain.train import Trainer
 from tests.dist import run_ranks
-from tests.helpers import gather_full_tensors
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.helpers import gather_full_tensors, make_cfg, metrics, write_config
 
 # fp32, dropout 0: tensor-parallel runs differ from one process only in the summation order of
 # the all-reduced partial matmuls (~1e-7 relative per step). Over 10 AdamW steps that stays
@@ -68,18 +67,6 @@ def test_tensor_parallel_training_matches_single_process(dataset, tmp_path, sing
             assert torch.equal(sd[k], v)
 
 
-def _write_config(tmp_path, dataset, run):
-    cfg = tmp_path / f"{run}.yaml"
-    cfg.write_text(
-        f"model: {{preset: tiny, vocab_size: 256}}\n"
-        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
-        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: 400}}\n"
-        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: 6, precision: fp32,"
-        f" log_interval: 1, device: cpu}}\n"
-        f"run_dir: {tmp_path / run}\n")
-    return cfg
-
-
 def _cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "bloomtrain", *args], env=env,
@@ -87,7 +74,7 @@ def _cli(*args):
 
 
 def test_cli_nproc2_tp2_matches_nproc1(dataset, tmp_path):
-    cfg = _write_config(tmp_path, dataset, "one")
+    cfg = write_config(tmp_path, dataset, "one")
     one = _cli("train", "--config", str(cfg), "--nproc", "1")
     assert one.returncode == 0, one.stderr
     two = _cli("train", "--config", str(cfg), "--nproc", "2", "parallel.tp=2",
@@ -101,7 +88,7 @@ def test_cli_nproc2_tp2_matches_nproc1(dataset, tmp_path):
 
 
 def test_cli_rejects_impossible_layout(dataset, tmp_path):
-    cfg = _write_config(tmp_path, dataset, "bad")
+    cfg = write_config(tmp_path, dataset, "bad")
     out = _cli("train", "--config", str(cfg), "--nproc", "3", "parallel.tp=2")
     assert out.returncode == 2
     assert "not divisible by parallel.tp" in out.stderr
@@ -111,7 +98,7 @@ def test_cli_nproc4_pp4_1f1b_matches_nproc1(dataset, tmp_path):
     # The issue's command: 4 pipeline stages with the 1F1B schedule on the demo-style data,
     # against one process. tiny has 4 blocks: one per stage, embedding on the first, head on
     # the last ("type:transformer|embedding" puts them there).
-    cfg = _write_config(tmp_path, dataset, "one")
+    cfg = write_config(tmp_path, dataset, "one")
     one = _cli("train", "--config", str(cfg), "--nproc", "1")
     assert one.returncode == 0, one.stderr
     four = _cli("train", "--config", str(cfg), "--nproc", "4", "parallel.pp=4",
@@ -226,7 +213,7 @@ def _one_line_error(stderr):
 
 
 def test_a_missing_dataset_or_tokenizer_is_refused_before_any_worker(dataset, tmp_path):
-    cfg = _write_config(tmp_path, dataset, "run")
+    cfg = write_config(tmp_path, dataset, "run")
     nope = tmp_path / "nope_text_document"
     missing_data = _main_probe("train", "--config", str(cfg), "--nproc", "2",
                                f"data.paths=[{nope}]")
@@ -280,7 +267,7 @@ def _wide_worker(rank, world, wide, tmp, config):
 def test_token_ids_past_the_vocabulary_are_refused_before_the_first_step(dataset, tmp_path):
     from bloomtrain.errors import UserError
     wide = _wide_dataset(tmp_path)
-    cfg = _write_config(tmp_path, dataset, "run")
+    cfg = write_config(tmp_path, dataset, "run")
     # The launcher, tp=2 over 2 workers and one process: refused before either starts.
     for argv in (["--nproc", "2", "parallel.tp=2"], []):
         got = _main_probe("train", "--config", str(cfg), *argv, f"data.paths=[{wide}]")

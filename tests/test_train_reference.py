@@ -16,7 +16,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer
 from tests.dist import run_ranks
 from tests.reference import reference_eval, reference_train
-from tests.test_train import dataset, make_cfg, metrics  # noqa: F401  (fixture)
+from tests.helpers import make_cfg, metrics
 
 STEPS = 6
 

@@ -15,14 +15,8 @@ import pytest
 
 from bloomtrain import cli
 from bloomtrain.report.closing import closing_lines
-from tests.synthetic import write_synthetic_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return write_synthetic_dataset(tmp_path_factory.mktemp("data") / "synth_text_document")
 
 
 def write_config(tmp_path: Path, dataset) -> Path:

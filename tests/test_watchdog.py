@@ -24,7 +24,6 @@ from bloomtrain.topology import Topology
 from bloomtrain.train import watchdog
 from bloomtrain.train.watchdog import Watchdog
 from tests import faults
-from tests.test_train import dataset  # noqa: F401  (fixture)
 
 
 class FakeWork:
