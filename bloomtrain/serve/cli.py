@@ -197,10 +197,12 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
                     vocab_limit=tokenizer.vocab_size, eos_token_id=eos, tokenizer=tokenizer,
                     metrics=ServeMetrics(), device=runner.device)
     names = tuple(opts["served_model_name"] or [Path(opts["checkpoint"]).resolve().name])
+    packed = (f" (packed for them: +{runner.packed_bytes / 2**20:.1f} MiB)"
+              if runner.packed_bytes else "")
     print(f"[serve] model {names[0]}: {model_bytes(model) / 2**20:.1f} MiB of weights"
           f"{' (int8)' if opts['quantize'] else ''} per rank, tp={opts['tp']}; KV cache "
           f"{cache.bytes / 2**20:.1f} MiB ({cache.num_blocks} blocks of {cache.block_size}); "
-          f"matmuls padded to {runner.min_rows} rows; decode "
+          f"matmuls padded to {runner.min_rows} rows{packed}; decode "
           f"{'eager' if runner.graphs is None else 'from CUDA graphs'}", flush=True)
     frontend, conn = start_frontend(opts, {"config": config, "vocab_limit": tokenizer.vocab_size,
                                            "served_names": names,

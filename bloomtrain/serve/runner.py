@@ -193,6 +193,8 @@ class ModelRunner:
         # "flex": decodes read the cache in place (bloomtrain.model.paged_flex); "gather":
         # copied out and attended with HF's math. BLOOMTRAIN_PAGED_DECODE, or by device.
         self.decode = decode_kernel(self.device, cache.block_size)
+        # Bytes of MKL-packed weight copies for steps of min_rows rows (serve/packed.py).
+        self.packed_bytes = 0
 
     def _plan(self, batch: StepBatch) -> tuple[torch.Tensor, PagedAttention, torch.Tensor]:
         return plan_step(batch, self.cache, self.slopes, self.dtype, self.device, self.min_rows,

@@ -58,6 +58,7 @@ def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
     (bloomtrain.serve.graphs)."""
     from bloomtrain.serve.graphs import use_decode_graphs
     from bloomtrain.serve.kv_cache import PagedKVCache
+    from bloomtrain.serve.packed import pack_linears
 
     model = load_serving_model(checkpoint, topo, device, dtype, quantize)
     shape = model.shape
@@ -67,6 +68,9 @@ def build_runner(checkpoint, config, topo=None, device="cpu", dtype=None,
                          shape.num_heads // tp, shape.head_dim, dtype, device)
     group = topo.tp_group if topo is not None else None
     runner = ModelRunner(model, cache, group, min_rows=_min_rows(model, config, dtype, group))
+    if tp == 1:  # small steps through MKL's packed GEMM where it keeps batch invariance
+        runner.packed_bytes = pack_linears(model, runner.min_rows,
+                                           max(config.max_batched_tokens, MIN_ROWS))
     use_decode_graphs(runner, config.max_num_seqs, config.max_model_len, config.enforce_eager)
     return runner
 
