@@ -25,6 +25,7 @@ import fnmatch
 import os
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -310,6 +311,28 @@ def tiny_tokenizer_dir(tmp_path_factory):
     corpus.write_text(MULTILINGUAL_TEXT * 20, encoding="utf-8")
     train_tokenizer([corpus], vocab_size=500, output_dir=root / "tok")
     return root / "tok"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """The serving tests' model: (HF reference model, its save_pretrained directory holding the
+    session's tokenizer too); tests/serving.py's save_tiny_hf. A module may define its own."""
+    import shutil
+
+    from tests.serving import VOCAB, save_tiny_hf
+
+    path = tmp_path_factory.mktemp("serve") / "tiny"
+    ref = save_tiny_hf(path, VOCAB)
+    for f in Path(tiny_tokenizer_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    return ref, path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    """The tokenizer of `model_dir`."""
+    from bloomtrain.data.tokenizer import load_tokenizer
+    return load_tokenizer(model_dir[1])
 
 
 @pytest.fixture(scope="module")

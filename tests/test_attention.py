@@ -82,7 +82,7 @@ def test_flex_queries_at_an_offset_match_the_full_sequence(device):
 
 def test_flex_matches_hf_logits(ids, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tests.test_hf import ATOL, make_hf_model  # the HF parity tolerance, unchanged
+    from tests.hf_reference import ATOL, make_hf_model  # the HF parity tolerance, unchanged
 
     ref = make_hf_model({"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}, seed=4,
                         perturb=True)
@@ -190,7 +190,7 @@ def test_eager_dropout_replays_under_selective_recompute(ids):
 
 
 def test_eager_matches_hf_logits(ids, tmp_path):
-    from tests.test_hf import ATOL, make_hf_model
+    from tests.hf_reference import ATOL, make_hf_model
 
     ref = make_hf_model({"hidden_size": 64, "n_head": 4, "n_layer": 2, "vocab_size": 256}, seed=4,
                         perturb=True)

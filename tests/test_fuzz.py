@@ -32,8 +32,8 @@ from bloomtrain.config import Config, UserError  # noqa: E402
 from bloomtrain.data.indexed import (DTYPE_CODES, IndexedDatasetError,  # noqa: E402
                                      MMapIndexedDataset, write_dataset)
 from bloomtrain.config import DOMAINS, Domain  # noqa: E402
-from tests.test_config import (_base_type, _config_with, assert_in_domains,  # noqa: E402
-                               inside)
+from tests.domains import (base_type, config_with, assert_in_domains,  # noqa: E402
+                           inside)
 
 # The number of cases and their randomness come from the profile tests/conftest.py loads: `full`
 # (500, derandomized) in the full suite, `fast` (50) in the fast tier.
@@ -642,7 +642,7 @@ def test_config_file_of_random_bytes(config_dir, content):
 
 def _numbers(key: str, d: Domain, want_inside: bool):
     """Numbers of the key's type inside or outside an interval domain."""
-    if _base_type(key) is int:
+    if base_type(key) is int:
         lo = math.floor(d.low) + (1 if d.low_open and float(d.low).is_integer() else 0) \
             if d.low != -math.inf else None
         hi = math.ceil(d.high) - (1 if d.high_open and float(d.high).is_integer() else 0) \
@@ -702,14 +702,14 @@ def _data_paths(want_inside: bool):
 
 
 def _of_type(key: str):
-    tp = _base_type(key)
+    tp = base_type(key)
     return {bool: st.booleans(), str: st.text(max_size=10), int: st.integers(),
             float: st.floats(allow_nan=False, allow_infinity=False),
             list: st.lists(st.integers(1, 100), max_size=3)}[tp]
 
 
 def _wrong_type(key: str):
-    tp = _base_type(key)
+    tp = base_type(key)
     words = st.text(min_size=1, max_size=4).filter(lambda s: not s.strip().isdigit())
     return {bool: st.integers(2, 9) | st.sampled_from(["maybe", "2"]),
             int: words | st.booleans(), float: words | st.booleans(),
@@ -743,12 +743,12 @@ def key_and_value(draw):
 def test_each_key_accepts_its_domain_and_refuses_the_rest(case):
     key, value, want_inside = case
     if want_inside:
-        cfg = _config_with(key, value)
+        cfg = config_with(key, value)
         assert cfg.get(key) == value or (isinstance(value, list) and key == "data.paths")
         assert inside(key, cfg.get(key))
     else:
         with pytest.raises(UserError) as e:
-            _config_with(key, value)
+            config_with(key, value)
         assert key.split(".")[-1] in str(e.value), (key, value, str(e.value))
 
 

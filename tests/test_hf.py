@@ -19,11 +19,10 @@ from bloomtrain import checkpoint
 from bloomtrain.checkpoint import hf
 from bloomtrain.cli import main
 from bloomtrain.errors import UserError
+from tests.hf_reference import ATOL, make_hf_model
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-ATOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,19 +34,6 @@ CONFIGS = {
     "h48_6heads": (dict(hidden_size=48, n_head=6, n_layer=2, vocab_size=256), False),
     "perturbed": (dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=256), True),
 }
-
-
-def make_hf_model(config_kwargs, seed=0, perturb=False, dtype=torch.float32):
-    cfg = transformers.BloomConfig(**config_kwargs)
-    torch.manual_seed(seed)
-    model = transformers.BloomForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # HF's init is normal(0, 0.02) for matrices but zero biases and unit LayerNorms; a
-            # mistake in any of those would be invisible without this.
-            if perturb and ("bias" in name or "layernorm" in name or "ln_f" in name):
-                p.add_(0.2 * torch.randn_like(p))
-    return model.to(dtype).eval()
 
 
 def save_bin(model, path, strip_prefix=False, num_shards=1):

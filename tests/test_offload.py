@@ -35,7 +35,7 @@ from tests import helpers
 from tests.dist import run_ranks
 from tests.reference import is_no_decay
 from tests.helpers import make_cfg
-from tests.test_zero import global_batches, train
+from tests.zero_runs import global_batches, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

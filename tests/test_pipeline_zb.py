@@ -35,12 +35,12 @@ from bloomtrain.parallel.pipeline import (
 )
 from bloomtrain.train import Trainer
 from bloomtrain.errors import UserError
-from tests import test_pipeline as tp
+from tests import pipeline_cases as tp
 from tests.dist import run_ranks
 from tests.reference import reference_eval, reference_train
 from tests.helpers import metrics
-from tests.test_train_parallel import LOSS_RTOL, WEIGHT_ATOL
-from tests.test_train_reference import TOLERANCES, _initial_weights, _rel_l2, _state, case_cfg
+from tests.layouts import (LOSS_RTOL, TOLERANCES, WEIGHT_ATOL, case_cfg, checkpoint_states,
+                           initial_weights, rel_l2)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,15 +177,15 @@ def test_accepted_combinations(zero):
 
 STEPS = 3
 WORLDS = {
-    2: {"pp2-zb": tp._case(2, 1, "zb-h1", "type:transformer|embedding", recompute="full",
+    2: {"pp2-zb": tp.make_case(2, 1, "zb-h1", "type:transformer|embedding", recompute="full",
                            steps=STEPS, timeline=True),
-        "pp2-1f1b": tp._case(2, 1, "1f1b", "type:transformer|embedding", recompute="full",
+        "pp2-1f1b": tp.make_case(2, 1, "1f1b", "type:transformer|embedding", recompute="full",
                              steps=STEPS)},
-    4: {"pp4-zb": tp._case(4, 1, "zb-h1", "2,2,2,2", steps=STEPS),
-        "pp4-1f1b": tp._case(4, 1, "1f1b", "2,2,2,2", steps=STEPS),
-        "pp2tp2sp-zb": tp._case(2, 2, "zb-h1", sp=True, steps=STEPS),
-        "pp2tp2sp-1f1b": tp._case(2, 2, "1f1b", sp=True, steps=STEPS)},
-    8: {"pp4tp2-zb": tp._case(4, 2, "zb-h1", "type:transformer|embedding", steps=STEPS)},
+    4: {"pp4-zb": tp.make_case(4, 1, "zb-h1", "2,2,2,2", steps=STEPS),
+        "pp4-1f1b": tp.make_case(4, 1, "1f1b", "2,2,2,2", steps=STEPS),
+        "pp2tp2sp-zb": tp.make_case(2, 2, "zb-h1", sp=True, steps=STEPS),
+        "pp2tp2sp-1f1b": tp.make_case(2, 2, "1f1b", sp=True, steps=STEPS)},
+    8: {"pp4tp2-zb": tp.make_case(4, 2, "zb-h1", "type:transformer|embedding", steps=STEPS)},
 }
 
 
@@ -200,7 +200,7 @@ def spawn(run_dir):
 
     def get(world):
         if world not in runs:
-            runs[world] = run_ranks(world, tp._rank_main, WORLDS[world], str(run_dir / str(world)),
+            runs[world] = run_ranks(world, tp.rank_main, WORLDS[world], str(run_dir / str(world)),
                                     False)
         return runs[world]
     return get
@@ -228,12 +228,12 @@ def test_zb_h1_timeline_file_and_cli(spawn, run_dir, capsys):
 def test_zb_h1_gradients_match_single_process_and_1f1b(spawn, world):
     ranks = spawn(world)
     for name, case in WORLDS[world].items():
-        ref = tp._reference(tp._case_shape(case), STEPS)
+        ref = tp.reference(tp.case_shape(case), STEPS)
         for r in ranks:
             assert r[name]["losses"] == pytest.approx(ref["losses"], abs=tp.TRAIN_LOSS_ATOL)
         for step, (atol, rtol) in ((0, (tp.GRAD_ATOL, tp.GRAD_RTOL)),
                                    (STEPS - 1, (tp.LAST_GRAD_ATOL, tp.LAST_GRAD_RTOL))):
-            merged, tied = tp._merge_grads(ranks, name, step)
+            merged, tied = tp.merge_grads(ranks, name, step)
             assert merged.keys() == ref["grads"][step].keys()
             for n, g in ref["grads"][step].items():
                 torch.testing.assert_close(merged[n], g, atol=atol, rtol=rtol,
@@ -243,7 +243,7 @@ def test_zb_h1_gradients_match_single_process_and_1f1b(spawn, world):
             if twin != name and twin in WORLDS[world]:
                 # Against 1F1B on the same ranks: the same matmuls, the weight gradients only
                 # summed later; equal to the reference tolerance, in practice to the last bits.
-                other, _ = tp._merge_grads(ranks, twin, step)
+                other, _ = tp.merge_grads(ranks, twin, step)
                 for n, g in other.items():
                     torch.testing.assert_close(merged[n], g, atol=atol, rtol=rtol)
         for r in ranks:
@@ -311,7 +311,7 @@ def test_trainer_matches_plain_loop(trainer_runs, dataset, tmp_path, world, name
     got = ranks[0][name]
     for r in ranks:
         assert r[name]["losses"] == got["losses"]
-    state = _state(got["checkpoint"])
+    state = checkpoint_states(got["checkpoint"])
     assert state["model"].keys() == ref.master.keys()
     records = [r for r in metrics(Path(tmp) / name / "run") if "loss" in r]
     if cfg.train.precision == "fp32":
@@ -323,10 +323,10 @@ def test_trainer_matches_plain_loop(trainer_runs, dataset, tmp_path, world, name
     np.testing.assert_allclose(got["losses"], ref.losses, rtol=tol["loss"])
     np.testing.assert_allclose([r["grad_norm"] for r in records], ref.grad_norms,
                                rtol=tol["norm"])
-    init = _initial_weights(cfg)
+    init = initial_weights(cfg)
     motion = {n: w - init[n] for n, w in state["model"].items()}
-    assert _rel_l2(motion, {n: w - init[n] for n, w in ref.master.items()}) < tol["motion"]
-    assert _rel_l2(state["exp_avg"], ref.exp_avg) < tol["moments"]
+    assert rel_l2(motion, {n: w - init[n] for n, w in ref.master.items()}) < tol["motion"]
+    assert rel_l2(state["exp_avg"], ref.exp_avg) < tol["moments"]
     assert got["eval_loss"] == pytest.approx(reference_eval(cfg, state["model"]),
                                              rel=tol["eval"])
 

@@ -15,8 +15,7 @@ import torch
 import transformers
 
 from bloomtrain.serve.sampling import SamplingParams, request_scores
-from tests.test_serve import (VOCAB, make_engine, model_dir, random_prompts,  # noqa: F401
-                              tokenizer)
+from tests.serving import VOCAB, make_engine, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N = 24  # tokens generated per check

@@ -17,12 +17,8 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
-import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,11 +28,10 @@ import torch
 
 from bloomtrain.serve.config import EngineConfig
 from bloomtrain.serve.detokenize import TextStream
-from bloomtrain.serve.engine import Engine
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.metrics import ServeMetrics
 from bloomtrain.serve.tp import build_runner
-from tests.serving import random_prompts, save_tiny_hf
+from tests.serving import CFG, CHAT_TEMPLATE, VOCAB, ServerProcess, make_engine, random_prompts
 
 transformers = pytest.importorskip("transformers")
 aiohttp = pytest.importorskip("aiohttp")
@@ -44,40 +39,7 @@ transformers.logging.set_verbosity_error()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 512
 ROOT = Path(__file__).resolve().parents[1]
-# Small on purpose: prompts span several chunks and blocks, and a step's token budget is
-# smaller than the prompts, so chunked prefill and decodes share steps.
-# A ChatML-style template of the kind HF tokenizers carry in tokenizer_config.json.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-CFG = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=2048, max_num_seqs=8,
-                   max_batched_tokens=40, prefill_chunk=16, max_queue=64)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_tokenizer_dir):
-    """(HF reference model, its save_pretrained directory holding the tokenizer too)."""
-    path = tmp_path_factory.mktemp("serve") / "tiny"
-    ref = save_tiny_hf(path, VOCAB)
-    for f in Path(tiny_tokenizer_dir).iterdir():
-        shutil.copy(f, path / f.name)
-    return ref, path
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from bloomtrain.data.tokenizer import load_tokenizer
-    return load_tokenizer(model_dir[1])
-
-
-def make_engine(path, cfg=CFG, wrap=None, tokenizer=None, metrics=None, quantize=None):
-    runner = build_runner(path, cfg, quantize=quantize)
-    execute = runner.forward if wrap is None else wrap(runner.forward)
-    eos = tokenizer.eod_id if tokenizer is not None else None
-    return Engine(execute, cfg, vocab_size=VOCAB, tokenizer=tokenizer, metrics=metrics,
-                  vocab_limit=tokenizer.vocab_size if tokenizer is not None else None,
-                  eos_token_id=eos)
 
 
 def hf_greedy(ref, prompt, n):
@@ -966,44 +928,6 @@ def test_cli_warns_at_start_when_it_binds_beyond_loopback_without_a_key(model_di
         monkeypatch.setenv("BLOOMTRAIN_API_KEY", env)
         assert main([*argv, *flag]) == 2
         assert f"the API key ({name}) is empty" in capsys.readouterr().err
-
-
-class ServerProcess:
-    """`bloomtrain serve` in a subprocess; its output lines are read on a thread."""
-
-    def __init__(self, args):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bloomtrain", "serve", "--port", "0", "--threads", "1",
-             *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            cwd=ROOT)
-        self.lines: queue.Queue = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def wait_line(self, pattern, timeout=120.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.5)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            self.log.append(line)
-            m = re.search(pattern, line)
-            if m:
-                return m
-        raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(self.log)}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 def _spawned_children(pid: int) -> list[int]:

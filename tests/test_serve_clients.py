@@ -28,15 +28,14 @@ Instance = pytest.importorskip("lm_eval.api.instance").Instance
 HFLM = pytest.importorskip("lm_eval.models.huggingface").HFLM
 LocalCompletionsAPI = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
 
-from tests.test_serve import (CHAT_TEMPLATE, ServerProcess, model_dir,  # noqa: F401
-                              tokenizer)
+from tests.serving import CHAT_TEMPLATE, ServerProcess
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):  # noqa: F811
+def server(model_dir, tmp_path_factory):
     """(base URL, the served model's directory): `bloomtrain serve` with a chat template file
     and a served model name, shared by the tests of this module."""
     _, path = model_dir
@@ -115,7 +114,7 @@ def test_langchain_openai_llm(server):
     assert text == direct.choices[0].text
 
 
-def test_lm_eval_local_completions_equals_its_hf_backend(server, tokenizer):  # noqa: F811
+def test_lm_eval_local_completions_equals_its_hf_backend(server, tokenizer):
     """lm-eval's `local-completions` model scores loglikelihoods through the server (it asks
     /tokenizer_info and /tokenize at start, then sends token-id prompts with echo, logprobs 1,
     max_tokens 1); the harness's own HF backend scores the same requests on the same model.
@@ -165,7 +164,7 @@ KEY = "sk-bloomtrain-test-key"
 
 
 @pytest.fixture(scope="module")
-def keyed_server(model_dir):  # noqa: F811
+def keyed_server(model_dir):
     """The base URL of `bloomtrain serve` given its key in BLOOMTRAIN_API_KEY."""
     _, path = model_dir
     saved = os.environ.get("BLOOMTRAIN_API_KEY")

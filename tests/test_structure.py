@@ -136,24 +136,13 @@ def test_the_parsing_scan_finds_a_parser_in_library_code(tmp_path):
                                           "bloomtrain.data.tokenizer:3"]
 
 
-# Test modules that still take names from another test module (issue 40: none should). The
-# shared fixtures and builders live in tests/conftest.py (dataset), tests/helpers.py (make_cfg,
-# metrics, write_config), tests/reference.py and tests/runs.py; these are what is left to move.
-# The list only shrinks: a new pair fails, and so does a pair that is gone but still listed.
-TEST_IMPORTS_LEFT = {
-    ("tests.test_attention", "tests.test_hf"),
-    ("tests.test_fuzz", "tests.test_config"),
-    ("tests.test_offload", "tests.test_zero"),
-    ("tests.test_pipeline_zb", "tests.test_pipeline"),
-    ("tests.test_pipeline_zb", "tests.test_train_parallel"),
-    ("tests.test_pipeline_zb", "tests.test_train_reference"),
-    ("tests.test_sampling", "tests.test_serve"),
-    ("tests.test_serve_clients", "tests.test_serve"),
-}
-
-
-def test_no_new_test_module_imports_another():
-    assert imports_between_test_modules(REPO) == TEST_IMPORTS_LEFT
+def test_no_test_module_imports_another():
+    """A test module takes what it shares from support modules (tests/helpers.py, reference.py,
+    serving.py, pipeline_cases.py, layouts.py, domains.py, zero_runs.py, runs.py,
+    hf_reference.py) and fixtures from conftest.py, never from another test module: importing
+    one would also collect its tests twice and tie two suites' fixtures together."""
+    found = imports_between_test_modules(REPO)
+    assert not found, f"move what these share into a support module or conftest.py: {found}"
 
 
 def test_the_test_import_scan_finds_them(tmp_path):
