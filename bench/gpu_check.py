@@ -5,7 +5,7 @@ minutes on one H200 and leaves one JSON file and a readable summary.
     bench/gpu.sh --out /tmp/gpu.json   # elsewhere
     bench/gpu.sh --only largest_fit    # rerun some sections (name substrings, comma-separated)
     bench/gpu.sh --cpu-smoke           # the same sections on the CPU, tiny shapes (its test:
-                                       # tests/test_gpu_script.py; bloom-7b1's are the tiny
+                                       # tests/harness/test_gpu_script.py; bloom-7b1's are the tiny
                                        # shape at micro-batch 1)
 
 Sections, in this order (each a subprocess with its own timeout, all under one `--budget`):
@@ -99,7 +99,7 @@ def plan(args) -> list[Section]:
     """The sections in run order: GPU shapes, or tiny CPU ones with --cpu-smoke."""
     if args.cpu_smoke:
         dev, timing = "cpu", ["--warmup", "1", "--rounds", "2", "--steps", "2", "--device", "cpu"]
-        tests = ["tests/test_model.py"]  # the mechanism, not the suite: that runs in CI anyway
+        tests = ["tests/model/test_model.py"]  # the mechanism, not the suite: that runs in CI anyway
         shapes = {"tiny": ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256",
                            "--seq", "32", "--micro-batch", "2"]}
         # FlexAttention has no CPU backward in torch 2.13: the smoke run compiles SDPA.

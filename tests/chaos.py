@@ -9,7 +9,7 @@ losing power, short of losing the page cache. What is compared at the end: every
 final checkpoint (fp32 master weights, exp_avg, exp_avg_sq; `torch.equal`), the train state, the
 optimizer scalars and the logged per-step losses. Prints a summary and ends with one JSON line;
 exit code 0 when everything is bitwise equal, 1 otherwise. `run_chaos` is the same thing as a
-function, for tests/test_chaos.py.
+function, for tests/robustness/test_chaos.py.
 """
 from __future__ import annotations
 
@@ -405,7 +405,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-# ---- single-rank failures (tests/test_lost_rank.py, test_restart.py, test_multinode.py) --------
+# ---- single-rank failures (tests/system/test_lost_rank.py, test_restart.py, test_multinode.py) --------
 class Job:
     """A `bloomtrain` command in a session of its own (so that one process-group scan finds the
     launcher and every worker it started), its output read line by line with the time each line

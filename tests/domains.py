@@ -1,7 +1,7 @@
 """The config keys' types and domains as the tests read them, independently of bloomtrain's checks:
 each key's type from the Config dataclasses, an oracle for "is this value inside the key's
 domain", configs that set one key with what its cross-key rules need, and each domain's edges.
-Used by tests/test_config.py (every key at its edges) and tests/test_fuzz.py (random configs)."""
+Used by tests/test_config.py (every key at its edges) and tests/robustness/test_fuzz.py (random configs)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,5 @@
 """HF transformers' BloomForCausalLM as the tests' reference model, and the tolerance bloomtrain's
-model is held to against it (tests/test_hf.py, tests/test_attention.py)."""
+model is held to against it (tests/checkpoint/test_hf.py, tests/model/test_attention.py)."""
 from __future__ import annotations
 
 import torch

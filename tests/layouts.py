@@ -1,5 +1,5 @@
 """The trainer under a parallel layout against the plain loop of tests/reference.py
-(tests/test_train_reference.py, tests/test_train_parallel.py, tests/test_pipeline_zb.py): the
+(tests/system/test_train_reference.py, tests/system/test_train_parallel.py, tests/parallel/test_pipeline_zb.py): the
 tolerances of each comparison and why, a case's config, the states a checkpoint holds, and the
 relative L2 distance they are compared by."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ def rel_l2(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
-# bf16 and fp16 layouts against the plain loop (tests/test_train_reference.py: the first step's
+# bf16 and fp16 layouts against the plain loop (tests/system/test_train_reference.py: the first step's
 # gradient norm, where only fp32 summation orders differ, is held to 1e-6 there). With tp, each
 # rank rounds its partial matmul output to bf16 before the all-reduce adds them (one
 # process rounds the sum once); with pp, the tied embedding's two gradient halves are added in

@@ -1,4 +1,4 @@
-"""What every rank of the pipeline tests runs (tests/test_pipeline.py, tests/test_pipeline_zb.py):
+"""What every rank of the pipeline tests runs (tests/parallel/test_pipeline.py, tests/parallel/test_pipeline_zb.py):
 the tiny model, its micro-batches, a case (pp, tp, schedule, partition...) trained for some steps
 with torch's AdamW on the pipeline's gradients, the single-process reference it is compared
 with, the tolerances of that comparison and why, and the gradient merge across stages."""

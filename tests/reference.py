@@ -2,7 +2,7 @@
 reference for the trainer under every layout and precision.
 
 What it uses of bloomtrain: the single-device model (checked against HF transformers in
-tests/test_hf.py) for forward and backward, and the data pipeline (checked against Megatron's own
+tests/checkpoint/test_hf.py) for forward and backward, and the data pipeline (checked against Megatron's own
 files in tests/data/) for the samples. Everything the engine does is written out here instead:
 BF16Optimizer semantics (compute in bf16/fp16, gradients accumulated over micro-batches in fp32,
 fp32 master weights), fp16 loss scaling, `torch.nn.utils.clip_grad_norm_`, `torch.optim.AdamW`

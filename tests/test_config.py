@@ -136,7 +136,7 @@ def test_rampup_sizes_must_fit_the_interleaved_schedule():
 # ---- every key's domain (bloomtrain.config.DOMAINS), inside accepted and outside refused ---------
 # The table is the documentation of each key's values; check() enforces it. The oracle here reads
 # the table's bounds and choices itself (never Domain.check): every key at the edges of its domain
-# below, and random values inside and outside each one in tests/test_fuzz.py, so a check() that
+# below, and random values inside and outside each one in tests/robustness/test_fuzz.py, so a check() that
 # skipped a key, or skipped everything, fails.
 
 import re  # noqa: E402

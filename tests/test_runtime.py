@@ -125,7 +125,7 @@ def sigint_job(tmp_path_factory):
     root = tmp_path_factory.mktemp("sigint")
     dataset = write_synthetic_dataset(root / "data" / "synth_text_document")
     cfg = root / "sigint.yaml"
-    # As tests/test_restart.py's: the lr changes every step, so a resume at the wrong place in
+    # As tests/system/test_restart.py's: the lr changes every step, so a resume at the wrong place in
     # the schedule would show; dp=2 with ZeRO-1 shards the optimizer state over the workers.
     cfg.write_text(
         f"model: {{preset: tiny, vocab_size: 256}}\n"

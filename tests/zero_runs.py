@@ -1,4 +1,4 @@
-"""The ZeRO tests' tiny model and training loop (tests/test_zero.py, tests/test_offload.py):
+"""The ZeRO tests' tiny model and training loop (tests/parallel/test_zero.py, tests/parallel/test_offload.py):
 random global batches, each dp rank's micro-batches of them, and steps through the schedule
 runtime, returning the mean losses, grad norms and skipped steps."""
 from __future__ import annotations

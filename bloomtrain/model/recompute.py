@@ -30,7 +30,7 @@ recompute.
 Under train.compile the block's compiled code runs inside the policy's dispatch mode, where
 Inductor calls its matmuls as addmm.out into buffers of its own (which it may reuse, so they are
 not kept): there selective keeps the attention kernel's outputs and replays the rest, about as
-full does, with the same gradients (tests/test_compile.py). A selective that the compiler
+full does, with the same gradients (tests/parallel/test_compile.py). A selective that the compiler
 partitions itself (the checkpoint inside the compiled region) is not done yet.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 # Ops dispatched per transformer block and micro-batch, counted on bloomtrain's model (aten ops
-# under a dispatch mode; tests/test_plan.py recounts them): forward, backward, and what full
+# under a dispatch mode; tests/planner/test_plan.py recounts them): forward, backward, and what full
 # recompute adds to the backward (the block's forward again, and checkpoint's own ops). Hidden
 # dropout adds the masks' ops. Outside the blocks: the embedding, LayerNorms, head and loss.
 BLOCK_OPS = {"forward": 30, "backward": 66, "recompute": 63}
@@ -68,7 +68,7 @@ A100 = Efficiency(gemm=0.991, nvlink=0.298, network=0.504, hbm=0.405, op_s=27.7e
                   source="BLOOM-176B's runs on A100-80GB (docs/planner_fit.md)")
 # A CPU rank: nominal figures for one core (hardware.GPUS["cpu"]), its GEMM fraction unknown
 # until `bloomtrain plan --calibrate` fits it to a run; eager PyTorch's ~10 us per op. The band:
-# calibrated on one layout, tests/test_plan.py's eight other CPU layouts came out with a root
+# calibrated on one layout, tests/planner/test_plan.py's eight other CPU layouts came out with a root
 # mean square log error of 0.20 (docs/planner_fit.md).
 CPU = Efficiency(gemm=0.5, nvlink=1.0, network=1.0, hbm=0.5, op_s=10e-6, band=0.25,
                  source="nominal (calibrate with --calibrate RUN_DIR)")

@@ -43,7 +43,7 @@ MIN_ROWS = 16       # rows of padding where none is measured (CUDA), or none was
 # a multiple of this, and masked with -inf: batched matmuls compute each matrix alone, and
 # padding by whole multiples of 32 masked positions only adds exact zeros after the real
 # positions to the sums of the softmax and of p·V, whose vector lanes stay where they were
-# (tests/test_serve.py checks it on the machine it runs on).
+# (tests/serve/test_serve.py checks it on the machine it runs on).
 DECODE_BUCKET = 32
 ROW_CANDIDATES = (1, 2, 4, 8, 16)
 # Row counts the probe tries: every count up to 33 (kernels switch at small counts), then

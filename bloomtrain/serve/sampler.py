@@ -10,8 +10,8 @@ generator with the exponential race (argmax of p / q, q ~ Exp(1) per token: a dr
 row at a time, so it gives the same tokens alone and batched; unseeded rows share one draw.
 
 bloomtrain.serve.sampling keeps the per-row reference of each edit (`request_scores`, `warp`),
-which tests/test_sampling.py checks against HF's processors and OpenAI's formula, and which this
-module must equal row by row (tests/test_sampler.py).
+which tests/serve/test_sampling.py checks against HF's processors and OpenAI's formula, and which this
+module must equal row by row (tests/serve/test_sampler.py).
 """
 from __future__ import annotations
 

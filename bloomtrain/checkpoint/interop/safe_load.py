@@ -121,7 +121,7 @@ def load(path: str | os.PathLike, mmap: bool = False):
         with torch.serialization.safe_globals(_allowed()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     # The weights-only unpickler's refusal (pickle.UnpicklingError, taken from torch so this
-    # package never imports pickle: tests/test_untrusted.py).
+    # package never imports pickle: tests/robustness/test_untrusted.py).
     except torch.serialization.pickle.UnpicklingError as e:
         found = _GLOBAL.search(str(e))
         if found:

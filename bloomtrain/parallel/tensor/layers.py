@@ -1,7 +1,7 @@
 """The layers that hold one tensor-parallel shard each (Megatron-LM, arXiv 1909.08053): column-,
 row- and vocab-parallel, and the LM head tied to the vocab-parallel embedding. How each
 parameter splits is also written in bloomtrain.model.params, the table the optimizer, ZeRO and
-checkpoints read; tests/test_tensor_parallel.py checks that the two agree.
+checkpoints read; tests/parallel/test_tensor_parallel.py checks that the two agree.
 """
 from __future__ import annotations
 

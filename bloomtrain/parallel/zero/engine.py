@@ -192,7 +192,7 @@ class ZeroEngine:
         return {"stage": self.stage, "dp": self.topo.dp_size, "offload": bufs.offload,
                 "psi": self.num_local_parameters(), "measured": measured,
                 # The memory model the planner uses, on this rank's padded layout: equal to
-                # `measured` by category (tests/test_zero.py), so the plan is what runs.
+                # `measured` by category (tests/parallel/test_zero.py), so the plan is what runs.
                 "model": state_bytes(self.rules, bufs.layout.full_numel,
                                      bufs.layout.shard_numel, c, bufs.offload,
                                      bufs.chunk if bufs.offload else 0),

@@ -5,7 +5,7 @@ the OpenAI/vLLM request surface (neutral and unknown fields, model names, n and 
 separately seeded requests, chat completions, the tokenizer endpoints, the drain timeout), the
 structure (one model code path, no training imports, the EngineClient protocol), and the CLI
 end to end: tensor parallelism (tp=2 equals tp=1) and the drain on SIGTERM. Real clients:
-tests/test_serve_clients.py; the sampling edits against references: tests/test_sampling.py.
+tests/serve/test_serve_clients.py; the sampling edits against references: tests/serve/test_sampling.py.
 
 Models: an HF BloomForCausalLM (hidden 64, 4 heads, 2 layers, vocab 512) with weights widened
 as in tests/test_generate.py, so that greedy paths are not decided by 1e-6 differences between
@@ -39,7 +39,7 @@ transformers.logging.set_verbosity_error()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def hf_greedy(ref, prompt, n):

@@ -3,7 +3,7 @@ are packed, that a packed layer's rows equal torch's own F.linear at every row c
 have from the padding up (so batch invariance holds through it), that a shape whose packed
 product rounds differently stays plain, and that the model's parameters and state dict are
 untouched. The engine-level checks (batched equals alone, greedy equals HF) run through packed
-layers in tests/test_serve.py, since build_runner packs."""
+layers in tests/serve/test_serve.py, since build_runner packs."""
 from __future__ import annotations
 
 import platform

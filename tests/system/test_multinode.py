@@ -20,7 +20,7 @@ from tests.synthetic import tiny_job_yaml
 
 # fp32, dropout 0: tp2·dp2 differs from one process only in the summation order of the
 # all-reduced partial matmuls and gradients (~1e-7 relative per step); over 6 AdamW steps the
-# loss stays within 1e-5 relative, as in tests/test_train_parallel.py.
+# loss stays within 1e-5 relative, as in tests/system/test_train_parallel.py.
 LOSS_RTOL = 1e-5
 RDZV_TIMEOUT = 5  # seconds; the launcher's own start-up comes on top
 

@@ -22,7 +22,7 @@ from bloomtrain.validate import validate
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.errors import UserError
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron_args"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "megatron_args"
 TR11 = FIXTURES / "tr11-176B-ml.slurm"
 TR11_FINAL = FIXTURES / "tr11-176B-ml-final.slurm"
 TR11_DS = FIXTURES / "tr11-176B-ml.ds_config.json"

@@ -1,7 +1,7 @@
 """The serving engine's sampler (bloomtrain.serve.sampler): every row of a step chosen at once on
 the logits' device. References written here, row by row: the per-row edits of
 bloomtrain.serve.sampling (request_scores, warp: checked against HF's processors and OpenAI's
-formula in tests/test_sampling.py and tests/test_generate.py), argmax, the exponential race
+formula in tests/serve/test_sampling.py and tests/test_generate.py), argmax, the exponential race
 drawn from a generator seeded as the request's, and log_softmax for the log-probabilities.
 And what crosses to the host: a few numbers per row, never a row of the vocabulary.
 """

@@ -3,8 +3,8 @@ split backward (bloomtrain.parallel.pipeline.weightgrad) against autograd's, tra
 pipeline, tensor and ZeRO 0-2 parallelism against the single-process reference and the plain
 reference loop, and the refused combinations.
 
-The multi-rank parity runs reuse tests/test_pipeline.py's rank function and reference (fp32, no
-dropout, 8 micro-batches), and tests/test_train_reference.py's plain loop and its tolerances.
+The multi-rank parity runs reuse tests/parallel/test_pipeline.py's rank function and reference (fp32, no
+dropout, 8 micro-batches), and tests/system/test_train_reference.py's plain loop and its tolerances.
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def test_accepted_combinations(zero):
 
 
 # ---- training against the single-process reference ---------------------------------------------
-# Engine-less (torch AdamW on .grad, as tests/test_pipeline.py): the gradients themselves are
+# Engine-less (torch AdamW on .grad, as tests/parallel/test_pipeline.py): the gradients themselves are
 # compared, with test_pipeline's tolerances; zb-h1 and 1F1B run side by side in the same spawn.
 
 STEPS = 3
@@ -266,8 +266,8 @@ def test_zb_h1_messages_match_by_order_alone(spawn, world):
 
 
 # ---- the trainer, with ZeRO, against the plain reference loop ------------------------------------
-# tests/test_train_reference.py's check: bf16 with its tolerances; fp32 with
-# tests/test_train_parallel.py's (only summation orders differ).
+# tests/system/test_train_reference.py's check: bf16 with its tolerances; fp32 with
+# tests/system/test_train_parallel.py's (only summation orders differ).
 
 TRAINER_CASES = {
     2: {"pp2-zb-bf16": dict(parallel={"pp": 2, "pp_schedule": "zb-h1",

@@ -5,7 +5,7 @@ loop over HF transformers' model):
 - `presence_penalty` / `frequency_penalty`: OpenAI's published formula, written out here;
 - `logit_bias`: a plain edit of the logits;
 - `min_tokens` and `ignore_eos` against the end-of-text token.
-Models: tests/test_serve.py's tiny HF Bloom (widened weights, so greedy paths are not decided
+Models: tests/serve/test_serve.py's tiny HF Bloom (widened weights, so greedy paths are not decided
 by 1e-6 differences between the engine's logits and HF's).
 """
 from __future__ import annotations

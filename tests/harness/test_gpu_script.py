@@ -13,7 +13,7 @@ import pytest
 
 from bench import gpu_check
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = ("none", "selective", "full")
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 # A tiny training in place of each block's real one: the CLI takes these after any option.
@@ -57,21 +57,21 @@ OVERRIDES = {
 NOT_RUN = {
     "pip install": "installs packages: .ci/run runs this very line in a fresh virtualenv",
     "python -m pytest": "the test suite, which runs this test",
-    "torchrun --nnodes 2": "two nodes (tests/test_multinode.py runs bloomtrain's own two-node "
+    "torchrun --nnodes 2": "two nodes (tests/system/test_multinode.py runs bloomtrain's own two-node "
                            "launch on one machine)",
     "HEAD=$(scontrol": "SLURM", "srun ": "SLURM", "export MASTER_ADDR=$(scontrol": "SLURM",
-    "bloomtrain train --config my.yaml --nnodes 2": "two nodes (tests/test_multinode.py runs "
+    "bloomtrain train --config my.yaml --nnodes 2": "two nodes (tests/system/test_multinode.py runs "
                                                     "these commands as two nodes on one machine)",
     "tensorboard --logdir": "a server that runs until stopped",
     "bloomtrain eval --checkpoint bloomtrain_demo/checkpoints --tasks": "downloads the task's "
                                                                         "dataset (no network)",
     "bloomtrain eval --checkpoint bloomtrain_demo/hf --tasks piqa": "downloads the task's dataset "
                                                                     "(no network)",
-    "bloomtrain serve": "a server that runs until stopped (tests/test_serve.py runs it, with "
+    "bloomtrain serve": "a server that runs until stopped (tests/serve/test_serve.py runs it, with "
                         "--nproc 2 parallel.tp=2, int8 and the chat template)",
-    "curl ": "requests to that server (tests/test_serve.py, tests/test_serve_clients.py)",
+    "curl ": "requests to that server (tests/serve/test_serve.py, tests/serve/test_serve_clients.py)",
     "lm_eval --model local-completions --include_path": "a client of that server "
-                                                        "(tests/test_eval.py runs the served "
+                                                        "(tests/eval/test_eval.py runs the served "
                                                         "route)",
     "lm_eval --model local-completions --tasks lambada_openai": "a client of that server, and "
                                                                 "a download",

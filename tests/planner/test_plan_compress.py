@@ -1,7 +1,7 @@
 """The planner's model of the dp wire formats (grad=, gather=, hpz: parallel.grad_reduce_dtype,
 weight_gather_dtype, zero_secondary_shard) and of the zb-h1 schedule, against references
 independent of its arithmetic:
-- bytes: comm's own counters over a real training step on 4 gloo ranks (as tests/test_plan.py
+- bytes: comm's own counters over a real training step on 4 gloo ranks (as tests/planner/test_plan.py
   does for the uncompressed engine);
 - zb-h1's memory: the live bytes bench/zb_bubble.py's stage_peaks measures (bench/memtrack's
   LiveMemory) on every stage of a pp=4 pipeline under both schedules;
@@ -91,7 +91,7 @@ def test_compressed_dp_bytes_equal_the_comm_counters(tmp_path):
 
 
 def test_wire_ratios_are_the_codecs():
-    # tests/test_compress.py measures int8/fp32 dp reduction bytes <= 0.27 and int8/bf16 gather
+    # tests/parallel/test_compress.py measures int8/fp32 dp reduction bytes <= 0.27 and int8/bf16 gather
     # bytes <= 0.52 on a real step; the planner's are the codec's (1 + 4/128)/4 and /2.
     from bloomtrain.planner.traffic import gather_ratio, reduce_ratio
     work = Workload(shape=BloomShape(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,

@@ -29,7 +29,7 @@ from tests.dist import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "at_root")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD = ["choice_tiny", "lastword_tiny", "greedy_tiny"]
 # A task the harness indexes but cannot run: its data file is missing.
 NODATA = """task: nodata_tiny

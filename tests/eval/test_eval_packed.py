@@ -4,7 +4,7 @@ padding-free row of tokens, each attending causally to itself with no KV cache
 HF transformers' BloomForCausalLM, run on each request alone, its log_softmax and argmax at every
 position; on requests of very different lengths (1 to 150 tokens), in one micro-batch and in
 several, with greedy flags both ways. Layouts (tp, pp, dp) giving one process's answers:
-tests/test_eval.py.
+tests/eval/test_eval.py.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ slope·(k - q)) v in float64 with ALiBi's slopes from HF's formula. On CPU, Flex
 tests (`-m device --device cuda`) run the compiled kernel, in the engine, graphs included.
 
 Model for the engine tests: an HF BloomForCausalLM (hidden 64, 4 heads, 2 layers, vocab 512)
-with widened weights, as tests/test_serve_graphs.py's, so greedy tokens are not decided by
+with widened weights, as tests/serve/test_serve_graphs.py's, so greedy tokens are not decided by
 rounding.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ same model exported to HF: per-request loglikelihoods within 1e-4 in fp32 and th
 on the local tasks of tests/eval_tasks/ (last word, multiple choice, rolling perplexity,
 generation); the same per-request numbers from tp=2, pp=2 and dp=2 as from one process;
 generate_until equal to HF `generate`; the prefix-logits cache and batching by length; the
-command's errors. During training: tests/test_eval_training.py.
+command's errors. During training: tests/eval/test_eval_training.py.
 
 Model: hidden 64, 4 heads, 4 layers, vocab 512 (the session's tiny BPE has 500 tokens),
 trained for a few seconds on the test tasks' texts, so that its scores and continuations depend
@@ -43,7 +43,7 @@ from tests.dist import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "at_root")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS_DIR = "tests/eval_tasks"
 TASKS = ["lastword_tiny", "choice_tiny", "rolling_tiny", "greedy_tiny"]
 # Below the longest requests: contexts are cut on the left, documents take several windows.

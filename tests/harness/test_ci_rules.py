@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOT_A_SKIP = "In CI a missing test dependency is an error, not a skip"
 
 
@@ -37,8 +37,8 @@ def child_pytest(args: list[str], tmp_path: Path, *, ci: bool, blocked=(), cwd=R
 
 
 @pytest.mark.parametrize("blocked,modules", [
-    ("transformers", ["tests/test_hf.py", "tests/test_generate.py", "tests/test_serve.py"]),
-    ("aiohttp", ["tests/test_serve.py"]),
+    ("transformers", ["tests/checkpoint/test_hf.py", "tests/test_generate.py", "tests/serve/test_serve.py"]),
+    ("aiohttp", ["tests/serve/test_serve.py"]),
 ], ids=["transformers", "aiohttp"])
 def test_a_missing_test_dependency_fails_ci(tmp_path, blocked, modules):
     rc, out = child_pytest(["--collect-only", *modules], tmp_path, ci=True, blocked=[blocked])
@@ -58,11 +58,11 @@ def test_a_missing_hypothesis_fails_ci_before_any_test(tmp_path):
 def test_outside_ci_a_missing_dependency_skips_its_modules_and_lists_them(tmp_path):
     # What a contributor without the extras sees: the modules that need them are skipped and
     # listed with the reason; test_config.py (no hypothesis since the fuzzers moved) still runs.
-    rc, out = child_pytest(["--collect-only", "tests/test_hf.py", "tests/test_fuzz.py",
+    rc, out = child_pytest(["--collect-only", "tests/checkpoint/test_hf.py", "tests/robustness/test_fuzz.py",
                             "tests/test_config.py"], tmp_path, ci=False,
                            blocked=["transformers", "hypothesis"])
     assert rc == 0, out
-    for module, name in (("tests/test_hf.py", "transformers"), ("tests/test_fuzz.py",
+    for module, name in (("tests/checkpoint/test_hf.py", "transformers"), ("tests/robustness/test_fuzz.py",
                                                                  "hypothesis")):
         assert f"{module}: could not import '{name}'" in out and "[not on CI_ALLOWED_SKIPS]" in out
     assert "tests/test_config.py::test_every_key_has_a_domain" in out, out

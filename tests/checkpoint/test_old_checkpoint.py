@@ -17,7 +17,7 @@ from bloomtrain.train import Trainer
 from tests.fixtures.make_old_checkpoint import config
 from tests.dist import run_ranks
 
-FIXTURE = Path(__file__).parent / "fixtures" / "old_checkpoint"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "old_checkpoint"
 
 
 def _config(dataset, tmp):

@@ -21,7 +21,7 @@ from bloomtrain.checkpoint.interop.importer import import_deepspeed
 from bloomtrain.checkpoint.interop.safe_load import InteropError
 from bloomtrain.model.params import base_spec
 
-FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "deepspeed"
 HF = ["hf_zero2_fp32", "hf_zero3_fp32", "hf_bf16_zero1"]
 MEGATRON = "megatron_pp2_tp2_dp2_bf16"
 # 6 heads, 3 layers over pp 2, 300 tokens padded to 512, tp copies bf16 ulps apart, by iterations

@@ -8,7 +8,7 @@ invariance, bloomtrain.serve.runner, makes padded and unpadded steps bitwise equ
 The CUDA tests (`-m device --device cuda`, bench/gpu.sh) capture and replay real graphs.
 
 Model: an HF BloomForCausalLM (hidden 64, 4 heads, 2 layers, vocab 512) with widened weights,
-as tests/test_serve.py's, so that greedy tokens are not decided by rounding.
+as tests/serve/test_serve.py's, so that greedy tokens are not decided by rounding.
 """
 from __future__ import annotations
 
