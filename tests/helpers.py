@@ -38,17 +38,18 @@ def config(shape: BloomShape | None = None, parallel: dict | None = None, optim:
         "train": {"train_iters": 1, **train}})
 
 
-def make_cfg(dataset, tmp_path, **over) -> Config:
-    """A training run of the tiny preset on `dataset` (the `dataset` fixture's synthetic corpus)
-    in `tmp_path/run`: fp32, 6 steps of 8 samples on the CPU. `over`: whole sections
-    (`train={...}`) or single keys (`train__precision="bf16"`)."""
+def run_dict(dataset, run_dir, **over) -> dict:
+    """The sections of a training run of the tiny preset on `dataset` (the `dataset` fixture's
+    synthetic corpus) in `run_dir`: fp32, 6 steps of 8 samples on the CPU. `over`: whole
+    sections (`train={...}`) or single keys (`train__precision="bf16"`). make_cfg's Config and
+    write_config's YAML file are both this."""
     d = {
         "model": {"preset": "tiny", "vocab_size": 256},
-        "data": {"paths": [dataset], "seq_length": 32, "split": "90,10,0"},
+        "data": {"paths": [str(dataset)], "seq_length": 32, "split": "90,10,0"},
         "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_samples": 16, "decay_samples": 400},
         "train": {"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 6,
                   "precision": "fp32", "log_interval": 1, "device": "cpu"},
-        "run_dir": str(tmp_path / "run"),
+        "run_dir": str(run_dir),
     }
     for key, val in over.items():
         section, _, name = key.partition("__")
@@ -56,19 +57,20 @@ def make_cfg(dataset, tmp_path, **over) -> Config:
             d.setdefault(section, {})[name] = val
         else:
             d[section] = val
-    return Config.from_dict(d)
+    return d
+
+
+def make_cfg(dataset, tmp_path, **over) -> Config:
+    """run_dict's run in `tmp_path/run`, as a Config."""
+    return Config.from_dict(run_dict(dataset, tmp_path / "run", **over))
 
 
 def write_config(tmp_path, dataset, run):
-    """make_cfg's run as a YAML file `tmp_path/RUN.yaml` (run_dir `tmp_path/RUN`), for the CLI."""
+    """run_dict's run as a YAML file `tmp_path/RUN.yaml` (run_dir `tmp_path/RUN`), for the CLI."""
+    import yaml
+
     cfg = tmp_path / f"{run}.yaml"
-    cfg.write_text(
-        f"model: {{preset: tiny, vocab_size: 256}}\n"
-        f"data: {{paths: ['{dataset}'], seq_length: 32, split: '90,10,0'}}\n"
-        f"optim: {{lr: 1.0e-3, min_lr: 1.0e-4, warmup_samples: 16, decay_samples: 400}}\n"
-        f"train: {{micro_batch_size: 4, global_batch_size: 8, train_iters: 6, precision: fp32,"
-        f" log_interval: 1, device: cpu}}\n"
-        f"run_dir: {tmp_path / run}\n")
+    cfg.write_text(yaml.safe_dump(run_dict(dataset, tmp_path / run)))
     return cfg
 
 
