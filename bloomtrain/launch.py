@@ -460,6 +460,18 @@ def _kill_children() -> None:
         child.join()
 
 
+def end_by_signal(sig: int) -> None:
+    """End this process as `sig` would have, had nothing caught it: stdio flushed, the default
+    action restored, the signal raised (its exit status is then the signal's, as the process
+    that sent it expects)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal whose default action does not end the process
+
+
 def say_in_handler(line: str) -> None:
     """A line on stderr from a signal handler: os.write, since the interrupted code may be
     inside a write to the same stream (a buffered stream refuses a reentrant call); on a

@@ -92,13 +92,13 @@ def test_a_signalled_launcher_ends_in_one_line(tmp_path):
     assert proc.wait(timeout=180) == 128 + signal.SIGTERM, out
     assert not NOISE.search(out), out
     last = out.strip().splitlines()[-1]
-    # The checkpoint it names is the newest on disk, whatever the workers managed in the 30 s.
+    # The checkpoint it names is the newest on disk. The workers save it and end at once: not
+    # left waiting for the agent, which waits for them until its SIGKILL 30 s later.
     newest = ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None)
     assert newest is not None, out
     assert re.fullmatch(r"bloomtrain: SIGTERM: torch's elastic agent passed it to this node's 2 "
-                        r"worker\(s\) and ended them( \(2 still running 30 s later, with "
-                        rf"SIGKILL\))?; the newest checkpoint is {re.escape(str(newest))}; exit "
-                        r"code 143", last), last
+                        rf"worker\(s\) and ended them; the newest checkpoint is "
+                        rf"{re.escape(str(newest))}; exit code 143", last), last
     assert "[checkpoint] saved" in out
 
 

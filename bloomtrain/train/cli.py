@@ -8,8 +8,8 @@ import sys
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.validate import validate
-from bloomtrain.launch import (env_from_slurm, LaunchSpec, node_address, STOP_FILE_ENV,
-                               world_size_from_env)
+from bloomtrain.launch import (end_by_signal, env_from_slurm, LaunchSpec, node_address,
+                               STOP_FILE_ENV, world_size_from_env)
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
 LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": None,
@@ -35,10 +35,17 @@ def worker_entry(config_path, overrides, run):
               f"every worker started again after one failed; resuming "
               f"(checkpoint.resume={cfg.checkpoint.resume})", file=sys.stderr, flush=True)
     try:
-        return summary(train(cfg, run=run))
+        result = train(cfg, run=run)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if result.stop_signal == signal.SIGTERM:
+        # The launcher's elastic agent is ending the job: it passed its SIGTERM on and waits
+        # for the workers to end, reading nothing back. A worker that returned would wait in
+        # torch's wrapper for the agent to collect it, and the agent for the worker, until its
+        # SIGKILL 30 s later. The checkpoint is saved: end as the signal would have.
+        end_by_signal(signal.SIGTERM)
+    return summary(result)
 
 
 def launch_spec(args, cfg: Config) -> LaunchSpec | None:

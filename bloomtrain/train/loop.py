@@ -48,6 +48,7 @@ class TrainResult:
     checkpoint: str | None = None
     run_dir: str = ""
     exit_reason: str = "finished"
+    stop_signal: int | None = None  # the SIGTERM or SIGUSR1 that stopped the run, if one did
 
 
 class TrainData:
@@ -264,7 +265,7 @@ class Trainer:
                 self._step(meter, result, stats)
                 stop = self._stop_or_save(result)
                 if stop:
-                    result.exit_reason = stop
+                    result.exit_reason, result.stop_signal = stop, self.control.signal
                     return result
             self._finish(result)
         return result
