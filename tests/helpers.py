@@ -38,7 +38,7 @@ def config(shape: BloomShape | None = None, parallel: dict | None = None, optim:
         "train": {"train_iters": 1, **train}})
 
 
-def run_dict(dataset, run_dir, **over) -> dict:
+def run_dict(dataset, run_dir, /, **over) -> dict:
     """The sections of a training run of the tiny preset on `dataset` (the `dataset` fixture's
     synthetic corpus) in `run_dir`: fp32, 6 steps of 8 samples on the CPU. `over`: whole
     sections (`train={...}`) or single keys (`train__precision="bf16"`). make_cfg's Config and
