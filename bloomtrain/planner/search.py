@@ -5,6 +5,7 @@ any of them is evaluated, so that a search where nothing fits costs what one tha
 When nothing fits, the error names the smallest change that would (more GPUs, a larger GPU)."""
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -205,10 +206,19 @@ def _draw(progress: ProgressLine, done: int, total: int, result: SearchResult) -
 
 def mark_ties(plans: list[Plan], band: float) -> None:
     """Give each plan the ranks (1-based) whose step time lies within its error band: layouts
-    the planner cannot tell apart."""
+    the planner cannot tell apart. The candidates come from a window over the step times in
+    order (bisect, with a margin for rounding), the test is each pair's own: the same ties as
+    comparing every pair, in n log n rather than n² (a search's ~7,000 plans took 30 s)."""
+    order = sorted(range(len(plans)), key=lambda j: plans[j].step_time_s)
+    logs = [math.log(plans[j].step_time_s) for j in order]
+    margin = band + 1e-9
     for plan in plans:
-        plan.ties = [j + 1 for j, q in enumerate(plans) if q is not plan
-                     and abs(math.log(q.step_time_s / plan.step_time_s)) <= band]
+        here = math.log(plan.step_time_s)
+        lo = bisect.bisect_left(logs, here - margin)
+        hi = bisect.bisect_right(logs, here + margin)
+        plan.ties = sorted(j + 1 for j in (order[k] for k in range(lo, hi))
+                           if plans[j] is not plan
+                           and abs(math.log(plans[j].step_time_s / plan.step_time_s)) <= band)
 
 
 OUT_OF_MEMORY = ("out of memory", "out of host memory")

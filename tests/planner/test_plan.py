@@ -698,3 +698,27 @@ def test_trainer_logs_the_prediction_and_cuda_refuses_a_layout_that_does_not_fit
     plan, text = plan_for_run(cfg, shape, 1, "cuda")
     assert plan.fits and "the device has 1024.00 GiB" in text
     assert all(s["context"] == 2 ** 30 for s in plan.stages)
+
+
+def test_ties_are_every_plan_within_the_error_band():
+    """mark_ties against the definition, every pair compared (a plain loop here): the ranks of
+    the other plans whose step time is within the band of this one's, on random times with
+    repeats, in order and not, and for bands that are and are not zero."""
+    import math
+    import random
+    from types import SimpleNamespace
+
+    from bloomtrain.planner.search import mark_ties
+
+    rng = random.Random(0)
+    for _ in range(300):
+        times = [rng.choice([1.0, 1.05, 2.0]) * rng.choice([1.0, rng.uniform(0.9, 1.1)])
+                 for _ in range(rng.randint(0, 40))]
+        if rng.random() < 0.5:
+            times.sort()
+        band = rng.choice([0.0, 0.05, math.log(1.05)])
+        plans = [SimpleNamespace(step_time_s=t) for t in times]
+        mark_ties(plans, band)
+        for i, plan in enumerate(plans):
+            assert plan.ties == [j + 1 for j, t in enumerate(times)
+                                 if j != i and abs(math.log(t / times[i])) <= band]
