@@ -8,6 +8,8 @@ innermost, on one node, pipeline stages outermost. Stages hold blocks by Megatro
 """
 from __future__ import annotations
 
+import functools
+
 import re
 import warnings
 from dataclasses import dataclass
@@ -390,6 +392,19 @@ def partition_layers(num_layers: int, num_stages: int, method="uniform",
     weighs like a block and blocks are few). A middle stage without blocks would only forward
     its input, and with interleaving every virtual stage is a model chunk that must compute.
     """
+    if isinstance(method, str):  # the planner asks for the same few partitions thousands of times
+        return list(_partition_cached(num_layers, num_stages, method, interleaved))
+    return _partition(num_layers, num_stages, method, interleaved)
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition_cached(num_layers: int, num_stages: int, method: str,
+                      interleaved: bool) -> tuple[tuple[int, int], ...]:
+    return tuple(_partition(num_layers, num_stages, method, interleaved))
+
+
+def _partition(num_layers: int, num_stages: int, method, interleaved: bool
+               ) -> list[tuple[int, int]]:
     if num_stages < 1:
         raise UserError(f"the number of pipeline stages must be >= 1, got {num_stages}")
     counts = _stage_counts(num_layers, num_stages, method)

@@ -153,11 +153,15 @@ def search(work: Workload, cluster: Cluster, tokens: float | None = None,
     result = SearchResult([], [], cluster, work)
     reasons = Counter()
     groups = list(layouts(work, cluster.num_gpus))
+    best = None  # the fastest plan so far, for the progress line
     for i, (layout, offload) in enumerate(groups):
         cands = [c for c in candidates(work, layout, offload, comp) if matches(c, pinned)]
+        before = len(result.plans)
         _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_fit)
+        best = min(filter(None, [best, *result.plans[before:]]), key=lambda p: p.step_time_s,
+                   default=None)
         if progress is not None:
-            _draw(progress, i + 1, len(groups), result)
+            _draw(progress, i + 1, len(groups), result, best)
         if first_fit and result.plans:
             break
     result.reasons = dict(reasons)
@@ -196,8 +200,8 @@ def _evaluate_group(cands, work, cluster, tokens, limit, result, reasons, first_
             reasons[_reason_kind(p.reason)] += 1
 
 
-def _draw(progress: ProgressLine, done: int, total: int, result: SearchResult) -> None:
-    best = min(result.plans, key=lambda p: p.step_time_s) if result.plans else None
+def _draw(progress: ProgressLine, done: int, total: int, result: SearchResult,
+          best: Plan | None) -> None:
     progress.update(f"plan | layout {done:,} of {total:,}", f"{result.evaluated:,} evaluated",
                     f"{len(result.plans):,} fit",
                     f"best {best.step_time_s:.4g} s/step {best.label}" if best else "none fits",
