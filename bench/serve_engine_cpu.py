@@ -1,8 +1,8 @@
-"""The serving engine's own cost, as CPU time per generated token: 16 greedy sequences (prompts of
-32 tokens, 96 new tokens each) served to the end by `Engine.generate` in this process, one torch
-thread (OMP_NUM_THREADS=1, as bench/serve_load.py runs the server), no HTTP. CPU time
-(time.process_time) rather than wall time, because on a machine shared with other jobs the wall
-time says more about them than about the engine.
+"""The serving engine's own cost, as CPU time per generated token: 16 greedy sequences
+(`--seqs`; prompts of 32 tokens, 96 new tokens each) served to the end by `Engine.generate` in
+this process, one torch thread (OMP_NUM_THREADS=1, as bench/serve_load.py runs the server), no
+HTTP. CPU time (time.process_time) rather than wall time, because on a machine shared with other
+jobs the wall time says more about them than about the engine.
 
 `--root DIR` imports bloomtrain from another source tree (e.g. `git archive COMMIT | tar -x -C
 DIR`), to compare two versions of the engine in alternation on the same machine. The checkpoint
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=str(Path(tempfile.gettempdir())
                                                 / "bloomtrain_serve_load" / "checkpoints"))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seqs", type=int, default=16,
+                    help="sequences served together (default 16; 1: a lone request's steps)")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
@@ -51,7 +53,7 @@ def main() -> None:
     engine = Engine(runner.forward, cfg, vocab_size=runner.model.shape.vocab_size)
     g = torch.Generator().manual_seed(0)
     vocab = runner.model.shape.vocab_size
-    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(16)]
+    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(args.seqs)]
     params = SamplingParams(max_tokens=96, temperature=0)
     per_token = []
     for r in range(args.rounds):
@@ -62,7 +64,7 @@ def main() -> None:
         print(f"round {r + 1}: {tokens} tokens, {per_token[-1] * 1e3:.4f} ms CPU per token",
               flush=True)
     print(json.dumps({"bench": "serve_engine_cpu", "bloomtrain": str(Path(
-        bloomtrain.__file__).parent), "rounds": args.rounds,
+        bloomtrain.__file__).parent), "rounds": args.rounds, "seqs": args.seqs,
         "cpu_ms_per_token_median": statistics.median(per_token) * 1e3,
         "cpu_ms_per_token_rounds": [t * 1e3 for t in per_token]}))
 
