@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bloomtrain.serve.runner import PROBE_ROWS
+
 __all__ = ["PackedLinear", "mkl_packing_available", "pack_linears"]
 
 
@@ -55,15 +57,20 @@ class PackedLinear(nn.Linear):
 
 
 def _packed_rows_match(weight, bias, rows: int, max_rows: int, probe_cols: int) -> bool:
-    """Whether the packed product at `rows` rows equals F.linear's rows at `max_rows` rows,
-    bitwise, for this weight's shape (probed on its first `probe_cols` output features)."""
+    """Whether a PackedLinear of this weight's shape gives, at `rows` rows (the packed product)
+    and at the probed counts above (its fall-through to aten's linear), bitwise F.linear's rows
+    at `max_rows` rows: probed on the first `probe_cols` output features, as
+    runner.batch_invariant_rows probes the padding."""
     g = torch.Generator().manual_seed(0)
     w = weight.detach()[:probe_cols]
     b = None if bias is None else bias.detach()[:probe_cols]
-    x = torch.randn((max(max_rows, rows), w.shape[1]), generator=g)
+    top = max(max_rows, rows)
+    x = torch.randn((top, w.shape[1]), generator=g)
     ref = F.linear(x, w, b)
-    out = torch.ops.mkl._mkl_linear(x[:rows], _pack(w, rows), w, b, rows)
-    return torch.equal(out, ref[:rows])
+    packed = _pack(w, rows)
+    counts = sorted({rows, top} | {m for m in PROBE_ROWS if rows < m < top})
+    return all(torch.equal(torch.ops.mkl._mkl_linear(x[:m], packed, w, b, rows), ref[:m])
+               for m in counts)
 
 
 def pack_linears(model: nn.Module, rows: int, max_rows: int, probe_cols: int = 16384) -> int:
