@@ -5,7 +5,7 @@ minutes on one H200 and leaves one JSON file and a readable summary.
     bench/gpu.sh --out /tmp/gpu.json   # elsewhere
     bench/gpu.sh --only largest_fit    # rerun some sections (name substrings, comma-separated)
     bench/gpu.sh --cpu-smoke           # the same sections on the CPU, tiny shapes (its test:
-                                       # tests/harness/test_gpu_script.py; bloom-7b1's are the tiny
+                                       # tests/infra/test_gpu_script.py; bloom-7b1's are the tiny
                                        # shape at micro-batch 1)
 
 Sections, in this order (each a subprocess with its own timeout, all under one `--budget`):

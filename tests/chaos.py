@@ -9,7 +9,7 @@ losing power, short of losing the page cache. What is compared at the end: every
 final checkpoint (fp32 master weights, exp_avg, exp_avg_sq; `torch.equal`), the train state, the
 optimizer scalars and the logged per-step losses. Prints a summary and ends with one JSON line;
 exit code 0 when everything is bitwise equal, 1 otherwise. `run_chaos` is the same thing as a
-function, for tests/robustness/test_chaos.py.
+function, for tests/system/test_chaos.py.
 """
 from __future__ import annotations
 

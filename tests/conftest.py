@@ -48,9 +48,9 @@ MODULES_KEY = pytest.StashKey[set]()
 # drift into the fast tier unseen.
 SLOW: list[str] = [
     # whole jobs launched as processes: the launcher, kills, restarts, nodes, CLIs
-    "tests/robustness/test_chaos.py::*",
+    "tests/system/test_chaos.py::*",
     "tests/system/test_restart.py::*",
-    "tests/harness/test_gpu_script.py::test_every_section_ran_and_left_numbers",
+    "tests/infra/test_gpu_script.py::test_every_section_ran_and_left_numbers",
     "tests/system/test_lost_rank.py::test_a_rank_killed_mid_step_ends_the_job_cleanly_and_names_it",
     "tests/system/test_multinode.py::test_two_nodes_on_one_machine_match_one_process",
     "tests/system/test_multinode.py::test_a_node_that_never_arrives_fails_the_other_with_a_clear_message",
@@ -107,14 +107,14 @@ SLOW: list[str] = [
     "tests/parallel/test_compile.py::test_compiled_matches_eager_through_the_trainer*",
     # child pytest runs (~4 s each): the fast tier keeps a missing transformers and hypothesis in
     # CI and an unlisted skip
-    "tests/harness/test_ci_rules.py::test_a_missing_test_dependency_fails_ci[[]aiohttp[]]",
-    "tests/harness/test_ci_rules.py::test_outside_ci_a_missing_dependency_skips_its_modules_and_lists_them",
-    "tests/harness/test_ci_rules.py::test_ci_fails_on_a_skip_not_on_the_allow_list[[]cuda-only-skip[]]",
+    "tests/infra/test_ci_rules.py::test_a_missing_test_dependency_fails_ci[[]aiohttp[]]",
+    "tests/infra/test_ci_rules.py::test_outside_ci_a_missing_dependency_skips_its_modules_and_lists_them",
+    "tests/infra/test_ci_rules.py::test_ci_fails_on_a_skip_not_on_the_allow_list[[]cuda-only-skip[]]",
 ]
 # Test modules whose only tests are whole multi-process jobs with kills (~100 s each on a loaded
 # 2-core machine): the fast tier reaches the same code (the launcher, SIGKILL and a bitwise
 # resume) through test_lost_rank, test_resume and test_train_parallel's CLI test.
-FAST_EXEMPT = {"tests/robustness/test_chaos.py", "tests/system/test_restart.py"}
+FAST_EXEMPT = {"tests/system/test_chaos.py", "tests/system/test_restart.py"}
 
 
 def in_ci() -> bool:

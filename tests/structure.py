@@ -4,7 +4,7 @@ two modules need each other), and where tensor, pipeline and ZeRO parallelism ar
 
     python tests/structure.py [REPO_ROOT]     # prints the figures, then one JSON line
 
-tests/harness/test_structure.py asserts on the same functions.
+tests/infra/test_structure.py asserts on the same functions.
 """
 from __future__ import annotations
 

@@ -232,7 +232,7 @@ def test_preemption_signal_saves_and_exits_cleanly(dataset, tmp_path, sig):
 def test_ctrl_c_saves_the_step_it_was_in_and_exits_130(dataset, tmp_path):
     """Ctrl-C (SIGINT) on a plain `bloomtrain train`: it says what it will do, finishes the step
     it is in, saves that step and exits 130, its last line naming the checkpoint.
-    tests/test_runtime.py does the same under --nproc 2, with resumes checked bit for bit."""
+    tests/test_launch.py does the same under --nproc 2, with resumes checked bit for bit."""
     proc = _start_training(tmp_path, dataset)
     seen = _wait_for_steps(proc, 3)
     proc.send_signal(signal.SIGINT)

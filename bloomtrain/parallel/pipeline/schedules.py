@@ -107,7 +107,7 @@ def zb_h1_schedule(pp_size: int, pp_rank: int, num_micro: int, num_chunks: int =
 SPLIT_BACKWARD = frozenset({"zb-h1"})
 
 # Keyed by the names of config.PipelineSchedule, each of which this table implements
-# (tests/harness/test_structure.py checks that it covers them).
+# (tests/infra/test_structure.py checks that it covers them).
 SCHEDULES: dict[PipelineSchedule, Callable[..., list[Op]]] = {
     "gpipe": gpipe_schedule,
     "1f1b": one_f_one_b_schedule,
