@@ -24,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import signal
 import warnings
 from pathlib import Path
 
@@ -129,6 +130,12 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # A run started where SIGINT is ignored (a non-interactive shell's `cmd &`, nohup-like
+    # wrappers) passes the ignore on to every child it starts, and bloomtrain, like any program,
+    # keeps an inherited ignore: the Ctrl-C tests would then wait on a job that never stops.
+    # Any handler here resets to the default in the children's exec.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "device: a single-process test that runs on --device "
                                        "(applied to every test that takes the device fixture)")
     config.pluginmanager.register(SkipLedger(), "bloomtrain-skip-ledger")

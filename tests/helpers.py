@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,19 @@ def write_config(tmp_path, dataset, run):
     cfg = tmp_path / f"{run}.yaml"
     cfg.write_text(yaml.safe_dump(run_dict(dataset, tmp_path / run)))
     return cfg
+
+
+def read_rest(proc, timeout: float) -> str:
+    """The rest of a child's text stdout once it has ended, the child killed after `timeout`
+    seconds: a child that ignores the signal a test sent fails that test (its exit code, its
+    output) instead of hanging the run. (communicate(timeout=) would skip what iterating
+    proc.stdout has already buffered.)"""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        return proc.stdout.read()
+    finally:
+        timer.cancel()
 
 
 def metrics(run_dir) -> list[dict]:

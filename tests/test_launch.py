@@ -25,6 +25,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.launch import _AgentNoise
 from tests import faults
 from tests.chaos import Job, compare, group_left_after
+from tests.helpers import read_rest
 from tests.synthetic import write_synthetic_dataset
 
 NOISE = re.compile(r"Closing process|Terminating process|closing signal|death signal|"
@@ -88,7 +89,7 @@ def test_a_signalled_launcher_ends_in_one_line(tmp_path):
     else:
         raise AssertionError("training ended early:\n" + "".join(seen))
     proc.send_signal(signal.SIGTERM)  # the launcher, as a terminal's kill or a scheduler does
-    out = "".join(seen) + proc.stdout.read()
+    out = "".join(seen) + read_rest(proc, 180)
     assert proc.wait(timeout=180) == 128 + signal.SIGTERM, out
     assert not NOISE.search(out), out
     last = out.strip().splitlines()[-1]
@@ -107,7 +108,7 @@ def test_a_failed_worker_ends_in_its_own_line(tmp_path):
     # rank 0 cannot create its run directory; rank 1, waiting in a collective, is stopped.
     (tmp_path / "a_file").write_text("")
     proc = _train(tmp_path, "train.train_iters=4", f"run_dir={tmp_path / 'a_file' / 'run'}")
-    out = proc.stdout.read()
+    out = read_rest(proc, 180)
     assert proc.wait(timeout=180) == 2, out
     assert not re.search(r"Closing process|Terminating process|closing signal", out), out
     assert out.strip().splitlines()[-1].startswith(

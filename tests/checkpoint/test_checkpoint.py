@@ -15,7 +15,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.train import Trainer, train
 from tests import faults
 from tests.dist import run_ranks
-from tests.helpers import make_cfg, metrics, write_config
+from tests.helpers import make_cfg, read_rest, write_config
 
 QUIET = dict(log=lambda *a: None)
 
@@ -222,7 +222,7 @@ def test_preemption_signal_saves_and_exits_cleanly(dataset, tmp_path, sig):
     proc = _start_training(tmp_path, dataset)
     _wait_for_steps(proc, 3)
     proc.send_signal(sig)
-    out = proc.stdout.read()
+    out = read_rest(proc, 120)
     assert proc.wait(timeout=120) == 0, out
     assert "stopping at step" in out and "signal" in out
     (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
@@ -236,7 +236,7 @@ def test_ctrl_c_saves_the_step_it_was_in_and_exits_130(dataset, tmp_path):
     proc = _start_training(tmp_path, dataset)
     seen = _wait_for_steps(proc, 3)
     proc.send_signal(signal.SIGINT)
-    out = "".join(seen) + proc.stdout.read()
+    out = "".join(seen) + read_rest(proc, 120)
     assert proc.wait(timeout=120) == 130, out
     assert ("bloomtrain: SIGINT: stopping at the end of this step to save a checkpoint; Ctrl-C "
             "again quits at once without saving") in out
@@ -285,7 +285,7 @@ def test_kill_switch_saves_and_exits(dataset, tmp_path):
     proc = _start_training(tmp_path, dataset, f"train.kill_switch_path={switch}")
     _wait_for_steps(proc, 2)
     switch.touch()
-    out = proc.stdout.read()
+    out = read_rest(proc, 120)
     assert proc.wait(timeout=120) == 0, out
     assert "kill switch" in out
     (step, path), = ckpt.list_checkpoints(tmp_path / "ck")

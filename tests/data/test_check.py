@@ -2,7 +2,6 @@
 dataset's id range read once and cached, missing datasets and tokenizers named together."""
 import json
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest

@@ -38,7 +38,6 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from bloomtrain import cli  # noqa: E402
 from bloomtrain.eval import cli as eval_cli  # noqa: E402
 from bloomtrain.eval import protocol  # noqa: E402
-from bloomtrain.errors import UserError  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "at_root")

@@ -39,7 +39,7 @@ from bloomtrain.planner import fit
 from bloomtrain.planner.calibrate import calibrate_efficiency
 from bloomtrain.planner.efficiency import A100
 from bloomtrain.planner.evaluate import evaluate
-from bloomtrain.planner.hardware import GPU, GPUS, Cluster
+from bloomtrain.planner.hardware import GPUS, Cluster
 from bloomtrain.planner.memory import (ActivationSpec, chunk_activation_items, in_flight,
                                        stage_memory)
 from bloomtrain.planner.traffic import comm_bytes

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 
 from bloomtrain import checkpoint as ckpt
 from tests import faults

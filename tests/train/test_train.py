@@ -1,13 +1,11 @@
 """Single-process training loop: skipped steps, gradient accumulation, data parallelism, exit
 controls. Resume after a crash is in test_resume.py, parity with a plain reference loop in
 test_train_reference.py."""
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from bloomtrain.config import Config
 from bloomtrain.train import Trainer, train
 from tests.dist import run_ranks
 from tests.helpers import make_cfg, metrics
