@@ -161,6 +161,16 @@ class BloomBlock(nn.Module):
         return x
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, less its N(0, 1) init when built on the meta device (every sharded build:
+    training, serving, eval): a meta tensor has no values, and a meta normal_ runs through
+    torch._refs, whose first call imports torch._dynamo, 1.5 s of every process's start. On a
+    real device the init runs as before (the same draws from the generator, in the same order)."""
+    if torch.empty(0).is_meta:  # the default device, as `with torch.device("meta")` sets it
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class BloomModel(nn.Module):
     """HF's `transformer` submodule: embedding + embedding LN, blocks `h`, final `ln_f`. What a
     parallel plan changes is derived at run time, not fixed here: the local head count from the
@@ -169,7 +179,7 @@ class BloomModel(nn.Module):
     def __init__(self, shape: BloomShape):
         super().__init__()
         self.shape = shape
-        self.word_embeddings = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.word_embeddings = _embedding(shape.vocab_size, shape.hidden_size)
         self.word_embeddings_layernorm = nn.LayerNorm(shape.hidden_size,
                                                       eps=shape.layer_norm_epsilon)
         self.h = nn.ModuleList(BloomBlock(shape, i) for i in range(shape.num_layers))

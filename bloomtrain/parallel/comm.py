@@ -48,9 +48,10 @@ class CommStats:
         must check (gloo, which matches tags, would hide a mismatch)."""
         self.p2p_log = [] if enabled else None
 
-    # Host-side accounting, per call: under torch.compile it must run, not be traced (a trace
-    # would count once and guard on the counts); see bloomtrain.parallel.compile.
-    @torch.compiler.disable
+    # Host-side accounting, per call. Under torch.compile it must run, not be traced (a trace
+    # would count once and guard on the counts): bloomtrain.parallel.compile wraps it in
+    # torch.compiler.disable (untraced_record) when it compiles, not this class at import, since
+    # that decorator imports torch._dynamo, 1.5 s of the start of every process.
     def record(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         entry = self._counts.setdefault((kind, name), {"calls": 0, "bytes": 0})
         entry["calls"] += 1
@@ -65,6 +66,15 @@ class CommStats:
 # every autograd function, whose backward passes run where no argument reaches. Disabled, a call
 # costs one bool test; a run enables it only inside stats_scope, which restores the setting.
 STATS = CommStats()
+
+
+def untraced_record() -> None:
+    """Make `CommStats.record` run eagerly at every call under torch.compile (once per process;
+    bloomtrain.parallel.compile calls it before it compiles anything)."""
+    if not getattr(CommStats.record, "_bloomtrain_untraced", False):
+        record = torch.compiler.disable(CommStats.record)
+        record._bloomtrain_untraced = True
+        CommStats.record = record
 
 
 @contextlib.contextmanager

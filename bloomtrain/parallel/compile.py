@@ -28,6 +28,7 @@ def compiled_block_forward():
     # per code object, under Dynamo's default limit of 8. The default mode, no CUDA graphs: they
     # would bake in the data pointers that ZeRO-3's gathers and frees change every step (guards
     # check metadata only, so those never recompile).
+    comm.untraced_record()
     return torch.compile(BloomBlock.forward, dynamic=False,
                          options={"guard_filter_fn": _guard_filter})
 

@@ -162,3 +162,23 @@ def test_a_run_leaves_no_global_state_behind(dataset, tmp_path):
     assert {s: signal.getsignal(s) for s in before} == before
     assert comm.STATS.enabled == enabled
     assert len(records.losses) == 2
+
+
+def test_training_without_compile_never_imports_dynamo(dataset, tmp_path):
+    """torch._dynamo costs 1.5 s of every process's start (every worker, server and eval rank).
+    Only train.compile needs it: building the model on the meta device (no nn.Embedding init
+    there) and counting communication (CommStats.record, made untraced only when compiling) must
+    not import it. A child process, since this one has imported it for other tests."""
+    import subprocess
+    import sys
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=2, parallel__zero_stage=1,
+                   checkpoint__dir=str(tmp_path / "ck"), checkpoint__save_interval=1)
+    (tmp_path / "c.yaml").write_text(cfg.to_yaml())
+    code = ("import sys\nfrom bloomtrain.train.loop import train\nfrom bloomtrain.config import "
+            f"Config\ntrain(Config.load({str(tmp_path / 'c.yaml')!r}, []), log=lambda *a: None)\n"
+            "print('dynamo imported:', 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "dynamo imported: False", out.stdout
+    assert (tmp_path / "ck").is_dir()
