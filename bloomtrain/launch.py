@@ -548,6 +548,22 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     return taker.after(results)
 
 
+def thread_env(nproc: int, env=os.environ) -> dict[str, str]:
+    """Each worker's share of this node's CPU cores as OMP_NUM_THREADS, which torch reads for its
+    intra-op threads, unless the user set it. Otherwise every worker would take all the cores
+    (torch's default), and N workers on C cores run N*C spinning threads: the oversubscription
+    torchrun avoids by giving each of several workers one thread. A share, not one, because
+    the CPU does real work here (ZeRO-Offload's optimizer step, CPU training). Said in one
+    line when it is set."""
+    if nproc < 2 or env.get("OMP_NUM_THREADS"):
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // nproc)
+    print(f"bloomtrain: {nproc} workers on {cores} CPU core(s): OMP_NUM_THREADS={threads} each "
+          f"(set OMP_NUM_THREADS to choose)", file=sys.stderr, flush=True)
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
 def _address_env(spec: LaunchSpec, address: NodeAddress | None, endpoint: str) -> dict:
     """The workers' gloo interface for a node of several, said in one line. gloo binds to the
     address the hostname resolves to, loopback on many hosts (node_address): the workers' gloo
@@ -566,7 +582,8 @@ def _address_env(spec: LaunchSpec, address: NodeAddress | None, endpoint: str) -
 
 def _launch_config(spec: LaunchSpec):
     """torch's LaunchConfig for `spec`, the rendezvous endpoint (a free localhost port for one
-    node) and the workers' variables for the address this node advertises (node_address)."""
+    node) and the workers' variables: the address this node advertises (node_address) and their
+    threads (thread_env)."""
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -593,7 +610,7 @@ def _launch_config(spec: LaunchSpec):
                       "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
         local_addr=address.addr if address is not None else None)
-    return lc, endpoint, _address_env(spec, address, endpoint)
+    return lc, endpoint, {**_address_env(spec, address, endpoint), **thread_env(spec.nproc)}
 
 
 def _signalled_exit(sigval: int, nproc: int, forced: int, after: str | None) -> None:

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from bloomtrain import checkpoint as ckpt
+from bloomtrain import launch
 from bloomtrain.launch import _AgentNoise
 from tests import faults
 from tests.chaos import Job, compare, group_left_after
@@ -113,6 +114,47 @@ def test_a_failed_worker_ends_in_its_own_line(tmp_path):
     assert not re.search(r"Closing process|Terminating process|closing signal", out), out
     assert out.strip().splitlines()[-1].startswith(
         "bloomtrain train: error: rank 0 (local rank 0, pid "), out
+
+
+# ---- threads per worker -------------------------------------------------------------------------
+def _report_threads(folder: str) -> None:
+    """A worker: what OMP_NUM_THREADS it got and the intra-op threads torch took from it."""
+    import json
+
+    import torch
+    rank = os.environ["RANK"]
+    with open(os.path.join(folder, f"{rank}.json"), "w") as f:
+        json.dump([os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()], f)
+
+
+def _threads_seen(tmp_path) -> list:
+    import json
+    launch.launch_local(2, _report_threads, str(tmp_path))
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_each_worker_gets_its_share_of_the_cores(tmp_path, monkeypatch, capfd):
+    # As if the node had 4 cores: 2 workers take 2 threads each, not 4 each (torch's default is
+    # every core, and N workers would run N times as many spinning threads as cores). Four, not
+    # more: torch takes no more threads than the machine has cores, whatever the variable says.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert _threads_seen(tmp_path) == [["2", 2], ["2", 2]]
+    assert ("bloomtrain: 2 workers on 4 CPU core(s): OMP_NUM_THREADS=2 each (set "
+            "OMP_NUM_THREADS to choose)") in capfd.readouterr().err
+    # More workers than cores: one thread each.
+    assert launch.thread_env(3, {}) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert launch.thread_env(3, {}) == {"OMP_NUM_THREADS": "2"}
+    assert launch.thread_env(1, {}) == {}  # one worker: torch's own default, as before
+
+
+def test_a_users_omp_num_threads_is_kept(tmp_path, monkeypatch, capfd):
+    # Two workers on this machine's cores would get one thread each; the user's 2 stands.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert _threads_seen(tmp_path) == [["2", 2], ["2", 2]]
+    assert "OMP_NUM_THREADS=" not in capfd.readouterr().err
 
 
 # ---- Ctrl-C -------------------------------------------------------------------------------------
