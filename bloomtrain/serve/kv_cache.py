@@ -87,6 +87,7 @@ class PagedKVCache:
         # block_size * head_dim] views, made once): a gather is then one index_select of whole
         # rows.
         self._rows = {i: kv.view(-1, block_size * head_dim) for i, kv in self.kv.items()}
+        self._workspace = None
 
     @property
     def bytes(self) -> int:
@@ -101,14 +102,21 @@ class PagedKVCache:
     def buffer(self, tables: torch.Tensor):
         """Room for `read` of the block tables `tables` [b, w] on CPU, and the rows it reads,
         to reuse at every layer of a step: a layer's attention is done with what it read
-        before the next layer reads. None on CUDA, where `read` gathers in one kernel into a
-        new tensor."""
+        before the next layer reads, and each group of a layer (a prompt chunk, a group of
+        decodes) before the next group reads. So every buffer is a view of one workspace,
+        kept from step to step at the largest size a step has needed: a new one per step, a
+        few MB, came as fresh pages from the kernel, faulted in by the gather that filled them
+        (on the serve benchmark's load that gather ran at half the speed of a copy into warm
+        memory). None on CUDA, where `read` gathers in one kernel into a new tensor."""
         first = next(iter(self.kv.values()))
         if first.is_cuda:
             return None
         planes = torch.arange(2 * self.num_heads, device=tables.device)[:, None]
         rows = (planes * self._plane_blocks + tables.reshape(1, -1)).reshape(-1)
-        return first.new_empty((rows.numel(), self.block_size * self.head_dim)), rows
+        n = rows.numel()
+        if self._workspace is None or self._workspace.shape[0] < n:
+            self._workspace = first.new_empty((n, self.block_size * self.head_dim))
+        return self._workspace[:n], rows
 
     def read(self, layer: int, tables: torch.Tensor, buffer=None
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,12 @@ MIN_ROWS = 16       # rows of padding where none is measured (CUDA), or none was
 # positions to the sums of the softmax and of p·V, whose vector lanes stay where they were
 # (tests/serve/test_serve.py checks it on the machine it runs on).
 DECODE_BUCKET = 32
+# Decodes of very different lengths are attended in up to DECODE_GROUPS calls (decode_groups),
+# when a cut saves more than DECODE_GROUP_COST padded keys (summed over the group's sequences):
+# what one more gather and attention call per layer costs, about (of 64, 128, 256 and 512 keys,
+# 256 did best on bench/serve_load.py's load at one thread).
+DECODE_GROUPS = 3
+DECODE_GROUP_COST = 256
 ROW_CANDIDATES = (1, 2, 4, 8, 16)
 # Row counts the probe tries: every count up to 33 (kernels switch at small counts), then
 # counts around the multiples of the blocking sizes GEMMs use, then the step's largest.
@@ -134,24 +140,51 @@ def plan_step(batch: StepBatch, cache: PagedKVCache, slopes: torch.Tensor, dtype
     if decoding and decode == "flex":
         flex.append(_flex_decodes(decoding, cache, slopes, dev))
     elif decoding:
-        longest = max(s.ctx_len for s in decoding)
         # Whole blocks, and a multiple of DECODE_BUCKET keys (why: at DECODE_BUCKET).
         bucket = math.lcm(DECODE_BUCKET, bs)
-        padded = -(-longest // bucket) * bucket
-        width = padded // bs
-        # Padding blocks point at block 0: real memory, finite values, masked below.
-        tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in decoding],
-                              device=dev)  # [D, width]
-        q_pos = torch.tensor([[s.ctx_len - 1] for s in decoding], device=dev,
-                             dtype=torch.float32)  # [D, 1]
-        bias = alibi_bias(slopes, q_pos, padded, dtype)  # [nh, D, 1, Lp]
-        rows = torch.tensor([s.row for s in decoding], device=dev)
-        decodes.append((rows, tables, cache.buffer(tables), bias.view(-1, 1, padded)))
+        for group, padded in decode_groups(decoding, bucket):
+            width = padded // bs
+            # Padding blocks point at block 0: real memory, finite values, masked below.
+            tables = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in group],
+                                  device=dev)  # [D, width]
+            q_pos = torch.tensor([[s.ctx_len - 1] for s in group], device=dev,
+                                 dtype=torch.float32)  # [D, 1]
+            bias = alibi_bias(slopes, q_pos, padded, dtype)  # [nh, D, 1, Lp]
+            rows = torch.tensor([s.row for s in group], device=dev)
+            decodes.append((rows, tables, cache.buffer(tables), bias.view(-1, 1, padded)))
     meta = PagedAttention(cache, torch.tensor(write_slots, device=dev, dtype=torch.int64),
                           num_tokens, prefills, decodes, flex)
     num_logits = len(batch.logit_rows)
     logit_rows = batch.logit_rows + [0] * (max(num_logits, min_rows) - num_logits)
     return (torch.tensor(ids, device=dev), meta, torch.tensor(logit_rows, device=dev))
+
+
+def decode_groups(decoding: list, bucket: int) -> list[tuple[list, int]]:
+    """The decoding sequences in groups attended one batched call each, with each group's key
+    length (its longest context rounded up to `bucket`). One group pads every sequence to the
+    step's longest context; under a load of mixed lengths that is twice the keys there are
+    (bench/serve_load.py's requests: 1.99x), gathered and attended for nothing. Sorted by
+    length, the sequences are cut where it saves more padded keys than DECODE_GROUP_COST per
+    extra group, into at most DECODE_GROUPS groups. A sequence's logits are the same whichever
+    group it is in: its keys are padded by whole buckets either way (DECODE_BUCKET)."""
+    order = sorted(decoding, key=lambda s: s.ctx_len)
+    pads = [-(-s.ctx_len // bucket) * bucket for s in order]
+    cuts = [len(order)]  # group ends, the last group first
+    while len(cuts) < DECODE_GROUPS:
+        end = cuts[-1]
+        # The best cut of order[:end] into [:i] and [i:end], against leaving it whole.
+        best, at = end * pads[end - 1] - DECODE_GROUP_COST, None
+        for i in range(1, end):
+            if pads[i - 1] == pads[end - 1]:
+                break
+            cost = i * pads[i - 1] + (end - i) * pads[end - 1]
+            if cost < best:
+                best, at = cost, i
+        if at is None:
+            break
+        cuts.append(at)
+    starts = cuts[1:] + [0]
+    return [(order[a:b], pads[b - 1]) for a, b in zip(starts, cuts)]
 
 
 def _flex_decodes(decoding: list, cache: PagedKVCache, slopes: torch.Tensor, dev):

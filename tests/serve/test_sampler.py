@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from bloomtrain.serve.sampler import SampleRow, SamplingBatch, ScoreRows, sample
+from bloomtrain.serve.sampler import (ARGMAX_BLOCK, ARGMAX_MIN, SampleRow, SamplingBatch,
+                                      ScoreRows, first_argmax, sample)
 from bloomtrain.serve.sampling import SamplingParams, request_scores, warp
 
 V, LIMIT, EOS = 300, 280, 7
@@ -157,3 +158,37 @@ def test_a_step_reads_a_few_numbers_per_row_not_the_vocabulary():
     with HostReads() as reads:
         logits[0].tolist()
     assert reads.elements == V
+
+
+def _first_max_loop(row: list[float]) -> int:
+    """A plain loop's argmax: the first NaN if there is one, else the first maximum."""
+    for i, v in enumerate(row):
+        if v != v:
+            return i
+    best = 0
+    for i, v in enumerate(row):
+        if v > row[best]:
+            best = i
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_argmax_is_torchs_argmax(seed):
+    """first_argmax (the blocked CPU argmax greedy rows go through) against torch.argmax and a
+    plain loop: rows long enough to take the blocked path, with and without a short last
+    block, on a vocabulary-limited view of wider rows (the sampler's own input), with ties
+    (few distinct values: a maximum in several blocks and twice in one), NaN, +inf and rows
+    that are all -inf."""
+    g = torch.Generator().manual_seed(seed)
+    for rows, width, limit in [(16, 4096, 4096), (12, 4096, 4000), (3, 40000, 39999),
+                               (1, 250, 250), (2, ARGMAX_MIN, ARGMAX_MIN - ARGMAX_BLOCK - 1)]:
+        x = torch.randint(-3, 4, (rows, width), generator=g).float()  # many ties
+        x[0, torch.randint(0, limit, (1,), generator=g)] = float("nan")
+        if rows > 2:
+            x[1] = float("-inf")
+            x[2, limit - 1] = float("inf")  # in the short last block when there is one
+        view = x[:, :limit]
+        assert view.shape[0] * view.shape[1] >= ARGMAX_MIN or rows == 1
+        got = first_argmax(view)
+        assert torch.equal(got, view.argmax(dim=-1)), (rows, width, limit)
+        assert got.tolist() == [_first_max_loop(r) for r in view.tolist()]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -30,6 +31,9 @@ from bloomtrain.serve.config import EngineConfig
 from bloomtrain.serve.detokenize import TextStream
 from bloomtrain.serve.sampling import SamplingParams
 from bloomtrain.serve.metrics import ServeMetrics
+from bloomtrain.serve import runner as runner_module
+from bloomtrain.serve.runner import (DECODE_BUCKET, DECODE_GROUP_COST, DECODE_GROUPS,
+                                     decode_groups)
 from bloomtrain.serve.tp import build_runner
 from tests.serving import CFG, CHAT_TEMPLATE, VOCAB, ServerProcess, make_engine, random_prompts
 
@@ -56,10 +60,14 @@ def lp_values(result):
 
 # ---- the engine: batch invariance, HF parity, scheduling -----------------------------------
 
-def test_batched_equals_alone_and_hf(model_dir):
+def test_batched_equals_alone_and_hf(model_dir, monkeypatch):
     """8 prompts of different lengths (1 to 70 tokens: one to five chunks) arriving at
     different steps, greedy and seeded sampling mixed: every request gets exactly the tokens,
-    and bitwise the logprobs, it gets alone; the greedy ones equal HF generate."""
+    and bitwise the logprobs, it gets alone; the greedy ones equal HF generate. Decodes are
+    cut into length groups wherever that saves a padded key (at these short contexts the
+    default cost would keep them together), so a sequence moves between groups as the
+    others come and go."""
+    monkeypatch.setattr(runner_module, "DECODE_GROUP_COST", 0)
     ref, path = model_dir
     lengths = [1, 5, 16, 17, 33, 40, 64, 70]
     prompts = random_prompts(lengths)
@@ -70,8 +78,12 @@ def test_batched_equals_alone_and_hf(model_dir):
     batches = []
     engine = make_engine(path, wrap=lambda f: lambda b, s: (batches.append(b), f(b, s))[1])
     batched = engine.generate(prompts, params, arrival_steps=[0, 0, 1, 2, 4, 7, 9, 12])
-    # The batch really mixed prefill chunks and decodes of several sequences.
+    # The batch really mixed prefill chunks and decodes of several sequences, and decodes of
+    # very different lengths were attended in separate groups (runner.decode_groups).
     assert max(len(b.seqs) for b in batches) >= 6
+    bucket = math.lcm(DECODE_BUCKET, CFG.block_size)
+    assert any(len(decode_groups([s for s in b.seqs if s.q_len == 1], bucket)) > 1
+               for b in batches if sum(s.q_len == 1 for s in b.seqs) > 1)
     assert any(any(s.q_len > 1 for s in b.seqs) and any(s.q_len == 1 for s in b.seqs)
                for b in batches)
     assert engine.pool.num_used == 0
@@ -82,6 +94,31 @@ def test_batched_equals_alone_and_hf(model_dir):
         assert lp_values(got) == lp_values(alone)  # bitwise: the batch changed no number
         if not p.do_sample:
             assert got["token_ids"] == hf_greedy(ref, prompt, 24)
+
+
+def test_decode_groups_cut_only_where_padding_is_saved():
+    """decode_groups against the one padded group it replaces, on random steps: every sequence
+    in exactly one group, each group padded by whole buckets to its own longest, at most
+    DECODE_GROUPS groups, and each extra group saving more than DECODE_GROUP_COST padded keys
+    (so never more keys than one group)."""
+    import random
+
+    from bloomtrain.serve.batch import SeqStep
+    rng, bucket = random.Random(0), 32
+    cut = 0
+    for _ in range(300):
+        seqs = [SeqStep(row=i, q_len=1, ctx_len=rng.randint(1, rng.choice([40, 300, 2000])),
+                        blocks=[]) for i in range(rng.randint(1, 24))]
+        groups = decode_groups(seqs, bucket)
+        assert sorted(s.row for g, _ in groups for s in g) == list(range(len(seqs)))
+        assert 1 <= len(groups) <= DECODE_GROUPS
+        for g, padded in groups:
+            assert padded % bucket == 0 and padded - bucket < max(s.ctx_len for s in g) <= padded
+        one = len(seqs) * -(-max(s.ctx_len for s in seqs) // bucket) * bucket
+        keys = sum(len(g) * padded for g, padded in groups)
+        assert keys <= one - (len(groups) - 1) * DECODE_GROUP_COST - (len(groups) > 1)
+        cut += len(groups) > 1
+    assert cut > 50  # the random steps did get cut
 
 
 def test_preemption_recomputes_the_same_tokens(model_dir):
