@@ -1,7 +1,8 @@
 """The serving engine's own cost, as CPU time per generated token: 16 greedy sequences
 (`--seqs`; prompts of 32 tokens, 96 new tokens each) served to the end by `Engine.generate` in
 this process, one torch thread (OMP_NUM_THREADS=1, as bench/serve_load.py runs the server), no
-HTTP. CPU time (time.process_time) rather than wall time, because on a machine shared with other
+HTTP. `--load serve` serves bench/serve_load.py's 64 requests instead, `--seqs` at a time: the
+mixed prompt and output lengths its 16-client load gives the server's engine. CPU time (time.process_time) rather than wall time, because on a machine shared with other
 jobs the wall time says more about them than about the engine.
 
 `--root DIR` imports bloomtrain from another source tree (e.g. `git archive COMMIT | tar -x -C
@@ -11,6 +12,7 @@ Measures; asserts nothing. Prints one line per round, then one JSON line.
 
     python bench/serve_engine_cpu.py
     python bench/serve_engine_cpu.py --root /tmp/old --rounds 5
+    python bench/serve_engine_cpu.py --load serve
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seqs", type=int, default=16,
                     help="sequences served together (default 16; 1: a lone request's steps)")
+    ap.add_argument("--load", choices=("uniform", "serve"), default="uniform",
+                    help="uniform: --seqs prompts of 32 random tokens, 96 new tokens each; "
+                         "serve: bench/serve_load.py's 64 requests (its demo model's "
+                         "validation text, prompts of 8-96 and outputs of 16-128 tokens), "
+                         "--seqs of them running at once, as its clients keep them")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
@@ -48,13 +55,18 @@ def main() -> None:
         from bloomtrain.serve.engine import SamplingParams
 
     torch.set_num_threads(1)
-    cfg = EngineConfig(max_model_len=512, kv_cache_tokens=16384)
+    cfg = EngineConfig(max_model_len=512, kv_cache_tokens=16384,
+                       max_num_seqs=args.seqs if args.load == "serve" else 32)
     runner = build_runner(args.checkpoint, cfg)
     engine = Engine(runner.forward, cfg, vocab_size=runner.model.shape.vocab_size)
-    g = torch.Generator().manual_seed(0)
-    vocab = runner.model.shape.vocab_size
-    prompts = [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(args.seqs)]
-    params = SamplingParams(max_tokens=96, temperature=0)
+    if args.load == "serve":
+        prompts, params = serve_load_requests(args.checkpoint)
+    else:
+        g = torch.Generator().manual_seed(0)
+        vocab = runner.model.shape.vocab_size
+        prompts = [torch.randint(0, vocab, (32,), generator=g).tolist()
+                   for _ in range(args.seqs)]
+        params = SamplingParams(max_tokens=96, temperature=0)
     per_token = []
     for r in range(args.rounds):
         start = time.process_time()
@@ -65,8 +77,27 @@ def main() -> None:
               flush=True)
     print(json.dumps({"bench": "serve_engine_cpu", "bloomtrain": str(Path(
         bloomtrain.__file__).parent), "rounds": args.rounds, "seqs": args.seqs,
+        "load": args.load,
         "cpu_ms_per_token_median": statistics.median(per_token) * 1e3,
         "cpu_ms_per_token_rounds": [t * 1e3 for t in per_token]}))
+
+
+def serve_load_requests(checkpoint: str):
+    """bench/serve_load.py's requests (its workload, seed 0) as prompts and greedy
+    SamplingParams, from the demo run the checkpoint belongs to. Imported from the tree being
+    measured, as bloomtrain is."""
+    from bench.serve_load import validation_samples, workload
+    from bloomtrain.checkpoint.tokenizer import checkpoint_tokenizer
+    from bloomtrain.data.tokenizer import load_tokenizer
+    try:
+        from bloomtrain.serve.sampling import SamplingParams
+    except ImportError:  # trees from before the serve split
+        from bloomtrain.serve.engine import SamplingParams
+    run_dir = Path(checkpoint).parent
+    tokenizer = load_tokenizer(checkpoint_tokenizer(checkpoint, None))
+    requests = workload(validation_samples(run_dir, tokenizer, 64), 64, 0)
+    return ([p for p, _ in requests],
+            [SamplingParams(max_tokens=n, temperature=0) for _, n in requests])
 
 
 if __name__ == "__main__":
