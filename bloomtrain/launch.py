@@ -510,7 +510,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
 
     spec = spec or LaunchSpec(nproc=nproc)
     spec.check()
-    lc, endpoint, node_env = _launch_config(spec)
+    lc, endpoint, node_env = _launch_config(spec, worker_env or {})
     # By default the workers' store is one the agent keeps across restarts, and a restarted
     # group reads the previous attempt's addresses from it (gloo: "connectFullMesh failed ...
     # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
@@ -580,10 +580,10 @@ def _address_env(spec: LaunchSpec, address: NodeAddress | None, endpoint: str) -
     return env
 
 
-def _launch_config(spec: LaunchSpec):
+def _launch_config(spec: LaunchSpec, worker_env: dict[str, str]):
     """torch's LaunchConfig for `spec`, the rendezvous endpoint (a free localhost port for one
     node) and the workers' variables: the address this node advertises (node_address) and their
-    threads (thread_env)."""
+    threads (thread_env; none where the caller's `worker_env` sets them)."""
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -610,7 +610,8 @@ def _launch_config(spec: LaunchSpec):
                       "is_host": spec.node_rank == 0, "node_rank": spec.node_rank},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
         local_addr=address.addr if address is not None else None)
-    return lc, endpoint, {**_address_env(spec, address, endpoint), **thread_env(spec.nproc)}
+    return lc, endpoint, {**_address_env(spec, address, endpoint),
+                          **thread_env(spec.nproc, {**os.environ, **worker_env})}
 
 
 def _signalled_exit(sigval: int, nproc: int, forced: int, after: str | None) -> None:

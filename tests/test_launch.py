@@ -127,9 +127,9 @@ def _report_threads(folder: str) -> None:
         json.dump([os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()], f)
 
 
-def _threads_seen(tmp_path) -> list:
+def _threads_seen(tmp_path, worker_env=None) -> list:
     import json
-    launch.launch_local(2, _report_threads, str(tmp_path))
+    launch.launch_local(2, _report_threads, str(tmp_path), worker_env=worker_env)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
 
 
@@ -150,10 +150,13 @@ def test_each_worker_gets_its_share_of_the_cores(tmp_path, monkeypatch, capfd):
 
 
 def test_a_users_omp_num_threads_is_kept(tmp_path, monkeypatch, capfd):
-    # Two workers on this machine's cores would get one thread each; the user's 2 stands.
+    # Two workers on two cores would get one thread each; the user's 2 stands, whether from
+    # the environment or from the command (serve --threads passes it as the workers' own).
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
     assert _threads_seen(tmp_path) == [["2", 2], ["2", 2]]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert _threads_seen(tmp_path, {"OMP_NUM_THREADS": "2"}) == [["2", 2], ["2", 2]]
     assert "OMP_NUM_THREADS=" not in capfd.readouterr().err
 
 

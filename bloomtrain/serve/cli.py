@@ -102,7 +102,9 @@ def _main(args) -> int:
 
         # SIGTERM/SIGINT reaching the launcher is passed on to the ranks, and it waits for
         # them: rank 0 drains and stops the others, a normal end (exit 0).
-        launch_local(tp, serve_worker, opts, signalled=lambda name: print(
+        # --threads for every rank from its start (the launcher's default share otherwise).
+        threads = {"OMP_NUM_THREADS": str(opts["threads"])} if opts["threads"] else None
+        launch_local(tp, serve_worker, opts, worker_env=threads, signalled=lambda name: print(
             f"[serve] stopped by {name}", file=sys.stderr))
         return 0
     serve_worker(opts)
