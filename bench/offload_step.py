@@ -23,7 +23,8 @@ No clipping (a clip coefficient of 1: each system skips its multiply). Each syst
 worker process of its own at each thread count (torch.set_num_threads and OMP_NUM_THREADS, which
 DeepSpeed's OpenMP loop reads), all alive at once; after a warm-up step each, `--rounds` rounds
 take one step of every system in turn (alternating, so that load from elsewhere falls on all of
-them), and the median is reported: wall time, and the process's CPU time (which a machine shared
+them), and the median is reported (and, for bloomtrain's whole step against DeepSpeed's, the
+median of each round's ratio, which drift over the run moves less): wall time, and the process's CPU time (which a machine shared
 with other work disturbs less at one thread; with more, OpenMP's spin-waiting counts in it). DeepSpeed runs under `--deepspeed-python` (an interpreter with
 deepspeed; DS_ACCELERATOR=cpu), or is reported as missing.
 
@@ -247,7 +248,12 @@ def measure(args, threads: int) -> dict:
         b.update(step_vs_deepspeed=b["ns_per_param"] / d["ns_per_param"],
                  update_vs_deepspeed=b["update_ns_per_param"] / d["update_ns_per_param"],
                  update_cpu_vs_deepspeed=b["update_cpu_ns_per_param"]
-                 / d["update_cpu_ns_per_param"])
+                 / d["update_cpu_ns_per_param"],
+                 # Each round's ratio, the two steps taken moments apart: drift in the machine's
+                 # speed over the run moves both sides of a round alike.
+                 step_vs_deepspeed_rounds=[x["s"] / y["s"] for x, y in
+                                           zip(times["bloomtrain"], times["deepspeed"])])
+        b["step_vs_deepspeed_paired"] = statistics.median(b["step_vs_deepspeed_rounds"])
         out["torch"]["vs_deepspeed"] = out["torch"]["ns_per_param"] / d["update_ns_per_param"]
     return out
 
@@ -286,9 +292,13 @@ def main(argv=None) -> None:
                 print(f"{t:>7}  {s:<10} {f['missing']}")
                 continue
             ratio = f.get("step_vs_deepspeed", f.get("vs_deepspeed"))
+            paired = (f"   (per round: median {f['step_vs_deepspeed_paired']:.3f}x, "
+                      f"{min(f['step_vs_deepspeed_rounds']):.3f}-"
+                      f"{max(f['step_vs_deepspeed_rounds']):.3f}x)"
+                      if "step_vs_deepspeed_paired" in f else "")
             print(f"{t:>7}  {s:<10} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
                   f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
-                  f"{f['cpu_ns_per_param']:>12.3f}")
+                  f"{f['cpu_ns_per_param']:>12.3f}{paired}")
             if "update_median_s" in f:
                 ratio = f.get("update_vs_deepspeed")
                 print(f"{t:>7}  {'  update':<10} {f['update_median_s']:>9.4f} "
