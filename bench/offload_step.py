@@ -54,8 +54,6 @@ LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
 # ---- workers: one system, driven over stdin ----------------------------------------------------
 def _bloomtrain(args):
     """(step, update seconds of the last step, parameters)."""
-    import torch
-
     sys.path.insert(0, str(REPO))
     from bench.common import unseeded_init
     from bloomtrain.model.presets import BloomShape
