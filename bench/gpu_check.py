@@ -11,27 +11,31 @@ minutes on one H200 and leaves one JSON file and a readable summary.
 Sections, in this order (each a subprocess with its own timeout, all under one `--budget`):
 1. `tests`: the single-process tests marked `device` (models, optimizer, generation, HF parity),
    `python -m pytest -m device --device cuda tests`.
-2. `throughput/<preset>/<compile>-<attention>`: bench/step_throughput.py at bloom-560m and
-   bloom-1b7, seq 2048, bf16, eager vs torch.compile and SDPA vs FlexAttention: tokens/s,
-   Megatron-formula TFLOP/s and MFU against 989 TFLOP/s (dense bf16). The first variant of each
-   preset also times HF transformers (AdamW, bf16 autocast) on the same GPU, alternating with
-   bloomtrain; the others are compared with that HF figure.
-3. `profile/<preset>`: bench/profile_step.py, one step at the throughput shapes under
-   torch.profiler, its GPU time in categories (GEMM, attention, LayerNorm, elementwise,
-   optimizer, copies, communication, idle) and the 15 largest kernels.
+2. `throughput/<preset>/eager-sdpa`: bench/step_throughput.py at bloom-560m and bloom-1b7, seq
+   2048, bf16: tokens/s, Megatron-formula TFLOP/s and MFU against 989 TFLOP/s (dense bf16), and
+   HF transformers (AdamW, bf16 autocast) on the same GPU, alternating with bloomtrain; every
+   later variant of the preset is compared with that HF figure.
+3. `profile/<preset>`: bench/profile_step.py, one eager SDPA step at the throughput shapes
+   under torch.profiler, its GPU time in categories (GEMM, attention, LayerNorm, the loss,
+   elementwise, optimizer, copies, communication, idle) and the 15 largest kernels.
 4. `serve`: bench/serve_gpu.py, the serving engine against HF `generate` (64 concurrent prompts,
    one alone, the decode step, fp32 checks) on a random-init bloom-560m shape, with decode CUDA
    graphs (the default) and with --enforce-eager.
-5. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
-   activation recomputation at bloom-1b7.
-6. `throughput/bloom-7b1/eager-sdpa-zero1-offload-<full|selective>`: bench/step_throughput.py at
+5. `throughput/<preset>/compile-flex`: torch.compile with FlexAttention, the same shapes.
+6. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
+   activation recomputation at bloom-1b7, with SDPA (whose kernel selective recompute keeps; a
+   compiled FlexAttention call is opaque to the selective-checkpoint policy, so under flex
+   selective recomputes the attention core too).
+7. `throughput/bloom-7b1/eager-sdpa-zero1-offload-<full|selective>`: bench/step_throughput.py at
    bloom-7b1, micro-batch 1, seq 2048, ZeRO-1 with the optimizer offloaded (on one GPU its model
    states leave no room otherwise), full and selective recompute, no HF side; one warmup step and
    two timed (the host's AdamW makes a step ~14 s), so both fit in the budget (issue 38).
-7. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
+8. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
    and without ZeRO-Offload; its budget is what is left.
 Four throughput variants (eager-flex and compile-sdpa of each preset) come last: they are the
-first to go when the budget runs out.
+first to go when the budget runs out. One of each kind of figure comes before the compiled
+variants (the slowest to start) for the same reason. With more device time than the default
+budget, pass `--budget`; `--only` reruns what a run skipped.
 
 A section is ok when its command exits 0 and ends with its JSON line (pytest: its JUnit XML);
 otherwise it is recorded as failed with the end of its output, and the next section runs. A
@@ -61,6 +65,8 @@ CUDA_PEAK_TFLOPS = 989.0
 # A section is not started with less than this left: it could not finish, and a half-run
 # section says less than a skipped one.
 MIN_START_S = 20
+# After a section's timeout: how long it has to stop after SIGINT before SIGKILL.
+INTERRUPT_GRACE_S = 10
 
 
 @dataclass
@@ -132,28 +138,36 @@ def plan(args) -> list[Section]:
         big = {"bloom-7b1": ["--preset", "bloom-7b1", "--seq", "2048", "--micro-batch", "1"]}
         big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "2", "--device", "cuda",
                       "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
-        timeouts = {"tests": 150, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
-                    "profile": 90, "serve": 120, "big": 150}
+        timeouts = {"tests": 240, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
+                    "profile": 90, "serve": 180, "big": 150}
     junit = str(args.logs / "pytest.xml")
     sections = [Section("tests", "tests",
                         [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,
                          "-p", "no:cacheprovider", f"--junitxml={junit}", *tests],
                         timeouts["tests"], {"junit": junit})]
+    # Each preset's first variant (with the HF side), then the profiles and serving, then the
+    # second variants: one of each kind of figure comes before the budget (which the compiled
+    # variants, the slowest to start, can use up) runs short.
     for label, shape in shapes.items():
-        for i, variant in enumerate(first):
-            sections.append(_throughput(shape, label, variant,
-                                        timeouts[variant.split("-")[0]], i == 0, timing))
+        sections.append(_throughput(shape, label, first[0], timeouts[first[0].split("-")[0]],
+                                    True, timing))
     # Where a step's time goes, at the throughput section's shapes (eager, SDPA): the table
     # every later GPU run starts from.
     for label, shape in shapes.items():
         sections.append(Section(f"profile/{label}", "profile",
-                                [PY, "bench/profile_step.py", *shape, "--device", dev],
+                                [PY, "bench/profile_step.py", *shape, "--attention", "sdpa",
+                                 "--device", dev],
                                 timeouts["profile"], {"preset": label}))
     sections.append(Section("serve", "serve", [PY, "bench/serve_gpu.py", *serve],
                             timeouts["serve"]))
+    for label, shape in shapes.items():
+        for variant in first[1:]:
+            sections.append(_throughput(shape, label, variant,
+                                        timeouts[variant.split("-")[0]], False, timing))
     sections.append(Section("recompute_memory", "recompute_memory",
                             [PY, "bench/recompute_memory.py", *recompute, "--device", dev,
-                             "--modes", "none,selective,full"], timeouts["recompute"]))
+                             "--attention", "sdpa", "--modes", "none,selective,full"],
+                            timeouts["recompute"]))
     # Before largest_fit, whose budget shrinks to what is left (it tries bloom-7b1 too).
     for label, shape in big.items():
         for recompute in ("full", "selective"):
@@ -194,8 +208,8 @@ def junit_counts(path: str) -> dict | None:
 
 def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
     """Run `cmd` from the repository root with its output in `log`. On timeout the whole process
-    group is killed (a bench's own subprocesses and compile workers too). Returns (exit status
-    or None on timeout, seconds)."""
+    group is interrupted, then killed (a bench's own subprocesses and compile workers too).
+    Returns (exit status or None on timeout, seconds)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(log, "w") as out:
@@ -206,8 +220,14 @@ def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, 
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # An interrupt first: pytest still writes its JUnit XML (the tests that ran count),
+            # and a bench can say where it was. Then the whole group, compile workers too.
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             rc = None
     return rc, time.perf_counter() - t0
 
@@ -222,6 +242,8 @@ def run_section(sec: Section, seconds_left: float, logs: Path) -> dict:
     cmd = sec.cmd + (["--budget", f"{max(timeout - 15, 1):.0f}"] if sec.budgeted else [])
     rec["cmd"] = " ".join(cmd)
     log = logs / (sec.name.replace("/", "__") + ".log")
+    if sec.kind == "tests":  # a rerun's XML only: an earlier run's must not stand in for it
+        Path(sec.meta["junit"]).unlink(missing_ok=True)
     rc, wall = run_command(cmd, timeout, log)
     text = log.read_text(errors="replace")
     result = junit_counts(sec.meta["junit"]) if sec.kind == "tests" else last_json(text)
@@ -250,7 +272,10 @@ def _throughput_figures(r: dict) -> dict:
             "mfu": ours.get("mfu"), "peak_fraction": ours.get("peak_fraction"),
             "matmul_peak_tflops": r.get("matmul_peak_tflops"),
             "mfu_peak_tflops": r.get("mfu_peak_tflops"),
-            "attention": ours.get("attention"), "peak_memory_gb": r.get("peak_memory_gb"),
+            "attention": ours.get("attention"),
+            # bloomtrain's own peak where the sides ran apart (an 80 GB device), else both's.
+            "peak_memory_gb": ours.get("peak_memory_gb", r.get("peak_memory_gb")),
+            "sides": r.get("sides"),
             "hf_tokens_per_s": hf.get("tokens_per_s"), "hf_tflops": hf.get("tflops"),
             "hf_mfu": hf.get("mfu"), "hf_attention": hf.get("attention"),
             "ratio_vs_hf": r.get("ratio")}
@@ -326,6 +351,7 @@ def _serve_figures(r: dict) -> dict:
             "eager_decode_step_ms": (r.get("engine_eager") or {}).get("decode_step_ms"),
             "graphs_vs_eager": r.get("graphs_vs_eager"),
             "graphs_vs_eager_alone": r.get("graphs_vs_eager_alone"),
+            "first_run_tokens_per_s": (r.get("engine_cold") or {}).get("tokens_per_s"),
             "fp32_prompt_logprob_max_abs_diff": f.get("prompt_logprob_max_abs_diff"),
             "fp32_greedy_equal": f"{f.get('greedy_equal')}/{f.get('greedy_checked')}"}
 

@@ -5,8 +5,9 @@ on the host: the step's wall time less the union of its kernels' intervals); on 
 self CPU time, and as "idle" the step's time outside any op (Python and dispatch).
 
 Categories, by kernel or op name (CATEGORIES, first match wins): GEMM, attention (forward and
-backward), LayerNorm, optimizer, copies (H2D, D2H, D2D), communication, and elementwise and
-other memory-bound kernels (GeLU, dropout, adds, casts): everything else.
+backward), LayerNorm, the loss (log-softmax and NLL over the vocabulary), optimizer, copies (H2D,
+D2H, D2D), communication, and elementwise and other memory-bound kernels (GeLU, dropout, adds,
+casts): everything else.
 
     python bench/profile_step.py                                  # a small shape on the CPU
     python bench/profile_step.py --preset bloom-1b7 --seq 2048 --micro-batch 2 --device cuda
@@ -41,13 +42,17 @@ CATEGORIES = (
     ("copies", r"memcpy|memset|aten::copy_|aten::_to_copy|aten::to$|aten::contiguous|"
                r"aten::clone|direct_copy"),
     ("optimizer", r"adam|foreach|multi_tensor|fused_sgd|optim"),
+    # Before attention, whose softmax pattern would take the loss's log-softmax (on CUDA
+    # cunn_SoftMaxForward<...LogSoftMaxForwardEpilogue>: at BLOOM's 250,880-token vocabulary a
+    # large share of the step, and nothing to do with attention).
+    ("loss", r"log_?softmax|nll_loss|cross_entropy"),
     ("attention", r"flash|fmha|attention|flex|sdpa|softmax|_efficient_attention|cudnn_mha|"
                   r"triton_tem_fused|baddbmm"),
     ("GEMM", r"gemm|gemv|cutlass|xmma|nvjet|cublas|matmul|aten::mm$|aten::addmm|aten::bmm|"
              r"aten::linear|aten::_addmm_activation|sm\d\d_.*(h|s)\d*gemm"),
-    ("LayerNorm", r"layer_?norm"),
+    ("LayerNorm", r"layer_?norm|gammabeta"),  # GammaBetaBackward: its weight gradients
 )
-ORDER = ("GEMM", "attention", "LayerNorm", "elementwise/other", "optimizer", "copies",
+ORDER = ("GEMM", "attention", "LayerNorm", "loss", "elementwise/other", "optimizer", "copies",
          "communication", "idle")
 
 
@@ -121,10 +126,10 @@ def profile_one_step(step, device: torch.device):
 
 def print_table(result: dict, label: str) -> None:
     print(f"\n{label}: step {result['wall_ms']:.1f} ms")
-    print(f"| category | ms | share |\n|---|---|---|")
+    print("| category | ms | share |\n|---|---|---|")
     for c, v in result["categories"].items():
         print(f"| {c} | {v['ms']:.2f} | {v['share']:.1%} |")
-    print(f"\n| largest kernels | category | calls | ms | share |\n|---|---|---|---|---|")
+    print("\n| largest kernels | category | calls | ms | share |\n|---|---|---|---|---|")
     for k in result["top"]:
         print(f"| {k['name'][:70]} | {k['category']} | {k['calls']} | {k['ms']:.2f} | "
               f"{k['share']:.1%} |")

@@ -17,7 +17,10 @@ LayerNorms), gradient clipping at 1.0.
 Timing: after `--warmup` steps per side, `--rounds` rounds alternate the sides (the side that goes
 first alternates too), each timing `--steps` steps one by one (with torch.cuda.synchronize on
 CUDA); the median step time per side is reported, as tokens/s and Megatron-formula TFLOP/s
-(docs/bloom_facts.md §2; the recompute factor 4 only with full recompute).
+(docs/bloom_facts.md §2; the recompute factor 4 only with full recompute). Where the device
+cannot hold both sides (`--sides`: by default a CUDA device under 100 GiB, such as an 80 GB
+H100), bloomtrain is built, timed and freed before HF is built and timed, and each side's peak
+memory is its own; otherwise `peak_memory_gb` is both sides' together.
 
 Speed figures: the bench also measures this device's bf16 matmul peak (1024³ on the CPU, 8192³ on
 CUDA: bench.common.PEAK_MATMUL_N; best of 8, before and after the timed rounds; the higher is kept) and reports each side's TFLOP/s as a fraction of
@@ -63,6 +66,9 @@ from tests import helpers
 LR, BETAS, EPS, WD, CLIP = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 # Dense bf16 peak of an H100/H200 SXM (989.4 TFLOP/s without sparsity): the MFU denominator on CUDA.
 CUDA_PEAK_TFLOPS = 989.0
+# Devices with less memory than this measure the two sides apart (sides_apart): an H200's 141 GB
+# holds bloomtrain and HF at once at the GPU check's shapes, an H100's 80 do not.
+SIDES_TOGETHER_GIB = 100
 
 
 def sync(device):
@@ -157,20 +163,24 @@ def make_hf(shape, ids, device, args):
         return step
 
     # fused vs foreach: time both (after one step each to allocate the state) and keep the faster.
+    # One optimizer at a time: each one's Adam state is twice the model's fp32 size, and on an
+    # 80 GB device two of them beside both models do not fit. The winner is built again.
     best = None
     for kind in ("fused", "foreach"):
         try:
-            opt = _hf_optimizer(named, kind)
-            step = step_with(opt)
+            step = step_with(_hf_optimizer(named, kind))
             step()
         except (RuntimeError, TypeError) as e:
             print(f"HF AdamW {kind}=True unavailable: {e}")
             continue
         t = statistics.median(timed(step, device) for _ in range(max(args.warmup, 2)))
         if best is None or t < best[0]:
-            best = (t, kind, step)
-        del opt, step  # the loser's Adam state goes before timing (it is the model's size x2)
-    _, kind, step = best
+            best = (t, kind)
+        del step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    kind = best[1]
+    step = step_with(_hf_optimizer(named, kind))
     return step, {"model": f"transformers {version} BloomForCausalLM, fp32 parameters, bf16 "
                            f"autocast",
                   "attention": impl, "attention_rejected": rejected,
@@ -240,6 +250,10 @@ def parse_args(argv=None):
     ap.add_argument("--profile-rows", type=int, default=15)
     add_zero_args(ap)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sides", choices=("auto", "together", "apart"), default="auto",
+                    help="together: both sides resident, their steps alternated; apart: "
+                         "bloomtrain timed, freed, then HF (each side's own peak memory); "
+                         f"auto: apart on CUDA devices under {SIDES_TOGETHER_GIB} GiB")
     args = ap.parse_args(argv)
     check_zero_args(ap, args)
     args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
@@ -306,20 +320,60 @@ def main(argv=None):
           f"micro-batch {args.micro_batch}, device {device}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}")
     peaks = [matmul_peak_tflops(device)]
-    sides = {"bloomtrain": make_bloomtrain(shape, ids, device, args)}
-    if not args.skip_hf:
-        sides["hf"] = make_hf(shape, ids, device, args)
+    makers = {"bloomtrain": make_bloomtrain} | ({} if args.skip_hf else {"hf": make_hf})
+    apart = sides_apart(args)
+    if apart:
+        sides, times, profiles = {}, {}, {}
+        for name, make in makers.items():
+            s, t, prof = measure_sides({name: make}, shape, ids, device, args)
+            sides |= s
+            times |= t
+            profiles |= prof
+            del s
+            if device.type == "cuda":  # the next side starts from an empty device
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+    else:
+        sides, times, profiles = measure_sides(makers, shape, ids, device, args)
+    peaks.append(matmul_peak_tflops(device))
+    out = summarize(sides, times, shape, args, peaks)
+    out["sides"] = "apart" if apart else "together"
+    if device.type == "cuda":
+        # Together: both sides' models at once; apart: each side's own in out[name].
+        out["peak_memory_gb"] = max(ran.get("peak_memory_gb", 0.0) for _, ran in sides.values())
+    if args.profile:
+        out["profile"] = profiles
+    print(json.dumps(out))
+
+
+def sides_apart(args) -> bool:
+    """Whether to measure bloomtrain, free it, then build and measure HF (`--sides apart`),
+    rather than alternate the two with both models resident (`together`, which cancels drift
+    between them). `auto`: apart on a CUDA device with under SIDES_TOGETHER_GIB of memory (an
+    80 GB H100 at bloom-1b7's micro-batch 2 cannot hold both sides and HF's activations)."""
+    if args.sides != "auto":
+        return args.sides == "apart"
+    if args.skip_hf or args.device.type != "cuda":
+        return False
+    total = torch.cuda.get_device_properties(args.device).total_memory
+    return total < SIDES_TOGETHER_GIB * 2 ** 30
+
+
+def measure_sides(makers: dict, shape, ids, device, args):
+    """Build the sides, time them (alternating where there are two), record the device's peak
+    memory and (with --profile) a profiled step: ({name: (None, info)}, {name: step times},
+    {name: profile}). The steps (the models) are released on return."""
+    sides = {name: make(shape, ids, device, args) for name, make in makers.items()}
     times = alternate_rounds({name: step for name, (step, _) in sides.items()},
                              lambda step: timed(step, device), args.warmup, args.rounds,
                              args.steps)
-    peaks.append(matmul_peak_tflops(device))
-    out = summarize(sides, times, shape, args, peaks)
     if device.type == "cuda":
-        out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    if args.profile:
-        out["profile"] = {name: profile_step(name, step, device, args.profile_rows)
-                          for name, (step, _) in sides.items()}
-    print(json.dumps(out))
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        for _, ran in sides.values():
+            ran["peak_memory_gb"] = peak
+    profiles = ({name: profile_step(name, step, device, args.profile_rows)
+                 for name, (step, _) in sides.items()} if args.profile else {})
+    return {name: (None, ran) for name, (_, ran) in sides.items()}, times, profiles
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def test_every_section_ran_and_left_numbers(smoke):
     assert len(prof["top"]) == 15 and all(_number(k["ms"]) for k in prof["top"])
     serve = sections["serve"]["figures"]
     for key in ("engine_tokens_per_s", "decode_step_ms", "vs_hf_batched", "alone_vs_hf_alone",
-                "eager_decode_step_ms", "graphs_vs_eager", "graphs_vs_eager_alone"):
+                "eager_decode_step_ms", "graphs_vs_eager", "graphs_vs_eager_alone",
+                "first_run_tokens_per_s"):
         assert _number(serve[key]) and serve[key] > 0, (key, serve)
     # fp32: the engine's prompt logprobs are HF's to rounding, its greedy tokens HF's.
     assert serve["fp32_prompt_logprob_max_abs_diff"] < 1e-4
@@ -105,10 +106,62 @@ def test_failures_timeouts_and_budget_are_recorded(tmp_path):
     rec = gpu_check.run_section(hang, gpu_check.MIN_START_S - 1, tmp_path)
     assert rec["status"] == "skipped" and rec["error"].startswith("budget")
 
+    # A timed-out pytest is interrupted before it is killed, so its JUnit XML (the tests that
+    # ran) is written and read; one left by an earlier run is not.
+    junit = tmp_path / "pytest.xml"
+    junit.write_text("<testsuite tests='99' failures='0' errors='0' skipped='0'/>")
+    slow = tmp_path / "test_slow.py"
+    slow.write_text("import time\ndef test_quick():\n    pass\n"
+                    "def test_hangs():\n    time.sleep(60)\n")
+    tests = gpu_check.Section("tests", "tests",
+                              [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               f"--junitxml={junit}", str(slow)], 12, {"junit": str(junit)})
+    rec = gpu_check.run_section(tests, 100, tmp_path)
+    assert rec["status"] == "failed" and rec["error"].startswith("timeout after 12 s")
+    assert rec["result"]["tests"] < 99 and rec["figures"]["passed"] == 1, rec
+
+    # One that ignores the interrupt is killed INTERRUPT_GRACE_S later.
+    deaf = gpu_check.Section("deaf", "largest_fit", [sys.executable, "-c",
+                             "import signal, time; signal.signal(signal.SIGINT, "
+                             "signal.SIG_IGN); time.sleep(60)"], 2)
+    rec = gpu_check.run_section(deaf, 100, tmp_path)
+    assert rec["returncode"] is None
+    assert rec["wall_s"] < 2 + gpu_check.INTERRUPT_GRACE_S + 5
+
     line = json.dumps({"offload": {"largest": "tiny", "params": 5}})
     ok = gpu_check.Section("ok", "largest_fit", [sys.executable, "-c", f"print({line!r})"], 30)
     rec = gpu_check.run_section(ok, 100, tmp_path)
     assert rec["status"] == "ok" and rec["figures"]["offload_largest"] == "tiny"
+
+
+@pytest.mark.parametrize("name,cat", [
+    # CUDA kernels as torch.profiler names them.
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+     "loss"),
+    ("void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, "
+     "float, long>(float*, float*, float const*, long const*, float const*, bool, long, long, "
+     "long, long)", "loss"),
+    ("triton_red_fused__log_softmax_backward_data_nll_loss_backward_0", "loss"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float, "
+     "c10::BFloat16, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)",
+     "attention"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel_32x32<c10::BFloat16, "
+     "float>", "LayerNorm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
+     "float>", "LayerNorm"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNN", "GEMM"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>",
+     "elementwise/other"),
+    # CPU ops.
+    ("aten::_log_softmax", "loss"), ("aten::nll_loss_forward", "loss"),
+    ("aten::_softmax", "attention"), ("aten::native_layer_norm_backward", "LayerNorm")])
+def test_profile_categories(name, cat):
+    """The loss's log-softmax is not attention's softmax (at a 250,880-token vocabulary it is a
+    large share of the step), LayerNorm's weight-gradient kernel is LayerNorm's."""
+    from bench.profile_step import ORDER, category
+    assert category(name) == cat and cat in ORDER
 
 
 # ---- bench/largest_fit.py: which memory ran out ----------------------------------------------
