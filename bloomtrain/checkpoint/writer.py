@@ -29,11 +29,34 @@ from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
 from bloomtrain.safetensors_io import write_safetensors_streaming
 from bloomtrain.files import atomic_output, disk_space, fsync_dir
+from bloomtrain.planner.host import available_host_memory
 
 
 class CheckpointSaveError(CheckpointError):
     """A save that failed on some rank; raised on every rank alike. Nothing of it is left
     behind and the previous checkpoint is still the latest."""
+
+
+# The most of the host's available memory (its rank's share of it) an async save's snapshot may
+# take; past it the save is synchronous (CheckpointWriter._snapshot_fits).
+SNAPSHOT_HOST_SHARE = 0.8
+
+
+def snapshot_bytes(fragments: list[Fragment], pinned: dict) -> int:
+    """Host bytes an async save's snapshot of `fragments` would allocate: a copy of every
+    tensor, less the `pinned` buffers kept from the previous save (by (index, name, kind)) that
+    it reuses."""
+    need = 0
+    for i, f in enumerate(fragments):
+        for k, t in f.tensors.items():
+            if isinstance(t, Deferred):
+                continue
+            if t.is_cuda:
+                buf = pinned.get((i, f.name, k))
+                if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+                    continue
+            need += t.numel() * t.element_size()
+    return need
 
 
 def _fmt_mib(num_bytes: int) -> str:
@@ -126,18 +149,20 @@ class CheckpointWriter:
 
     def save(self, step: int, fragments: list[Fragment], shape: BloomShape, meta: dict,
              rank_meta: dict | None = None, tokenizer=None, keep_last: int | None = None,
-             async_save: bool | None = None, owned: bool = False) -> Path:
+             async_save: bool | None = None) -> Path:
         """Save `fragments` (this rank's unique pieces, see full_fragments / the trainer) for
         `step`. `meta` (JSON) comes from rank 0; `rank_meta` (JSON, e.g. RNG) from every rank.
-        `owned`: the fragment tensors are private copies nobody else modifies (as the
-        optimizer's sharded_state() returns), so an async save needs only move them to CPU."""
+        The fragments may be views of live training state: an async save copies them to the
+        host before it returns (where the host has room, else it saves synchronously)."""
         self.wait()
         final = self.root / step_dir_name(step)
         use_async = self.async_save if async_save is None else async_save
         copied = None
+        if use_async and not self._snapshot_fits(step, fragments):
+            use_async = False
         if use_async:
             # Snapshot now: training goes on changing the parameters while the thread writes.
-            fragments, copied = self._snapshot(fragments, owned)
+            fragments, copied = self._snapshot(fragments)
         args = (step, fragments, shape, meta, rank_meta or {}, tokenizer, keep_last)
         if use_async:
             def run():
@@ -153,7 +178,25 @@ class CheckpointWriter:
             self._save(*args)
         return final
 
-    def _snapshot(self, fragments: list[Fragment], owned: bool):
+    def _snapshot_fits(self, step: int, fragments: list[Fragment]) -> bool:
+        """Whether the host can hold an async save's snapshot (up to SNAPSHOT_HOST_SHARE of its
+        available memory). A rank whose cannot saves this step synchronously, from the live
+        state, and says so: a snapshot of an offloaded optimizer's states is as large as the
+        states (12 bytes per parameter), which a host sized for them does not have twice."""
+        need = snapshot_bytes(fragments, self._pinned)
+        if need == 0:
+            return True
+        avail, source = available_host_memory()
+        # The node's ranks snapshot at once: each may take its share.
+        avail //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if need <= SNAPSHOT_HOST_SHARE * avail:
+            return True
+        self.log(f"[checkpoint] step {step}: an async save's snapshot needs {_fmt_mib(need)} of "
+                 f"host memory and {_fmt_mib(avail)} is available ({source}): rank {self.rank} "
+                 f"saves this step synchronously instead (training waits for its write)")
+        return False
+
+    def _snapshot(self, fragments: list[Fragment]):
         """Host copies of `fragments` for an async save, and a CUDA event that marks them done
         (None on CPU). From CUDA the copies go into pinned buffers kept from one save to the next
         (the previous save has finished: save() waits first) with non_blocking copies, so the
@@ -161,7 +204,7 @@ class CheckpointWriter:
         the writing thread waits for the event before it reads."""
         on_cuda = any(t.is_cuda for f in fragments for t in f.tensors.values())
         if not on_cuda:
-            return [dataclasses.replace(f, tensors={k: t.detach().to("cpu", copy=not owned)
+            return [dataclasses.replace(f, tensors={k: t.detach().to("cpu", copy=True)
                                                     for k, t in f.tensors.items()})
                     for f in fragments], None
         pinned, out = {}, []

@@ -219,7 +219,7 @@ class TrainCheckpoints:
         try:
             path = self.writer.save(state.step, engine.fragments(), self.parts.shape, meta,
                                     rank_meta={"rng": rng_state()}, tokenizer=self.tokenizer,
-                                    keep_last=self.cfg.checkpoint.keep_last, owned=True)
+                                    keep_last=self.cfg.checkpoint.keep_last)
         except CheckpointSaveError as e:
             self._failed(e, final)
             return None

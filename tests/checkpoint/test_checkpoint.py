@@ -315,3 +315,59 @@ def test_resave_killed_between_renames_keeps_the_step(tmp_path, monkeypatch):
     # The next save of that step cleans up.
     ckpt.save_checkpoint(tmp_path, 5, state, shape, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000005"]
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_saves_copy_the_live_state_only_where_they_must(tmp_path, monkeypatch, offload):
+    """The engine's fragments are views of its live masters and moments (a copy would be as
+    large as the states: 12 bytes per parameter, on the host under offload). An async save
+    snapshots them before it returns, so a step taken while it writes does not reach the
+    checkpoint; a host without room for that snapshot (simulated: BLOOMTRAIN_HOST_MEMORY) gets
+    a synchronous save, said in one line, with the same contents."""
+    from bloomtrain.checkpoint.writer import CheckpointWriter
+    from bloomtrain.planner.host import HOST_MEMORY_ENV
+    from tests import helpers
+
+    cfg = helpers.config(parallel={"zero_stage": 1, "offload_optimizer": offload}, seed=3)
+    parts = helpers.build(cfg, device="cpu")
+    bufs = parts.engine.bufs
+    frags = parts.engine.fragments()
+    live = [bufs.master, bufs.exp_avg, bufs.exp_avg_sq]
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in live]
+    for f in frags:
+        for t in f.tensors.values():  # inside one of the state buffers: no copy was made
+            assert any(lo <= t.data_ptr() < hi for lo, hi in spans), f.name
+    want = {(f.name, k): t.clone() for f in frags for k, t in f.tensors.items()}
+    total = sum(t.numel() * t.element_size() for t in want.values())
+    before = [b.clone() for b in live]
+
+    def saved(path):
+        reader = ckpt.CheckpointReader(path, kinds=("model", "exp_avg", "exp_avg_sq"))
+        out = {}
+        for f in frags:
+            for k in f.tensors:
+                out[(f.name, k)] = reader.load(f.name, k).reshape(-1)[f.offset:f.offset + f.numel]
+        return out
+
+    for host, synchronous in ((f"{4 * total}", False), (f"{total // 2}", True)):
+        logs = []
+        monkeypatch.setenv(HOST_MEMORY_ENV, host)
+        writer = CheckpointWriter(tmp_path / host, async_save=True, log=logs.append,
+                                  single_process=True)
+        path = writer.save(7, frags, parts.shape, {"note": "test"})
+        assert (writer._thread is None) == synchronous
+        for b in live:  # the next step, while the save may still be writing
+            b.add_(1.0)
+        writer.wait()
+        said = [m for m in logs if "snapshot" in m]
+        if synchronous:
+            assert len(said) == 1 and "saves this step synchronously" in said[0], logs
+            assert f"({HOST_MEMORY_ENV})" in said[0]
+        else:
+            assert said == [], logs
+        got = saved(path)
+        bad = [(key, (got[key] - want[key]).abs().max().item()) for key in want
+               if not torch.equal(got[key], want[key])]
+        assert not bad, (synchronous, bad[:5])
+        for b, o in zip(live, before):
+            b.copy_(o)

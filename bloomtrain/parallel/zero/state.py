@@ -50,8 +50,11 @@ def _full_shape(spec, local_shape, tp_size: int) -> tuple[int, ...]:
 
 def fragments(bufs: FlatBuffers, topo) -> list[Fragment]:
     """This rank's unique pieces of the fp32 masters and Adam moments (and of every dp rank's
-    error-feedback residual); only the residuals are exchanged. The tensors are private copies,
-    safe to write in the background."""
+    error-feedback residual); only the residuals are exchanged. The tensors are views of the
+    live state, not copies: at BLOOM's sizes a copy is as large as the states (12 bytes per
+    parameter, on the device, or on the host under offload). A save that runs beside training
+    snapshots them first (CheckpointWriter.save, async), a synchronous one writes them as
+    they are."""
     out = []
     for seg in bufs.layout.segments:
         residuals = feedback.residuals_here(bufs, seg, topo)
@@ -65,9 +68,9 @@ def fragments(bufs: FlatBuffers, topo) -> list[Fragment]:
                 continue
             slot, split = piece.slot, piece.slot.spec.tp_dim is not None and topo.tp_size > 1
             tensors = {CHECKPOINT_KIND[k]: bufs.state_view(getattr(bufs, k), seg)
-                       [a - olo:b - olo].clone() for k in KINDS}
-            if residuals is not None:
-                tensors.update({residual_kind(s): residuals[s, a - plo:b - plo].clone()
+                       [a - olo:b - olo] for k in KINDS}
+            if residuals is not None:  # exchanged into a tensor of their own
+                tensors.update({residual_kind(s): residuals[s, a - plo:b - plo]
                                 for s in range(bufs.dp_size)})
             out.append(Fragment(
                 name=slot.spec.name, shape=_full_shape(slot.spec, slot.shape, topo.tp_size),
