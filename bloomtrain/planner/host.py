@@ -13,7 +13,8 @@ the largest node.
 Two limits: the host's memory, and for the page-locked part (the ring; the states too with
 parallel.offload_pin_memory) the process's locked-memory limit, RLIMIT_MEMLOCK (`ulimit -l`).
 What the host has: `MemAvailable` from /proc/meminfo at the check (memory the kernel can give
-without swapping), or BLOOMTRAIN_HOST_MEMORY when set (bytes, or with a KiB/MiB/GiB/TiB
+without swapping; less where the process's memory cgroup, a SLURM job's or a container's, has
+less left), or BLOOMTRAIN_HOST_MEMORY when set (bytes, or with a KiB/MiB/GiB/TiB
 suffix): a test simulates a small host with it, and a job that shares its node can state its
 share. `bloomtrain plan` takes the node's memory from --host-memory-gib, else the GPU's usual
 node (hardware.GPU.host_bytes).
@@ -111,18 +112,60 @@ def parse_bytes(text: str, what: str) -> int:
 
 
 def available_host_memory() -> tuple[int, str]:
-    """(bytes this node can still give, where the figure comes from)."""
+    """(bytes this node can still give, where the figure comes from): the smaller of the
+    kernel's MemAvailable and what this process's memory cgroup has left, when it is limited (a
+    SLURM job's or a container's share of the node, which MemAvailable does not know)."""
     given = os.environ.get(HOST_MEMORY_ENV)
     if given:
         return parse_bytes(given, HOST_MEMORY_ENV), HOST_MEMORY_ENV
+    avail, source = None, "free pages"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable"
+                    avail, source = int(line.split()[1]) * 1024, "MemAvailable"
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free pages"
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    left = cgroup_memory_left()
+    if left is not None and left < avail:
+        return left, "the memory cgroup's limit"
+    return avail, source
+
+
+def cgroup_memory_left(root: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup"
+                       ) -> int | None:
+    """Bytes this process's memory cgroup may still charge (its limit less its usage), or None
+    where it has no limit or none can be read. cgroup v2 (memory.max, memory.current) or v1
+    (memory/.../memory.limit_in_bytes, memory.usage_in_bytes)."""
+    try:
+        with open(membership) as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return None
+    candidates = []
+    for _, controllers, path in lines:
+        path = path.lstrip("/")
+        if controllers == "":  # v2's unified hierarchy
+            candidates.append((os.path.join(root, path), "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            candidates.append((os.path.join(root, "memory", path), "memory.limit_in_bytes",
+                               "memory.usage_in_bytes"))
+    for where, limit_file, usage_file in candidates:
+        try:
+            with open(os.path.join(where, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(where, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        # v2 says "max" when unlimited; v1 a number near 2**63 rounded to a page.
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def memlock_limit() -> int | None:

@@ -18,8 +18,8 @@ from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.planner.hardware import PROCESS_HOST_BYTES
-from bloomtrain.planner.host import (HOST_MEMORY_ENV, available_host_memory, check_host,
-                                     node_host, node_ranks, parse_bytes)
+from bloomtrain.planner.host import (HOST_MEMORY_ENV, available_host_memory, cgroup_memory_left,
+                                     check_host, node_host, node_ranks, parse_bytes)
 from tests.dist import spawn_ranks
 
 MIB, GIB = 2 ** 20, 2 ** 30
@@ -227,12 +227,40 @@ def test_the_host_size_comes_from_meminfo_or_the_variable(monkeypatch):
     avail, source = available_host_memory()
     with open("/proc/meminfo") as f:
         meminfo = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    assert source == "MemAvailable" and abs(avail - meminfo) < 256 * MIB
+    left = cgroup_memory_left()
+    if left is not None and left < meminfo:  # a container's or a job's share of the node
+        assert source == "the memory cgroup's limit" and abs(avail - left) < 256 * MIB
+    else:
+        assert source == "MemAvailable" and abs(avail - meminfo) < 256 * MIB
     monkeypatch.setenv(HOST_MEMORY_ENV, "1.5GiB")
     assert available_host_memory() == (int(1.5 * GIB), HOST_MEMORY_ENV)
     assert parse_bytes("123", "x") == 123 and parse_bytes("2 TiB", "x") == 2 << 40
     with pytest.raises(UserError, match="is not a size"):
         parse_bytes("lots", HOST_MEMORY_ENV)
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_memory_cgroups_limit_is_what_is_left(tmp_path, version):
+    """A SLURM job or a container gets a share of the node: its cgroup's limit less its usage,
+    not the node's MemAvailable."""
+    membership = tmp_path / "cgroup"
+    if version == "v2":
+        membership.write_text("0::/slurm/job_7/step_0\n")
+        where, files = tmp_path / "slurm/job_7/step_0", ("memory.max", "memory.current")
+    else:
+        membership.write_text("12:cpuset:/x\n9:memory:/docker/abc\n")
+        where = tmp_path / "memory/docker/abc"
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    where.mkdir(parents=True)
+    (where / files[0]).write_text(f"{8 * GIB}\n")
+    (where / files[1]).write_text(f"{3 * GIB}\n")
+    assert cgroup_memory_left(str(tmp_path), str(membership)) == 5 * GIB
+    # Unlimited, unreadable or absent: no figure (MemAvailable stands).
+    (where / files[0]).write_text("max\n" if version == "v2" else f"{(1 << 63) - 4096}\n")
+    assert cgroup_memory_left(str(tmp_path), str(membership)) is None
+    (where / files[1]).unlink()
+    assert cgroup_memory_left(str(tmp_path), str(membership)) is None
+    assert cgroup_memory_left(str(tmp_path), str(tmp_path / "absent")) is None
 
 
 def test_offload_pin_memory_needs_offload():
