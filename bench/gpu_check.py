@@ -403,6 +403,12 @@ def summary(report: dict) -> str:
     verdict = "all sections ok" if report["ok"] else "NOT ALL SECTIONS OK"
     about = (f"device: {report['device']}; torch {report['torch']}; commit {report['commit']}; "
              f"wall {report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget; {verdict}")
+    host = report.get("host") or {}
+    if host:
+        lock = host.get("memlock_limit_bytes")
+        about += (f"\n\nhost: {host.get('cpus')} CPUs, {host.get('available_bytes', 0) / 2 ** 30:.1f} "
+                  f"GiB available ({host.get('available_source')}), ulimit -l "
+                  f"{'unlimited' if lock is None else f'{lock / 2 ** 20:.1f} MiB'}")
     lines = [f"# bloomtrain GPU check ({report['mode']}), {report['started']}", "", about, "",
              "| section | status | wall s | figures |", "|---|---|---|---|"]
     for r in recs:
@@ -442,6 +448,18 @@ def summary(report: dict) -> str:
         lines += ["", "## Not ok", ""] + [f"- **{r['name']}** ({r['status']}): {r['error']}"
                                           for r in bad]
     return "\n".join(lines) + "\n"
+
+
+def host_info() -> dict:
+    """What ZeRO-Offload's host check reads on this machine (bloomtrain.planner.host): its
+    cores, its available memory and where that figure comes from, and the locked-memory limit
+    (`ulimit -l`, None: unlimited), which the check holds the staging ring to on CUDA: whether
+    the driver itself holds pinned memory to it is one of the things a GPU run shows."""
+    sys.path.insert(0, str(REPO))
+    from bloomtrain.planner.host import available_host_memory, memlock_limit
+    avail, source = available_host_memory()
+    return {"cpus": len(os.sched_getaffinity(0)), "available_bytes": avail,
+            "available_source": source, "memlock_limit_bytes": memlock_limit()}
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -522,7 +540,8 @@ def main(argv=None) -> int:
            or (args.cpu_smoke and r["status"] == "skipped")]
     report = {"script": "bench/gpu.sh", "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
               "started": started, "wall_s": time.perf_counter() - t0, "budget_s": args.budget,
-              "device": _device_name(args.cpu_smoke), "torch": torch.__version__,
+              "device": _device_name(args.cpu_smoke), "host": host_info(),
+              "torch": torch.__version__,
               "python": platform.python_version(), "commit": _git_commit(),
               "mfu_peak_tflops": None if args.cpu_smoke else CUDA_PEAK_TFLOPS,
               "ok": not bad, "sections": records}

@@ -37,6 +37,9 @@ def test_every_section_ran_and_left_numbers(smoke):
     proc, report, out = smoke
     sections = {r["name"]: r for r in report["sections"]}
     assert report["mode"] == "cpu-smoke"
+    host = report["host"]  # what the offload check reads: a GPU run records it
+    assert host["cpus"] >= 1 and host["available_bytes"] > 0 and host["available_source"]
+    assert "memlock_limit_bytes" in host and "ulimit -l" in out.with_suffix(".md").read_text()
     big = [f"throughput/tiny/eager-sdpa-zero1-offload-{m}" for m in ("full", "selective")]
     assert set(sections) == {"tests", "throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa",
                              "profile/tiny", "serve", "recompute_memory", "largest_fit", *big}
