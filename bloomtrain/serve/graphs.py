@@ -36,7 +36,10 @@ from bloomtrain.serve.runner import DECODE_BUCKET
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Graphs are captured lazily, at a (batch size, key width) pair's first step, not all at start:
 # the pairs are the product of batch sizes and widths (13 x 8 at 256 sequences of 4096 tokens),
-# most of which a given load never meets, and each capture costs a few steps' time once. All
+# most of which a given load never meets. Each costs once a few steps' time for the capture and,
+# with the flex decode kernel (compiled per shape, bloomtrain.model.paged_flex), its compile:
+# seconds in which that step, and every client's stream, waits (bench/serve_gpu.py reports a
+# server's first pass over a load apart from the later ones, `engine_cold`). All
 # graphs share one memory pool (they replay one at a time), so more graphs cost little memory;
 # the bound only caps capture time. Beyond it, new pairs run eagerly.
 MAX_GRAPHS = 64
