@@ -27,6 +27,7 @@ from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, O
 from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.zero.memory import pinned_size
 from bloomtrain.safetensors_io import write_safetensors_streaming
 from bloomtrain.files import atomic_output, disk_space, fsync_dir
 from bloomtrain.planner.host import available_host_memory
@@ -44,18 +45,21 @@ SNAPSHOT_HOST_SHARE = 0.8
 
 def snapshot_bytes(fragments: list[Fragment], pinned: dict) -> int:
     """Host bytes an async save's snapshot of `fragments` would allocate: a copy of every
-    tensor, less the `pinned` buffers kept from the previous save (by (index, name, kind)) that
-    it reuses."""
+    tensor (from the GPU into page-locked memory, which torch's allocator rounds up to a power of
+    two: pinned_size), less the `pinned` buffers kept from the previous save (by (index, name,
+    kind)) that it reuses."""
     need = 0
     for i, f in enumerate(fragments):
         for k, t in f.tensors.items():
             if isinstance(t, Deferred):
                 continue
+            n = t.numel() * t.element_size()
             if t.is_cuda:
                 buf = pinned.get((i, f.name, k))
                 if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
                     continue
-            need += t.numel() * t.element_size()
+                n = pinned_size(n)
+            need += n
     return need
 
 
