@@ -263,13 +263,15 @@ class TrainCheckpoints:
         self.log(f"[checkpoint] WARNING {err}. Training goes on and tries again at the next "
                  f"save (checkpoint.on_save_error=continue)")
 
-    def _find(self) -> Path | None:
+    def _find(self) -> tuple[Path | None, bool]:
+        """(the checkpoint to resume from or None, whether its files' checksums were just
+        verified: `auto` verifies each candidate to skip a corrupt one)."""
         c = self.cfg.checkpoint
         if c.resume == "none":
-            return None
+            return None, False
         if c.resume == "auto":
-            return ckpt.find_latest_valid(c.dir, log=self.log) if c.dir else None
-        return ckpt.resolve(c.resume)
+            return (ckpt.find_latest_valid(c.dir, log=self.log) if c.dir else None), True
+        return ckpt.resolve(c.resume), False
 
     def resume(self) -> TrainState | None:
         """Load the checkpoint `checkpoint.resume` names into the engine; the train state it
@@ -277,10 +279,10 @@ class TrainCheckpoints:
         rank's tp shard of the full parameter is read (only that shard's fragments when the
         checkpoint has the same tp split) and handed to the engine whole, one at a time; the
         engine keeps its own ranges."""
-        path = self._find()
+        path, verified = self._find()
         if path is None:
             return None
-        state, manifest = self._load(path)
+        state, manifest = self._load(path, verified)
         saved = manifest.get("topology")
         moved = "" if saved in (None, self.topology_meta()) else \
             f" (resharded from {json.dumps(saved)})"
@@ -297,10 +299,12 @@ class TrainCheckpoints:
             return None
         return self._load(self.last[1])[0], self.last[1]
 
-    def _load(self, path: Path) -> tuple[TrainState, dict]:
+    def _load(self, path: Path, verified: bool = False) -> tuple[TrainState, dict]:
         """Load the checkpoint at `path` into the engine; the train state it holds (step 0 for an
-        imported HF checkpoint) and its manifest."""
-        reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+        imported HF checkpoint) and its manifest. `verified`: its checksums were checked just now
+        (every file hashed: at BLOOM-176B 2.1 TB per rank), so the reader checks sizes only."""
+        reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS,
+                                       check_sums=not verified)
         if reader.shape != self.parts.shape:
             raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
                             f"gives {self.parts.shape}; resume with the same model settings")

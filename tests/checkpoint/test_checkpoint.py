@@ -133,7 +133,7 @@ def _world(layout):
     return layout[0] * layout[1] * layout[2]
 
 
-def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path):
+def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypatch):
     root = tmp_path / "ck"
     cfg = make_cfg(dataset, tmp_path, train__train_iters=6,
                    checkpoint={"dir": str(root), "save_interval": 2, "keep_last": 5})
@@ -149,11 +149,18 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path):
         f.truncate(optim4.stat().st_size // 2)
     # A save killed half way leaves only a temporary directory behind.
     (root / ".step_00000008.tmp").mkdir()
-    lines = []
+    lines, hashed = [], []
+    real_sha = ckpt.format.sha256_file
+    monkeypatch.setattr(ckpt.format, "sha256_file", lambda f, *a: hashed.append(
+        (f.parent.name, f.name)) or real_sha(f, *a))
     resumed = Trainer(make_cfg(dataset, tmp_path / "r", train__train_iters=6,
                                checkpoint={"dir": str(root)}),
                       log=lambda *a: lines.append(" ".join(map(str, a))))
     assert resumed.state.step == 2
+    # The checkpoint resumed from is hashed once, when it is chosen, not again when it is read
+    # (at BLOOM-176B every file is 2.1 TB per rank).
+    from_2 = [f for d, f in hashed if d == ckpt.step_dir_name(2)]
+    assert from_2 and len(from_2) == len(set(from_2)), hashed
     text = "\n".join(lines)
     assert "skipping step_00000006" in text and "checksum" in text
     assert "skipping step_00000004" in text and "truncated" in text
