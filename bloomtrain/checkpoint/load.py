@@ -46,12 +46,14 @@ class LoadedModel:
 
 
 def load_sharded(source, topo: Topology | None = None, dtype=None, *,
-                 attention: str = "sdpa") -> LoadedModel:
+                 attention: str = "sdpa", device="cpu") -> LoadedModel:
     """`source` (a bloomtrain checkpoint, a step directory or a root holding `latest`, or an HF
-    Bloom directory) as this rank's part of `topo`'s layout, on the CPU, in `dtype` (a torch
-    dtype or a name; None: as stored). `topo` None: the whole model, for one device (as
-    trainable as a built one); with a topo its parameters are frozen. `attention`: the kernel
-    its blocks run (bloomtrain.model.attention)."""
+    Bloom directory) as this rank's part of `topo`'s layout, in `dtype` (a torch dtype or a
+    name; None: as stored). `topo` None: the whole model, for one device (as trainable as a
+    built one), on the CPU; with a topo its parameters are frozen, and each goes to `device` as
+    it is read, so the host holds one shard at a time (the 8 ranks of a node serving BLOOM-176B
+    from its fp32 masters would otherwise hold 704 GB there). `attention`: the kernel its
+    blocks run (bloomtrain.model.attention)."""
     reader = _partial_reader(source)
     if topo is None or reader is None:
         model = _load_whole(source, dtype)
@@ -65,7 +67,7 @@ def load_sharded(source, topo: Topology | None = None, dtype=None, *,
             chunk.requires_grad_(False)
         return LoadedModel(model.shape, model, chunks, _dtype_of(model))
     try:
-        return _load_shards(reader, topo, dtype, attention)
+        return _load_shards(reader, topo, dtype, attention, torch.device(device))
     finally:
         reader.close()
 
@@ -93,7 +95,7 @@ def _check_layout(topo: Topology, shape: BloomShape) -> None:
     layout.check_pipeline(shape.num_layers)
 
 
-def _load_shards(reader, topo: Topology, dtype, attention: str) -> LoadedModel:
+def _load_shards(reader, topo: Topology, dtype, attention: str, device) -> LoadedModel:
     """Build on meta, cut by shard_model, then put each local parameter's shard in its place
     (the last stage's copy of the tied embedding, pp > 1, is read under the embedding's name:
     its spec's)."""
@@ -114,9 +116,10 @@ def _load_shards(reader, topo: Topology, dtype, attention: str) -> LoadedModel:
             spec = specs[name]
             shard = reader.load_tp_shard(spec.name, "model", topo.tp_rank, topo.tp_size,
                                          spec.tp_dim)
-            new[id(p)] = nn.Parameter(shard.to(dtype), requires_grad=False)
+            new[id(p)] = nn.Parameter(shard.to(device=device, dtype=dtype), requires_grad=False)
+            del shard
     replace_parameters(chunks, new)
-    set_local_slopes(chunks, shape, topo, "cpu")
+    set_local_slopes(chunks, shape, topo, device)
     model.transformer.alibi_slopes = chunks[0].transformer.alibi_slopes
     return LoadedModel(shape, model, chunks, dtype)
 

@@ -60,7 +60,7 @@ def load_eval_model(checkpoint, topo: Topology, device, dtype=None) -> EvalModel
     (None: as stored)."""
     from bloomtrain.checkpoint.load import load_sharded
 
-    loaded = load_sharded(checkpoint, topo, dtype, attention=EVAL_ATTENTION)
+    loaded = load_sharded(checkpoint, topo, dtype, attention=EVAL_ATTENTION, device=device)
     model = EvalModel(topo, loaded.shape, loaded.chunks, loaded.dtype, torch.device(device))
     for chunk in model.chunks:
         chunk.to(device)

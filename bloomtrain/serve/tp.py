@@ -43,7 +43,9 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     from bloomtrain.serve.quantize import quantize_model
 
     split = topo is not None and topo.tp_size > 1
-    model = load_sharded(checkpoint, topo if split else None, dtype).model
+    # Split: each shard straight to the device as it is read (quantized: on the CPU first).
+    model = load_sharded(checkpoint, topo if split else None, dtype,
+                         device="cpu" if quantize else device).model
     if quantize:
         quantize_model(model, quantize)
     model.to(device)

@@ -469,3 +469,42 @@ def test_a_snapshot_counts_what_it_pins():
     assert snapshot_bytes([frag(OnTheGpu())], {}) == 16384
     kept = {(0, "w", "model"): torch.zeros(3000)}
     assert snapshot_bytes([frag(OnTheGpu())], kept) == 0
+
+
+def test_a_sharded_load_puts_each_shard_on_the_device_as_it_reads_it(tmp_path, monkeypatch):
+    """load_sharded(device=...) (serving and eval under a topology) moves each parameter's shard
+    to the device as soon as it is read, so the host never holds the rank's whole share (the
+    meta device stands in for a GPU here): the reader's buffers alive at once stay within the
+    largest parameter."""
+    from bloomtrain.checkpoint.load import load_sharded
+    from bloomtrain.model.bloom import BloomForCausalLM
+    from bloomtrain.model.presets import BloomShape
+    from bloomtrain.topology import Topology
+
+    shape = BloomShape(num_layers=2, hidden_size=32, num_heads=4, vocab_size=96,
+                       ffn_hidden_size=128)
+    torch.manual_seed(0)
+    state = {k: v for k, v in BloomForCausalLM(shape).state_dict().items()
+             if k != "lm_head.weight"}
+    path = ckpt.save_checkpoint(tmp_path, 1, state, shape)
+    live = {"now": 0, "peak": 0}
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.device.type == "cpu":
+            n = t.numel() * t.element_size()
+            live["now"] += n
+            live["peak"] = max(live["peak"], live["now"])
+            weakref.finalize(t, lambda: live.__setitem__("now", live["now"] - n))
+        return t
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    loaded = load_sharded(path, Topology.single(), device="meta")
+    monkeypatch.setattr(torch, "empty", real_empty)
+    params = list(loaded.chunks[0].parameters())
+    assert params and all(p.device.type == "meta" for p in params)
+    assert loaded.chunks[0].transformer.alibi_slopes.device.type == "meta"
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert live["peak"] <= largest < total // 4, (live, largest, total)
