@@ -373,3 +373,18 @@ def test_checkpoints_do_not_depend_on_offload(dp2, stage):
         a, b = (r["checkpoint"][stage][n]["state"] for n in ("offload->plain", "plain->offload"))
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_stage3_compute_shard_is_refreshed_chunk_by_chunk(monkeypatch):
+    """Stage 3 under offload refreshes its device shard from the host masters (first values, a
+    checkpoint) in chunks, not in one copy whose dtype conversion would allocate a host
+    temporary as large as the shard: the result is the one-copy cast, bit for bit."""
+    from bloomtrain.parallel.zero import buffers
+    cfg = helpers.config(parallel={"zero_stage": 3, "offload_optimizer": True},
+                         precision="bf16", seed=5)
+    bufs = helpers.build(cfg, device="cpu").engine.bufs
+    assert bufs.compute_shard is not None and bufs.master.numel() > 3 * 1000
+    bufs.master.normal_()
+    monkeypatch.setattr(buffers, "REFRESH_CHUNK", 1000)
+    bufs.refresh_compute_shard()
+    assert torch.equal(bufs.compute_shard, bufs.master.to(bufs.compute_shard.dtype))

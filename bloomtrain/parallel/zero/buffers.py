@@ -25,6 +25,10 @@ from bloomtrain.parallel.zero.segments import Segment, SegmentLayout, Slot
 from bloomtrain.parallel.zero.stages import StageRules
 from bloomtrain.model.params import replace_parameters
 
+# Elements per copy when the stage-3 compute shard is refreshed from offloaded masters (64 MiB of
+# fp32 at a time; see refresh_compute_shard).
+REFRESH_CHUNK = 1 << 24
+
 # values(param, spec, start, out): write elements [start, start + out.numel()) of the flattened
 # (tp-local) first value of `param` into the flat fp32 tensor `out`.
 Values = Callable[[nn.Parameter, ParamSpec, int, torch.Tensor], None]
@@ -169,7 +173,12 @@ class FlatBuffers:
         """Offload, stage 3: the device's compute-dtype shard from the host masters, after they
         were written outside the step (first values, a checkpoint)."""
         if self.compute_shard is not None:
-            self.compute_shard.copy_(self.master)
+            # Chunk by chunk: a blocking host-fp32 to device-bf16 copy converts on the host
+            # first, into a temporary as large as its source (2 bytes per parameter: 14 GB at
+            # bloom-7b1 on one GPU, beside the offloaded states).
+            step = REFRESH_CHUNK
+            for a in range(0, self.master.numel(), step):
+                self.compute_shard[a:a + step].copy_(self.master[a:a + step])
 
     def bind(self, modules: list[nn.Module]) -> dict[int, nn.Parameter]:
         """Replace every parameter of `modules` by a Parameter that is a view into the flat
