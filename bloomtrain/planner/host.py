@@ -11,7 +11,9 @@ pipeline can hold stages of different sizes: the planner sums each node's own ra
 the largest node.
 
 Two limits: the host's memory, and for the page-locked part (the ring; the states too with
-parallel.offload_pin_memory) the process's locked-memory limit, RLIMIT_MEMLOCK (`ulimit -l`).
+parallel.offload_pin_memory) the process's locked-memory limit, RLIMIT_MEMLOCK (`ulimit -l`),
+where it holds: over it, a run is refused only if page-locking just past the limit fails (a
+CUDA driver need not charge its own pinned allocations to it).
 What the host has: `MemAvailable` from /proc/meminfo at the check (memory the kernel can give
 without swapping; less where the process's memory cgroup, a SLURM job's or a container's, has
 less left), or BLOOMTRAIN_HOST_MEMORY when set (bytes, or with a KiB/MiB/GiB/TiB
@@ -175,6 +177,26 @@ def memlock_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+# How far past RLIMIT_MEMLOCK pins_past_the_limit pins to see whether the limit holds.
+MEMLOCK_PROBE_EXTRA = 2 * MIB
+
+
+def pins_past_the_limit(nbytes: int) -> bool:
+    """Whether this process can page-lock `nbytes` through torch's CUDA host allocator,
+    tried once (and freed). RLIMIT_MEMLOCK governs mlock() and RDMA registrations; whether the
+    CUDA driver's own cudaHostAlloc is held to it depends on the driver. So a ring over the limit
+    is refused only where pinning past the limit really fails. False without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return False
+    try:
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:  # torch.AcceleratorError is one
+        return False
+    del buf
+    return True
+
+
 def resident_bytes() -> int:
     """This process's resident memory now (VmRSS), 0 where /proc cannot tell."""
     try:
@@ -218,8 +240,8 @@ def node_ranks(world: int, env=os.environ) -> range:
 def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str, ranks,
                resident: int = 0) -> NodeHost | None:
     """Raise UserError, in one line, when the offloading ranks `ranks` of this node cannot get
-    their host memory, or a process's page-locked part is over RLIMIT_MEMLOCK (on CUDA: the CPU
-    pins nothing). `resident`: what each of them holds already (measured in this process, before
+    their host memory, or a process's page-locked part is over RLIMIT_MEMLOCK and pinning past
+    that limit fails (on CUDA: the CPU pins nothing; pins_past_the_limit). `resident`: what each of them holds already (measured in this process, before
     it allocates anything); the process overhead counts only past it. None without offload.
     train.ignore_plan lets a run start anyway."""
     p = cfg.parallel
@@ -235,7 +257,8 @@ def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str,
     if needed > avail:
         problems.append(host_message(node, needed, avail, source, layout, still, device_kind))
     limit = memlock_limit()
-    if device_kind == "cuda" and limit is not None and node.pinned > limit:
+    if (device_kind == "cuda" and limit is not None and node.pinned > limit
+            and not pins_past_the_limit(min(node.pinned, limit + MEMLOCK_PROBE_EXTRA))):
         what = ("the staging ring and, with parallel.offload_pin_memory, the states"
                 if p.offload_pin_memory else "the staging ring")
         problems.append(

@@ -17,6 +17,7 @@ from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import resolve_model_config
+from bloomtrain.planner import host as host_mod
 from bloomtrain.planner.hardware import PROCESS_HOST_BYTES
 from bloomtrain.planner.host import (HOST_MEMORY_ENV, available_host_memory, cgroup_memory_left,
                                      check_host, node_host, node_ranks, parse_bytes)
@@ -218,6 +219,16 @@ def test_the_pinned_part_is_checked_against_the_locked_memory_limit(monkeypatch)
         assert check_host(cfg, shape, layout, "cpu", [0]) is not None
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (pinned, hard))
         assert check_host(cfg, shape, layout, "cuda", [0]).pinned == pinned
+        # Where the driver lets a process pin past the limit (tried just past it), the limit
+        # does not hold and the run goes on.
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (pinned // 4, hard))
+        tried = []
+        monkeypatch.setattr(host_mod, "pins_past_the_limit", lambda n: tried.append(n) or True)
+        assert check_host(cfg, shape, layout, "cuda", [0]).pinned == pinned
+        assert tried == [min(pinned, pinned // 4 + host_mod.MEMLOCK_PROBE_EXTRA)]
+        monkeypatch.setattr(host_mod, "pins_past_the_limit", lambda n: False)
+        with pytest.raises(UserError, match=r"\(ulimit -l\)"):
+            check_host(cfg, shape, layout, "cuda", [0])
     finally:
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard))
 
