@@ -66,6 +66,9 @@ class CommStats:
 # every autograd function, whose backward passes run where no argument reaches. Disabled, a call
 # costs one bool test; a run enables it only inside stats_scope, which restores the setting.
 STATS = CommStats()
+# all_reduce_coalesced concatenates tensors below this many elements (16 MB of fp32) into one
+# collective; larger ones gain nothing from it and would cost a copy of their size.
+COALESCE_MAX_ELEMENTS = 1 << 22
 
 
 def untraced_record() -> None:
@@ -364,17 +367,27 @@ def batch_isend_irecv(ops: list, name: str) -> list:
 
 @torch.no_grad()
 def all_reduce_coalesced(tensors: list[torch.Tensor], group, name: str) -> None:
-    """Sum `tensors` over `group` in place with one collective. Used for many small tensors
-    (LayerNorm and bias grads), where latency, not bandwidth, is what a call per tensor costs."""
+    """Sum `tensors` over `group` in place: the small ones (LayerNorm and bias grads, where
+    latency, not bandwidth, is what a call per tensor costs) with one collective over their
+    concatenation, each of COALESCE_MAX_ELEMENTS or more (the tied embedding's gradient
+    segments: 4.1 GB at bloom-7b1 under pp) on its own, contiguous ones in place, with no
+    copy."""
     if group is None or not tensors:
         return
-    if len(tensors) == 1:
-        all_reduce(tensors[0], group, name)
+    small = []
+    for t in tensors:
+        if t.numel() >= COALESCE_MAX_ELEMENTS and t.is_contiguous():
+            all_reduce(t, group, name)
+        else:
+            small.append(t)
+    if len(small) <= 1:
+        for t in small:
+            all_reduce(t, group, name)
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = torch.cat([t.reshape(-1) for t in small])
     all_reduce(flat, group, name)
     offset = 0
-    for t in tensors:
+    for t in small:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
 

@@ -116,3 +116,34 @@ def test_barriers_on_cuda_groups_name_the_device(monkeypatch):
         comm.declare_devices(nccl_group, None)
         comm.declare_devices(gloo_group, None)
     assert calls == [{"group": nccl_group, "device_ids": [3]}, {"group": gloo_group}]
+
+
+def _coalesced(rank, world):
+    """all_reduce_coalesced with a small threshold: two large tensors (one a strided view, which
+    must go through the concatenation) among small ones."""
+    group = comm.world_group()
+    big = torch.full((40,), float(rank + 1))
+    strided = torch.full((10, 8), float(rank + 1)).t()  # 80 elements, not contiguous
+    small = [torch.full((3,), float(rank + 1) * 10), torch.full((2, 2), float(rank + 1))]
+    storage = big.data_ptr()
+    calls = []
+    real, old = comm.all_reduce, comm.COALESCE_MAX_ELEMENTS
+    comm.COALESCE_MAX_ELEMENTS = 32
+    comm.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or real(t, *a, **k)
+    try:
+        comm.all_reduce_coalesced([small[0], big, strided, small[1]], group, "test")
+    finally:
+        comm.all_reduce, comm.COALESCE_MAX_ELEMENTS = real, old
+    total = sum(range(1, world + 1))
+    assert torch.equal(big, torch.full((40,), float(total))) and big.data_ptr() == storage
+    assert torch.equal(strided, torch.full((8, 10), float(total)))
+    assert torch.equal(small[0], torch.full((3,), 10.0 * total))
+    assert torch.equal(small[1], torch.full((2, 2), float(total)))
+    return calls
+
+
+def test_large_tensors_are_reduced_in_place_not_concatenated():
+    """Coalescing saves latency for small tensors; a large one (the tied embedding's gradient)
+    is reduced where it lies, without a copy of its size."""
+    for calls in run_ranks(2, _coalesced):
+        assert calls == [40, 3 + 80 + 4]
