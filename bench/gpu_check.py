@@ -18,19 +18,22 @@ Sections, in this order (each a subprocess with its own timeout, all under one `
 3. `profile/<preset>`: bench/profile_step.py, one eager SDPA step at the throughput shapes
    under torch.profiler, its GPU time in categories (GEMM, attention, LayerNorm, the loss,
    elementwise, optimizer, copies, communication, idle) and the 15 largest kernels.
-4. `serve`: bench/serve_gpu.py, the serving engine against HF `generate` (64 concurrent prompts,
+4. `fusions`: bench/fusions.py at bloom-1b7's block (seq 2048, micro-batch 2, bf16): LayerNorm,
+   bias-GeLU, bias-dropout-add and a whole block, eager against compiled, forward and backward:
+   kernels per call and time (issue 38: keep the fusions that pay).
+5. `serve`: bench/serve_gpu.py, the serving engine against HF `generate` (64 concurrent prompts,
    one alone, the decode step, fp32 checks) on a random-init bloom-560m shape, with decode CUDA
    graphs (the default) and with --enforce-eager.
-5. `throughput/<preset>/compile-flex`: torch.compile with FlexAttention, the same shapes.
-6. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
+6. `throughput/<preset>/compile-flex`: torch.compile with FlexAttention, the same shapes.
+7. `recompute_memory`: bench/recompute_memory.py, peak memory with none/selective/full
    activation recomputation at bloom-1b7, with SDPA (whose kernel selective recompute keeps; a
    compiled FlexAttention call is opaque to the selective-checkpoint policy, so under flex
    selective recomputes the attention core too).
-7. `throughput/bloom-7b1/eager-sdpa-zero1-offload-<full|selective>`: bench/step_throughput.py at
+8. `throughput/bloom-7b1/eager-sdpa-zero1-offload-<full|selective>`: bench/step_throughput.py at
    bloom-7b1, micro-batch 1, seq 2048, ZeRO-1 with the optimizer offloaded (on one GPU its model
    states leave no room otherwise), full and selective recompute, no HF side; one warmup step and
    two timed (the host's AdamW makes a step ~14 s), so both fit in the budget (issue 38).
-8. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
+9. `largest_fit`: bench/largest_fit.py, the largest preset that trains a step on this GPU, with
    and without ZeRO-Offload; its budget is what is left.
 Four throughput variants (eager-flex and compile-sdpa of each preset) come last: they are the
 first to go when the budget runs out. One of each kind of figure comes before the compiled
@@ -72,7 +75,7 @@ INTERRUPT_GRACE_S = 10
 @dataclass
 class Section:
     name: str
-    kind: str  # tests | throughput | recompute_memory | largest_fit
+    kind: str  # tests | throughput | profile | fusions | serve | recompute_memory | largest_fit
     cmd: list[str]
     timeout_s: float
     meta: dict = field(default_factory=dict)
@@ -114,10 +117,12 @@ def plan(args) -> list[Section]:
         fit = ["--presets", "bloom-176b,tiny", "--seq", "32", "--micro-batch", "2",
                "--try-timeout", "60"]
         serve = ["--cpu-smoke"]
+        fusions = ["--hidden", "64", "--heads", "4", "--seq", "32", "--micro-batch", "2",
+                   "--rounds", "1", "--steps", "1", "--warmup", "1"]
         big = {"tiny": shapes["tiny"][:-1] + ["1"]}  # micro-batch 1
         big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "1", "--device", "cpu"]
         timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60,
-                    "profile": 90, "serve": 90, "big": 90}
+                    "profile": 90, "serve": 90, "big": 90, "fusions": 120}
     else:
         dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
                                "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
@@ -130,6 +135,9 @@ def plan(args) -> list[Section]:
                      "--micro-batch", str(args.recompute_micro_batch)]
         fit = ["--seq", "2048", "--micro-batch", "1", "--try-timeout", "150"]
         serve = []
+        # One layer of bloom-1b7 at the throughput shape; dropout 0, as BLOOM trained.
+        fusions = ["--preset", "bloom-1b7", "--seq", "2048", "--micro-batch", "2",
+                   "--dropout", "0"]
         # bloom-7b1 at micro-batch 1 (issue 38): one process holds all its model states, so
         # ZeRO-1 shards nothing, and those states (bf16 weights and gradients, fp32 master,
         # accumulator and Adam moments: 127 GB) leave an H200 no room; the planner puts full
@@ -139,7 +147,7 @@ def plan(args) -> list[Section]:
         big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "2", "--device", "cuda",
                       "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
         timeouts = {"tests": 240, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
-                    "profile": 90, "serve": 180, "big": 150}
+                    "profile": 90, "serve": 180, "big": 150, "fusions": 90}
     junit = str(args.logs / "pytest.xml")
     sections = [Section("tests", "tests",
                         [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,
@@ -158,6 +166,9 @@ def plan(args) -> list[Section]:
                                 [PY, "bench/profile_step.py", *shape, "--attention", "sdpa",
                                  "--device", dev],
                                 timeouts["profile"], {"preset": label}))
+    sections.append(Section("fusions", "fusions",
+                            [PY, "bench/fusions.py", *fusions, "--device", dev],
+                            timeouts["fusions"]))
     sections.append(Section("serve", "serve", [PY, "bench/serve_gpu.py", *serve],
                             timeouts["serve"]))
     for label, shape in shapes.items():
@@ -356,9 +367,19 @@ def _serve_figures(r: dict) -> dict:
             "fp32_greedy_equal": f"{f.get('greedy_equal')}/{f.get('greedy_checked')}"}
 
 
+def _fusion_figures(r: dict) -> dict:
+    """Per region: kernels eager and compiled, and compiled time over eager (bench/fusions.py)."""
+    out = {}
+    for name, v in (r.get("regions") or {}).items():
+        out.update({f"{name}.kernels": f"{v.get('kernels_eager')}->{v.get('kernels_compiled')}",
+                    f"{name}.compiled_over_eager": v.get("ratio"),
+                    f"{name}.eager_ms": v.get("eager_ms"), f"{name}.compiled_ms": v.get("compiled_ms")})
+    return out
+
+
 FIGURES = {"tests": lambda r: dict(r), "throughput": _throughput_figures,
            "recompute_memory": _recompute_figures, "largest_fit": _largest_fit_figures,
-           "profile": _profile_figures, "serve": _serve_figures}
+           "profile": _profile_figures, "serve": _serve_figures, "fusions": _fusion_figures}
 
 
 def compare_with_hf(records: list[dict]) -> None:
@@ -435,6 +456,16 @@ def summary(report: dict) -> str:
             lines += ["", "| largest kernels | category | ms | share |", "|---|---|---|---|"]
             lines += [f"| {k['name'][:70]} | {k['category']} | {_fmt(k['ms'], '.2f')} | "
                       f"{_fmt(k['share'], '.1%')} |" for k in f.get("top") or []]
+        elif r["kind"] == "fusions":
+            f = r["figures"]
+            lines += ["", "## Fusions: eager against compiled, forward and backward", "",
+                      "| region | kernels eager->compiled | eager ms | compiled ms | "
+                      "compiled/eager |", "|---|---|---|---|---|"]
+            for region in dict.fromkeys(k.split(".", 1)[0] for k in f):
+                lines.append(f"| {region} | {f.get(region + '.kernels')} | "
+                             f"{_fmt(f.get(region + '.eager_ms'), '.3f')} | "
+                             f"{_fmt(f.get(region + '.compiled_ms'), '.3f')} | "
+                             f"{_fmt(f.get(region + '.compiled_over_eager'), '.2f')} |")
         elif r["kind"] == "serve":
             lines += ["", "## Serving (engine vs HF generate, in process)", "",
                       "| figure | value |", "|---|---|"]

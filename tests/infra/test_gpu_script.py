@@ -42,7 +42,8 @@ def test_every_section_ran_and_left_numbers(smoke):
     assert "memlock_limit_bytes" in host and "ulimit -l" in out.with_suffix(".md").read_text()
     big = [f"throughput/tiny/eager-sdpa-zero1-offload-{m}" for m in ("full", "selective")]
     assert set(sections) == {"tests", "throughput/tiny/eager-sdpa", "throughput/tiny/compile-sdpa",
-                             "profile/tiny", "serve", "recompute_memory", "largest_fit", *big}
+                             "profile/tiny", "fusions", "serve", "recompute_memory",
+                             "largest_fit", *big}
     failed = {n: r["error"] for n, r in sections.items() if r["status"] != "ok"}
     assert failed == {}, failed
     assert report["ok"] and proc.returncode == 0, proc.stdout[-2000:]
@@ -70,6 +71,14 @@ def test_every_section_ran_and_left_numbers(smoke):
     assert {"GEMM_share", "attention_share", "optimizer_share", "idle_share"} <= set(shares)
     assert sum(shares.values()) == pytest.approx(1.0) and shares["GEMM_share"] > 0
     assert len(prof["top"]) == 15 and all(_number(k["ms"]) for k in prof["top"])
+    fusions = sections["fusions"]["figures"]
+    for region in ("layernorm", "bias_gelu", "bias_dropout_add", "block"):
+        eager, compiled = map(int, fusions[f"{region}.kernels"].split("->"))
+        assert eager > 0 and compiled > 0 and _number(fusions[f"{region}.compiled_over_eager"])
+    # Inductor fuses the block's LayerNorms, GeLU, dropouts and adds: fewer kernels compiled (on
+    # the CPU 37 -> 25 per layer with dropout). Equal counts would mean nothing was compiled.
+    eager, compiled = map(int, fusions["block.kernels"].split("->"))
+    assert compiled < eager, fusions
     serve = sections["serve"]["figures"]
     for key in ("engine_tokens_per_s", "decode_step_ms", "vs_hf_batched", "alone_vs_hf_alone",
                 "eager_decode_step_ms", "graphs_vs_eager", "graphs_vs_eager_alone",
