@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     args, shape = parse_args(argv)
     device = torch.device(args.device)
     try:
-        impl = resolve_attention(args.attention, shape.attention_dropout, device)
+        impl = resolve_attention(args.attention, shape.attention_dropout, device,
+                                 head_dim=shape.head_dim)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -187,9 +187,10 @@ class TrainConfig:
     # Regional torch.compile of each transformer block (inductor fuses LayerNorm, bias-GeLU and
     # bias-dropout-add, the kernels BLOOM needed CUDA extensions for).
     compile: bool = False
-    # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available; on
-    # CPU in bf16/fp16 at sequences up to model.kernel_choice.EAGER_MAX_SEQ HF's eager math;
-    # else SDPA with the ALiBi bias as a float mask), sdpa, flex or eager.
+    # Attention kernel: auto (FlexAttention with an ALiBi score_mod on CUDA when available and
+    # the head dimension is at most model.kernel_choice.FLEX_MAX_HEAD_DIM, where it measured
+    # faster than SDPA; on CPU in bf16/fp16 at sequences up to model.kernel_choice.EAGER_MAX_SEQ
+    # HF's eager math; else SDPA with the ALiBi bias as a float mask), sdpa, flex or eager.
     attention: Attention = "auto"
     log_interval: int = 10
     eval_interval: int | None = None

@@ -115,7 +115,8 @@ def build(cfg: Config, topo: Topology | None = None, *, engine: bool = True,
     with torch.device("meta"):
         model = BloomForCausalLM(resolve_model_config(cfg.model))
     device = device or "cpu"
-    attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout, device)
+    attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout, device,
+                                  head_dim=model.shape.head_dim)
     return parallelize(model, topo or topology(cfg), cfg, attention=attention, engine=engine,
                        device=device)
 

@@ -8,7 +8,7 @@ import pytest
 from bloomtrain.errors import UserError
 from bloomtrain.layout import partition_layers, ParallelLayout
 from bloomtrain.model.attention import resolve_attention
-from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ, FLEX_MAX_HEAD_DIM
 from bloomtrain.validate import validate
 from bloomtrain.model import attention
 from tests import helpers
@@ -97,7 +97,7 @@ def test_validation():
 
 def test_resolve_attention(monkeypatch):
     assert resolve_attention("auto", 0.0, "cpu") == "sdpa"  # the fastest on CPU, with backward
-    assert resolve_attention("auto", 0.0, "cuda") == "flex"
+    assert resolve_attention("auto", 0.0, "cuda", head_dim=64) == "flex"
     assert resolve_attention("sdpa", 0.0, "cuda") == "sdpa"
     assert resolve_attention("flex", 0.0, "cuda") == "flex"
     assert resolve_attention("sdpa", 0.1, "cpu") == "sdpa"
@@ -106,11 +106,11 @@ def test_resolve_attention(monkeypatch):
     assert resolve_attention("auto", 0.1, "cpu", "fp16", 64) == "eager"  # it has dropout
     assert resolve_attention("auto", 0.0, "cpu", "bf16", EAGER_MAX_SEQ + 1) == "sdpa"
     assert resolve_attention("auto", 0.0, "cpu", "fp32", 64) == "sdpa"  # fp32 numerics kept
-    assert resolve_attention("auto", 0.0, "cuda", "bf16", 64) == "flex"
+    assert resolve_attention("auto", 0.0, "cuda", "bf16", 64, head_dim=64) == "flex"
     assert resolve_attention("eager", 0.1, "cuda") == "eager"
     assert resolve_attention("sdpa", 0.0, "cpu", "bf16", 64) == "sdpa"
     with pytest.warns(UserWarning, match="FlexAttention has no dropout"):
-        assert resolve_attention("auto", 0.1, "cuda") == "sdpa"
+        assert resolve_attention("auto", 0.1, "cuda", head_dim=64) == "sdpa"
     with pytest.raises(UserError, match=r"set model.attention_dropout=0 \(it is 0.1\) or "
                                         r"train.attention=sdpa"):
         resolve_attention("flex", 0.1, "cuda")
@@ -119,8 +119,17 @@ def test_resolve_attention(monkeypatch):
     with pytest.raises(UserError, match="train.attention must be auto, sdpa, flex or eager, "
                                         "got 'flash'"):
         resolve_attention("flash", 0.0, "cuda")
+    # On CUDA auto follows the GPU run's measurements by head dimension: flex at bloom-560m's
+    # 64, SDPA at the larger BLOOMs' 128 (and at the unmeasured 80 between).
+    assert resolve_attention("auto", 0.0, "cuda", "bf16", 2048,
+                             head_dim=FLEX_MAX_HEAD_DIM) == "flex"
+    for head_dim in (80, 128):
+        assert resolve_attention("auto", 0.0, "cuda", "bf16", 2048, head_dim=head_dim) == "sdpa"
+    assert resolve_attention("flex", 0.0, "cuda", head_dim=128) == "flex"  # asked for: given
+    with pytest.raises(ValueError, match="needs the model's head_dim"):
+        resolve_attention("auto", 0.0, "cuda")
     monkeypatch.setattr(attention, "flex_attention_available", lambda: False)
-    assert resolve_attention("auto", 0.0, "cuda") == "sdpa"
+    assert resolve_attention("auto", 0.0, "cuda", head_dim=64) == "sdpa"
     with pytest.raises(UserError, match="lacks; set train.attention=sdpa or auto"):
         resolve_attention("flex", 0.0, "cuda")
 

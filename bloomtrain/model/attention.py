@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from bloomtrain.config import DOMAINS, Attention
 from bloomtrain.errors import UserError
-from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ, check_attention
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ, check_attention, flex_pays
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -50,11 +50,14 @@ def flex_attention_available() -> bool:
 # ---- the kernel a run trains with ---------------------------------------------------------
 
 def resolve_attention(requested: str, attention_dropout: float, device,
-                      precision: str = "fp32", seq_length: int | None = None) -> str:
+                      precision: str = "fp32", seq_length: int | None = None,
+                      head_dim: int | None = None) -> str:
     """The kernel for `train.attention` when training on `device` in `precision` at
-    `seq_length` tokens.
+    `seq_length` tokens with heads of `head_dim` (needed for auto on CUDA).
 
-    auto is flex on CUDA when FlexAttention imports and attention dropout is 0, else sdpa. On
+    auto is flex on CUDA when FlexAttention imports, attention dropout is 0 and the head
+    dimension is one where it measured faster than SDPA (kernel_choice.FLEX_MAX_HEAD_DIM: 64,
+    bloom-560m's; the larger BLOOMs' 128 ran faster with SDPA), else sdpa. On
     CPU it is eager in bf16/fp16 when seq_length <= EAGER_MAX_SEQ (faster there: kernel_choice.py),
     else sdpa (bench/attention.py); FlexAttention cannot run backward on CPU. Raises UserError
     for a combination that cannot train."""
@@ -68,6 +71,10 @@ def resolve_attention(requested: str, attention_dropout: float, device,
                 and seq_length <= EAGER_MAX_SEQ):
             return "eager"
         if device.type != "cuda" or not flex_attention_available():
+            return "sdpa"
+        if head_dim is None:
+            raise ValueError("resolve_attention: auto on CUDA needs the model's head_dim")
+        if not flex_pays(head_dim):
             return "sdpa"
         if attention_dropout > 0:
             warnings.warn(f"train.attention=auto: using SDPA, not FlexAttention, because "

@@ -28,3 +28,20 @@ def check_attention(requested: str, attention_dropout: float) -> None:
 # 0.87x DeepSpeed's against SDPA's 0.93x; hence 128, where the time gain is large and the s²
 # memory small. fp32 keeps SDPA (its numerics).
 EAGER_MAX_SEQ = 128
+
+# On CUDA, auto takes FlexAttention (ALiBi as a score_mod, the causal BlockMask) up to this head
+# dimension and SDPA (its memory-efficient kernel, the ALiBi bias as a float mask) above it. The
+# one GPU run so far (one H200, torch 2.11, bf16, seq 2048, whole training steps, issue 38's
+# table), tokens/s flex against SDPA:
+#   bloom-560m, head_dim 64, micro-batch 4:  eager 69,241 vs 64,869 (1.07x), compiled 72,656 vs
+#                                            61,591 (1.18x)
+#   bloom-1b7, head_dim 128, micro-batch 2:  eager 18,349 vs 21,833 (0.84x), compiled 19,679 vs
+#                                            21,337 (0.92x)
+# bloom-1b7, bloom-7b1 and BLOOM-176B all have head_dim 128. Between 64 and 128 (bloom-3b's 80)
+# nothing is measured, so SDPA, the kernel that was never slower by much, keeps it.
+FLEX_MAX_HEAD_DIM = 64
+
+
+def flex_pays(head_dim: int) -> bool:
+    """Whether auto prefers FlexAttention on CUDA at this head dimension (FLEX_MAX_HEAD_DIM)."""
+    return head_dim <= FLEX_MAX_HEAD_DIM

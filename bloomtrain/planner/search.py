@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.layout import ParallelLayout
-from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ
+from bloomtrain.model.kernel_choice import EAGER_MAX_SEQ, flex_pays
 from bloomtrain.model.presets import resolve_model_config
 from bloomtrain.planner import memory as mem
 from bloomtrain.planner.evaluate import (Plan, evaluate, layout_reason, limit_of,
@@ -55,7 +55,8 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
                                     and (seq or cfg.data.seq_length) <= EAGER_MAX_SEQ):
         attention = "eager"  # what resolve_attention picks there
     elif t.attention == "flex" or (t.attention == "auto" and device == "cuda"
-                                   and shape.attention_dropout == 0):
+                                   and shape.attention_dropout == 0
+                                   and flex_pays(shape.head_dim)):
         attention = "fused"
     else:
         # SDPA with the ALiBi bias tensor (CUDA: its efficient kernel; CPU without dropout:

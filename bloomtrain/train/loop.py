@@ -102,14 +102,15 @@ class Trainer:
             run = validate(cfg, world)  # before anything starts
         self.cfg = cfg
         self.device = resolve_device(cfg)
-        # The kernel depends on the device: resolved here, before any process group starts.
-        self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
-                                           self.device, cfg.train.precision,
-                                           cfg.data.seq_length)
         # The model's vocabulary follows the tokenizer's, and every dataset's token ids must
         # fit it. `bloomtrain train` checked before launching; a Trainer built from Python was
         # not (the result is cached: a second check reads one small file per dataset).
         self.tokenizer, run = check_data(cfg, run)
+        # The kernel depends on the device and the shape: resolved here, before any process
+        # group starts.
+        self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
+                                           self.device, cfg.train.precision,
+                                           cfg.data.seq_length, run.shape.head_dim)
         # The planner's memory prediction for this layout, before any process group: on CUDA a
         # layout it predicts not to fit is refused here, not by an OOM at the first step.
         self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
