@@ -19,7 +19,8 @@ other layout's shards, with no conversion step. Nothing is unpickled on load: te
 safetensors and everything else from JSON.
 """
 from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, OPTIM_KINDS,
-                                          TIED_ALIAS, CheckpointError, find_latest_valid,
+                                          TIED_ALIAS, CheckpointError, SharedCheck,
+                                          find_latest_valid,
                                           list_checkpoints, prune, read_manifest, resolve,
                                           residual_kind, residual_kinds, sha256_file,
                                           step_dir_name, verify)
@@ -36,7 +37,7 @@ __getattr__ = lazy_exports(__name__, {
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MODEL_KINDS", "OPTIM_KINDS", "TIED_ALIAS", "CheckpointError",
     "CheckpointReader", "CheckpointWriter", "Deferred", "Fragment", "LazyState",
-    "find_latest_valid",
+    "SharedCheck", "find_latest_valid",
     "full_fragments", "list_checkpoints", "load_model_state", "open_model", "prune",
     "read_manifest", "residual_kind", "residual_kinds", "resolve",
     "save_checkpoint", "sha256_file", "step_dir_name", "verify",

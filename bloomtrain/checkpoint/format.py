@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable
 
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
@@ -303,18 +303,46 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(out.items())
 
 
-def find_latest_valid(root: str | os.PathLike, log=print,
-                      check_sums: bool = True) -> Path | None:
+@dataclasses.dataclass(frozen=True)
+class SharedCheck:
+    """The ranks of one job choosing a checkpoint together (find_latest_valid): rank `rank` of
+    `world` hashes every world-th data file, so that the job reads each file once, not once per
+    rank (at BLOOM-176B 2.1 TB per rank); `agree(error)` takes this rank's error (None: its
+    files verified) and returns the first one any rank found, the same on every rank;
+    `common(value)` returns the first rank's value on every rank."""
+    rank: int
+    world: int
+    agree: Callable[[str | None], str | None]
+    common: Callable[[Any], Any]
+
+
+def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = True,
+                      shared: SharedCheck | None = None) -> Path | None:
     """The newest checkpoint under `root` that verifies. Incomplete or corrupt ones are reported
     and skipped, so a crash during a save falls back to the previous checkpoint. Without
     `check_sums` only the manifest, the fragment index and the file sizes are checked, no data
-    file is read: a quick look at a large checkpoint (`bloomtrain status`)."""
-    for _, path in reversed(list_checkpoints(root)):
+    file is read: a quick look at a large checkpoint (`bloomtrain status`). With `shared`, the
+    checksums are split over the job's ranks (every rank still checks every file's size) and
+    every rank takes the same checkpoint: the candidates are the first rank's (a rank that
+    cannot see one fails it for all), each is judged by all."""
+    paths = [path for _, path in reversed(list_checkpoints(root))]
+    if shared is not None:
+        paths = [Path(root) / name for name in shared.common([p.name for p in paths])]
+    for path in paths:
+        error = None
         try:
-            verify(path, check_sums=check_sums)
-            return path
+            manifest = verify(path, check_sums=False)
+            if check_sums:
+                names = sorted(manifest["files"])
+                verify(path, manifest, files=names if shared is None else
+                       names[shared.rank::shared.world])
         except CheckpointError as e:
-            log(f"[checkpoint] skipping {path.name}: {e}")
+            error = str(e)
+        if shared is not None:
+            error = shared.agree(error)
+        if error is None:
+            return path
+        log(f"[checkpoint] skipping {path.name}: {error}")
     return None
 
 

@@ -420,6 +420,17 @@ def gather_object(obj, dst: int, group, name: str) -> list | None:
     return out
 
 
+def all_gather_object(obj, group, name: str) -> list:
+    """Every rank's picklable `obj` on every rank of `group`, in rank order. For small control
+    messages (a rank's verdict on a checkpoint), never for tensors."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    _call("all_gather_object", name, group, None, False, dist.all_gather_object, out, obj,
+          group=group)
+    return out
+
+
 def broadcast_object(obj, src: int, group, name: str):
     """Global rank `src`'s picklable `obj` on every rank of `group`."""
     if group is None:

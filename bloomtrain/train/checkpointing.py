@@ -18,6 +18,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
+from bloomtrain.parallel import comm
 
 
 @dataclass
@@ -270,7 +271,21 @@ class TrainCheckpoints:
         if c.resume == "none":
             return None, False
         if c.resume == "auto":
-            return (ckpt.find_latest_valid(c.dir, log=self.log) if c.dir else None), True
+            if not c.dir:
+                return None, True
+            # Every rank hashes its share of the files, and all take the same checkpoint.
+            group = comm.world_group()
+
+            def agree(error: str | None) -> str | None:
+                return next((e for e in comm.all_gather_object(error, group, "checkpoint")
+                             if e is not None), None)
+
+            def common(value):
+                return comm.broadcast_object(value, 0, group, "checkpoint")
+
+            shared = ckpt.SharedCheck(comm.group_rank(group), comm.group_size(group), agree,
+                                      common)
+            return ckpt.find_latest_valid(c.dir, log=self.log, shared=shared), True
         return ckpt.resolve(c.resume), False
 
     def resume(self) -> TrainState | None:

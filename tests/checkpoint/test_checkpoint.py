@@ -166,6 +166,54 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
     assert "skipping step_00000004" in text and "truncated" in text
 
 
+def _resume_auto_worker(rank, world, dataset, tmp, root):
+    """A dp2 job resuming with checkpoint.resume=auto: the step it took up, the files this rank
+    hashed, and its log."""
+    hashed, lines = [], []
+    real_sha = ckpt.format.sha256_file
+    ckpt.format.sha256_file = lambda f, *a: hashed.append((f.parent.name, f.name)) or \
+        real_sha(f, *a)
+    trainer = Trainer(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
+                                 checkpoint={"dir": root}),
+                      log=lambda *a: lines.append(" ".join(map(str, a))))
+    step = trainer.state.step
+    trainer.run()  # to its end (steps 5 and 6), which stops the job's threads
+    return step, hashed, "\n".join(lines)
+
+
+def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
+    """resume=auto with 2 ranks: each data file of the checkpoint taken up is hashed by one rank,
+    not by every rank (at BLOOM-176B's 2.1 TB and 384 ranks, 800 TB of reads became one
+    checkpoint's worth), and a file only one rank hashes, found corrupt, sends both ranks to the
+    checkpoint before, each saying why."""
+    root = tmp_path / "ck"
+    run_ranks(2, _train_dp2_worker, dataset, str(tmp_path), str(root))
+    step4, step6 = root / ckpt.step_dir_name(4), root / ckpt.step_dir_name(6)
+    names = sorted(ckpt.read_manifest(step6)["files"])
+    assert len(names) >= 4  # model and optimizer files of both ranks, and more
+    # Corrupt the file rank 1 hashes (every second name, from the second): same size.
+    victim = step6 / names[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    results = run_ranks(2, _resume_auto_worker, dataset, str(tmp_path / "r"), str(root))
+    assert [step for step, _, _ in results] == [4, 4]
+    # Rank 0 logs; it did not hash that file, and says what rank 1 found.
+    assert names[1] not in [f for d, f in results[0][1] if d == step6.name]
+    log = results[0][2]
+    assert f"skipping {step6.name}" in log and names[1] in log and "checksum" in log
+    hashed4 = [f for _, files, _ in results for d, f in files if d == step4.name]
+    assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])  # each file once
+    assert {f for d, f in results[0][1] if d == step6.name}.isdisjoint(
+        {f for d, f in results[1][1] if d == step6.name})
+
+
+def _train_dp2_worker(rank, world, dataset, tmp, root):
+    """dp2, ZeRO-1: 6 steps, saved at 2, 4 and 6."""
+    train(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
+                     checkpoint={"dir": root, "save_interval": 2, "keep_last": 5}), **QUIET)
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {os.environ['BLOOMTRAIN_PWNED']}",))
