@@ -106,8 +106,7 @@ class Trainer:
         # fit it. `bloomtrain train` checked before launching; a Trainer built from Python was
         # not (the result is cached: a second check reads one small file per dataset).
         self.tokenizer, run = check_data(cfg, run)
-        # The kernel depends on the device and the shape: resolved here, before any process
-        # group starts.
+        # The kernel depends on the device and shape: resolved before any process group starts.
         self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
                                            self.device, cfg.train.precision,
                                            cfg.data.seq_length, run.shape.head_dim)
