@@ -23,7 +23,7 @@ from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, O
                                           find_latest_valid,
                                           list_checkpoints, prune, read_manifest, resolve,
                                           residual_kind, residual_kinds, sha256_file,
-                                          step_dir_name, verify)
+                                          step_dir_name, verify, verify_shared)
 from bloomtrain.utils import lazy_exports
 
 # fragments, reader and writer import torch; the format (finding and checking checkpoints, for
@@ -41,4 +41,5 @@ __all__ = [
     "full_fragments", "list_checkpoints", "load_model_state", "open_model", "prune",
     "read_manifest", "residual_kind", "residual_kinds", "resolve",
     "save_checkpoint", "sha256_file", "step_dir_name", "verify",
+    "verify_shared",
 ]

@@ -329,21 +329,32 @@ def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = Tru
     if shared is not None:
         paths = [Path(root) / name for name in shared.common([p.name for p in paths])]
     for path in paths:
-        error = None
         try:
-            manifest = verify(path, check_sums=False)
-            if check_sums:
-                names = sorted(manifest["files"])
-                verify(path, manifest, files=names if shared is None else
-                       names[shared.rank::shared.world])
-        except CheckpointError as e:
-            error = str(e)
-        if shared is not None:
-            error = shared.agree(error)
-        if error is None:
+            verify_shared(path, shared, check_sums)
             return path
-        log(f"[checkpoint] skipping {path.name}: {error}")
+        except CheckpointError as e:
+            log(f"[checkpoint] skipping {path.name}: {e}")
     return None
+
+
+def verify_shared(path: str | os.PathLike, shared: SharedCheck | None,
+                  check_sums: bool = True) -> None:
+    """verify() every file of the checkpoint at `path`, its checksums split over the ranks of
+    `shared` (None: all of them here), every rank checking every size; raises the same
+    CheckpointError on every rank when any rank finds a problem."""
+    error = None
+    try:
+        manifest = verify(path, check_sums=False)
+        if check_sums:
+            names = sorted(manifest["files"])
+            verify(path, manifest,
+                   files=names if shared is None else names[shared.rank::shared.world])
+    except CheckpointError as e:
+        error = str(e)
+    if shared is not None:
+        error = shared.agree(error)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -164,6 +164,21 @@ def _ranks_problem(manifest: dict) -> str | None:
     return None
 
 
+def _shared() -> ckpt.SharedCheck:
+    """How this job's ranks verify a checkpoint together (ckpt.SharedCheck): each hashes its
+    share of the files, and all come to the same verdict and the same candidates."""
+    group = comm.world_group()
+
+    def agree(error: str | None) -> str | None:
+        return next((e for e in comm.all_gather_object(error, group, "checkpoint")
+                     if e is not None), None)
+
+    def common(value):
+        return comm.broadcast_object(value, 0, group, "checkpoint")
+
+    return ckpt.SharedCheck(comm.group_rank(group), comm.group_size(group), agree, common)
+
+
 class TrainCheckpoints:
     def __init__(self, cfg: Config, parts, tokenizer, log=print):
         self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
@@ -264,29 +279,18 @@ class TrainCheckpoints:
         self.log(f"[checkpoint] WARNING {err}. Training goes on and tries again at the next "
                  f"save (checkpoint.on_save_error=continue)")
 
-    def _find(self) -> tuple[Path | None, bool]:
-        """(the checkpoint to resume from or None, whether its files' checksums were just
-        verified: `auto` verifies each candidate to skip a corrupt one)."""
+    def _find(self) -> Path | None:
+        """The checkpoint to resume from, its checksums verified (`auto` verifies each
+        candidate, to skip a corrupt one), or None."""
         c = self.cfg.checkpoint
         if c.resume == "none":
-            return None, False
+            return None
         if c.resume == "auto":
-            if not c.dir:
-                return None, True
-            # Every rank hashes its share of the files, and all take the same checkpoint.
-            group = comm.world_group()
-
-            def agree(error: str | None) -> str | None:
-                return next((e for e in comm.all_gather_object(error, group, "checkpoint")
-                             if e is not None), None)
-
-            def common(value):
-                return comm.broadcast_object(value, 0, group, "checkpoint")
-
-            shared = ckpt.SharedCheck(comm.group_rank(group), comm.group_size(group), agree,
-                                      common)
-            return ckpt.find_latest_valid(c.dir, log=self.log, shared=shared), True
-        return ckpt.resolve(c.resume), False
+            return ckpt.find_latest_valid(c.dir, log=self.log, shared=_shared()) \
+                if c.dir else None
+        path = ckpt.resolve(c.resume)
+        ckpt.verify_shared(path, _shared())
+        return path
 
     def resume(self) -> TrainState | None:
         """Load the checkpoint `checkpoint.resume` names into the engine; the train state it
@@ -294,10 +298,10 @@ class TrainCheckpoints:
         rank's tp shard of the full parameter is read (only that shard's fragments when the
         checkpoint has the same tp split) and handed to the engine whole, one at a time; the
         engine keeps its own ranges."""
-        path, verified = self._find()
+        path = self._find()
         if path is None:
             return None
-        state, manifest = self._load(path, verified)
+        state, manifest = self._load(path)
         saved = manifest.get("topology")
         moved = "" if saved in (None, self.topology_meta()) else \
             f" (resharded from {json.dumps(saved)})"
@@ -312,14 +316,16 @@ class TrainCheckpoints:
         self.wait()
         if self.last is None:
             return None
+        ckpt.verify_shared(self.last[1], _shared())
         return self._load(self.last[1])[0], self.last[1]
 
-    def _load(self, path: Path, verified: bool = False) -> tuple[TrainState, dict]:
-        """Load the checkpoint at `path` into the engine; the train state it holds (step 0 for an
-        imported HF checkpoint) and its manifest. `verified`: its checksums were checked just now
-        (every file hashed: at BLOOM-176B 2.1 TB per rank), so the reader checks sizes only."""
+    def _load(self, path: Path) -> tuple[TrainState, dict]:
+        """Load the checkpoint at `path`, which the job has just verified (verify_shared: each
+        file hashed by one rank; at BLOOM-176B the whole is 2.1 TB), into the engine; the train
+        state it holds (step 0 for an imported HF checkpoint) and its manifest. The reader
+        checks sizes only."""
         reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS,
-                                       check_sums=not verified)
+                                       check_sums=False)
         if reader.shape != self.parts.shape:
             raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
                             f"gives {self.parts.shape}; resume with the same model settings")

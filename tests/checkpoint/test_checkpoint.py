@@ -166,15 +166,15 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
     assert "skipping step_00000004" in text and "truncated" in text
 
 
-def _resume_auto_worker(rank, world, dataset, tmp, root):
-    """A dp2 job resuming with checkpoint.resume=auto: the step it took up, the files this rank
-    hashed, and its log."""
+def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto"):
+    """A dp2 job resuming with checkpoint.resume=`resume`: the step it took up, the files this
+    rank hashed, and its log."""
     hashed, lines = [], []
     real_sha = ckpt.format.sha256_file
     ckpt.format.sha256_file = lambda f, *a: hashed.append((f.parent.name, f.name)) or \
         real_sha(f, *a)
     trainer = Trainer(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
-                                 checkpoint={"dir": root}),
+                                 checkpoint={"dir": root, "resume": resume}),
                       log=lambda *a: lines.append(" ".join(map(str, a))))
     step = trainer.state.step
     trainer.run()  # to its end (steps 5 and 6), which stops the job's threads
@@ -182,7 +182,7 @@ def _resume_auto_worker(rank, world, dataset, tmp, root):
 
 
 def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
-    """resume=auto with 2 ranks: each data file of the checkpoint taken up is hashed by one rank,
+    """resume=auto with 2 ranks (and then a checkpoint named by path): each data file of the checkpoint taken up is hashed by one rank,
     not by every rank (at BLOOM-176B's 2.1 TB and 384 ranks, 800 TB of reads became one
     checkpoint's worth), and a file only one rank hashes, found corrupt, sends both ranks to the
     checkpoint before, each saying why."""
@@ -206,6 +206,12 @@ def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
     assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])  # each file once
     assert {f for d, f in results[0][1] if d == step6.name}.isdisjoint(
         {f for d, f in results[1][1] if d == step6.name})
+    # A checkpoint named by path is shared out the same way.
+    results = run_ranks(2, _resume_auto_worker, dataset, str(tmp_path / "p"), str(root),
+                        str(step4))
+    assert [step for step, _, _ in results] == [4, 4]
+    hashed4 = [f for _, files, _ in results for d, f in files if d == step4.name]
+    assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])
 
 
 def _train_dp2_worker(rank, world, dataset, tmp, root):
