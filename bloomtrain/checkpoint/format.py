@@ -338,15 +338,17 @@ def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = Tru
 
 
 def verify_shared(path: str | os.PathLike, shared: SharedCheck | None,
-                  check_sums: bool = True) -> None:
-    """verify() every file of the checkpoint at `path`, its checksums split over the ranks of
-    `shared` (None: all of them here), every rank checking every size; raises the same
-    CheckpointError on every rank when any rank finds a problem."""
+                  check_sums: bool = True, files: list[str] | None = None,
+                  manifest: dict | None = None) -> dict[str, Any]:
+    """verify() the files (all, or `files`) of the checkpoint at `path`, their checksums split
+    over the ranks of `shared` (None: all of them here), every rank checking every size; raises
+    the same CheckpointError on every rank when any rank finds a problem. Returns the
+    manifest."""
     error = None
     try:
-        manifest = verify(path, check_sums=False)
+        manifest = verify(path, manifest, check_sums=False, files=files)
         if check_sums:
-            names = sorted(manifest["files"])
+            names = sorted(manifest["files"] if files is None else files)
             verify(path, manifest,
                    files=names if shared is None else names[shared.rank::shared.world])
     except CheckpointError as e:
@@ -355,6 +357,7 @@ def verify_shared(path: str | os.PathLike, shared: SharedCheck | None,
         error = shared.agree(error)
     if error is not None:
         raise CheckpointError(error)
+    return manifest
 
 
 def resolve(path: str | os.PathLike) -> Path:

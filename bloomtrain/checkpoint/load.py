@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bloomtrain.checkpoint.format import SharedCheck
 from bloomtrain.devices import torch_dtype
 from bloomtrain.errors import UserError
 from bloomtrain.model.bloom import BloomForCausalLM, check_state, local_alibi_slopes
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD, BloomShape
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import set_local_slopes, shard_model
 from bloomtrain.topology import Topology
 from bloomtrain.model.params import replace_parameters
@@ -54,7 +56,7 @@ def load_sharded(source, topo: Topology | None = None, dtype=None, *,
     it is read, so the host holds one shard at a time (the 8 ranks of a node serving BLOOM-176B
     from its fp32 masters would otherwise hold 704 GB there). `attention`: the kernel its
     blocks run (bloomtrain.model.attention)."""
-    reader = _partial_reader(source)
+    reader = _partial_reader(source, job_check() if topo is not None else None)
     if topo is None or reader is None:
         model = _load_whole(source, dtype)
         if topo is None:
@@ -72,15 +74,34 @@ def load_sharded(source, topo: Topology | None = None, dtype=None, *,
         reader.close()
 
 
-def _partial_reader(source):
+def job_check() -> SharedCheck | None:
+    """How the ranks of this job verify a checkpoint they all open (format.SharedCheck): each
+    hashes its share of the files, and all come to the same verdict on the same candidates.
+    None in a single process. Every rank must make the same calls with it."""
+    group = comm.world_group()
+    if group is None:
+        return None
+
+    def agree(error: str | None) -> str | None:
+        return next((e for e in comm.all_gather_object(error, group, "checkpoint")
+                     if e is not None), None)
+
+    def common(value):
+        return comm.broadcast_object(value, 0, group, "checkpoint")
+
+    return SharedCheck(comm.group_rank(group), comm.group_size(group), agree, common)
+
+
+def _partial_reader(source, shared: SharedCheck | None):
     """A reader that gives one tp shard of one parameter at a time, or None where the files
-    cannot be read in part (HF .bin of the pickle format)."""
+    cannot be read in part (HF .bin of the pickle format). `shared`: every rank of the job
+    opens it (its checksums split over them)."""
     from bloomtrain.checkpoint.reader import open_model
     from bloomtrain.checkpoint.hf.convert import is_hf_dir
     from bloomtrain.checkpoint.hf.slices import HFSliceReader, sliceable
 
     if not is_hf_dir(source):
-        return open_model(source)
+        return open_model(source, shared)
     return HFSliceReader(source) if sliceable(source) else None
 
 

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from bloomtrain.checkpoint.format import (MODEL_KINDS, TIED_ALIAS, CheckpointError, member_path,
-                                          read_manifest, resolve, verify)
+from bloomtrain.checkpoint.format import (MODEL_KINDS, TIED_ALIAS, CheckpointError, SharedCheck,
+                                          member_path, read_manifest, resolve, verify,
+                                          verify_shared)
 from bloomtrain.model.presets import BloomShape
 
 _BLOCK = re.compile(r"transformer\.h\.(0|[1-9][0-9]*)\.(.+)")
@@ -48,7 +49,7 @@ class CheckpointReader:
     parameter at a time: `load(name, kind)` assembles the fragments of `name`."""
 
     def __init__(self, path: str | os.PathLike, kinds: tuple[str, ...] = MODEL_KINDS,
-                 check_sums: bool = True):
+                 check_sums: bool = True, shared: SharedCheck | None = None):
         self.path = resolve(path)
         self.manifest = read_manifest(self.path)  # checked: types, fragments tile, file names
         self.shape = BloomShape(**self.manifest["model_shape"])
@@ -65,7 +66,10 @@ class CheckpointReader:
                                       f"manifest is corrupt")
         needed = {fr["files"][k] for t in self.tensors.values() for fr in t["fragments"]
                   for k in kinds if k in fr.get("files", {})}
-        verify(self.path, self.manifest, check_sums=check_sums, files=sorted(needed))
+        # With `shared` (a job's ranks opening it together: every rank calls this) each file is
+        # hashed by one rank, and all agree.
+        verify_shared(self.path, shared, check_sums, files=sorted(needed),
+                      manifest=self.manifest)
         self._handles: dict[str, Any] = {}
 
     def check_complete(self) -> None:
@@ -194,11 +198,12 @@ class CheckpointReader:
         self._handles.clear()
 
 
-def open_model(path: str | os.PathLike) -> CheckpointReader:
+def open_model(path: str | os.PathLike, shared: SharedCheck | None = None) -> CheckpointReader:
     """A reader of the model weights of the checkpoint at `path` (any layout), with the model and
-    tokenizer files verified against their checksums. Optimizer state is not read: for a large
-    model it is most of the bytes, and a model's users (inference, export) need none of it."""
-    reader = CheckpointReader(path, kinds=MODEL_KINDS)
+    tokenizer files verified against their checksums (by the ranks of `shared` together, when
+    every rank of a job opens it). Optimizer state is not read: for a large model it is most of
+    the bytes, and a model's users (inference, export) need none of it."""
+    reader = CheckpointReader(path, kinds=MODEL_KINDS, shared=shared)
     reader.check_complete()  # before anything builds the model its manifest describes
     tok = [k for k in reader.manifest["files"] if k.startswith("tokenizer/")]
     verify(reader.path, reader.manifest, files=tok)

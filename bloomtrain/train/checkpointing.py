@@ -18,7 +18,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.parallel import comm
+from bloomtrain.checkpoint.load import job_check
 
 
 @dataclass
@@ -164,21 +164,6 @@ def _ranks_problem(manifest: dict) -> str | None:
     return None
 
 
-def _shared() -> ckpt.SharedCheck:
-    """How this job's ranks verify a checkpoint together (ckpt.SharedCheck): each hashes its
-    share of the files, and all come to the same verdict and the same candidates."""
-    group = comm.world_group()
-
-    def agree(error: str | None) -> str | None:
-        return next((e for e in comm.all_gather_object(error, group, "checkpoint")
-                     if e is not None), None)
-
-    def common(value):
-        return comm.broadcast_object(value, 0, group, "checkpoint")
-
-    return ckpt.SharedCheck(comm.group_rank(group), comm.group_size(group), agree, common)
-
-
 class TrainCheckpoints:
     def __init__(self, cfg: Config, parts, tokenizer, log=print):
         self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
@@ -286,10 +271,10 @@ class TrainCheckpoints:
         if c.resume == "none":
             return None
         if c.resume == "auto":
-            return ckpt.find_latest_valid(c.dir, log=self.log, shared=_shared()) \
+            return ckpt.find_latest_valid(c.dir, log=self.log, shared=job_check()) \
                 if c.dir else None
         path = ckpt.resolve(c.resume)
-        ckpt.verify_shared(path, _shared())
+        ckpt.verify_shared(path, job_check())
         return path
 
     def resume(self) -> TrainState | None:
@@ -316,7 +301,7 @@ class TrainCheckpoints:
         self.wait()
         if self.last is None:
             return None
-        ckpt.verify_shared(self.last[1], _shared())
+        ckpt.verify_shared(self.last[1], job_check())
         return self._load(self.last[1])[0], self.last[1]
 
     def _load(self, path: Path) -> tuple[TrainState, dict]:

@@ -801,16 +801,20 @@ def _tp_rank_from_checkpoint(rank, world, path):
         read[0] += out.numel()
         return out
 
+    from bloomtrain.checkpoint import format as ckpt_format
+    hashed, original_sha = [], ckpt_format.sha256_file
+    ckpt_format.sha256_file = lambda f, *a: hashed.append(f.name) or original_sha(f, *a)
     CheckpointReader.load, HFSliceReader._read = load, hf_read
     try:
         model = load_serving_model(path, Topology.build(layout=serving_layout(world)))
     finally:
         CheckpointReader.load, HFSliceReader._read = original, original_read
+        ckpt_format.sha256_file = original_sha
     ids = torch.arange(18).view(2, 9) * 7 % VOCAB
     with torch.no_grad():
         logits = model(ids)  # [b, s, V / tp]
     return {"logits": logits, "full_loads": full_loads, "peak": peak[0], "hf_read": read[0],
-            "numel": sum(p.numel() for p in model.parameters())}
+            "numel": sum(p.numel() for p in model.parameters()), "hashed": hashed}
 
 
 @pytest.mark.parametrize("source", ["bloomtrain", "hf", "hf-bin"])
@@ -867,6 +871,12 @@ def test_tp_ranks_read_only_their_shards(tmp_path, source):
         # replicated): never twice, never the model at once.
         assert sorted(r["full_loads"]) == sorted(set(r["full_loads"]))
         assert set(r["full_loads"]) <= set(full.state_dict()) - {"lm_head.weight"}
+    if source == "bloomtrain":
+        # The ranks share the checksums: each model file is hashed by one of them, not by all.
+        files = [n for n in checkpoint.read_manifest(checkpoint.resolve(path))["files"]
+                 if n.startswith("model")]
+        hashed = [n for r in ranks for n in r["hashed"] if n.startswith("model")]
+        assert files and sorted(hashed) == sorted(files)
 
 
 def test_hf_slice_reader_reads_shards_and_refuses_an_untied_head(model_dir, tmp_path):
