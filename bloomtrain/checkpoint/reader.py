@@ -194,6 +194,29 @@ class CheckpointReader:
             return flat.view(shape)
         return self.load(name, kind).chunk(tp_size, tp_dim)[tp_rank].clone()
 
+    def load_tp_range(self, name: str, kind: str, tp_rank: int, tp_size: int,
+                      tp_dim: int | None, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of this tp rank's chunk of `name` flattened (what
+        `load_tp_shard(...).view(-1)[start:stop]` holds), reading only the fragments' parts that
+        hold them where this split is the checkpoint's or a row cut of an unsplit one: a ZeRO
+        rank resuming takes its own range of each moment, not the whole (1/dp of the bytes).
+        Other splits assemble the chunk and cut it."""
+        t, frags = self._fragments(name, kind)
+        out = torch.empty(stop - start, dtype=self.dtype(name, kind))
+        saved_tp, saved_dim = frags[0]["tp_size"], frags[0]["tp_dim"]
+        if (tp_dim is None or tp_size == 1) and saved_tp == 1:
+            self._fill(name, kind, frags, out, lo=start)
+        elif tp_size > 1 and saved_tp == tp_size and saved_dim == tp_dim:
+            self._fill(name, kind, [fr for fr in frags if fr["tp_rank"] == tp_rank], out,
+                       lo=start)
+        elif tp_size > 1 and saved_tp == 1 and tp_dim == 0 and t["shape"][0] % tp_size == 0:
+            chunk = math.prod(t["shape"]) // tp_size
+            self._fill(name, kind, frags, out, lo=tp_rank * chunk + start)
+        else:
+            out.copy_(self.load_tp_shard(name, kind, tp_rank, tp_size, tp_dim)
+                      .reshape(-1)[start:stop])
+        return out
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -212,11 +235,24 @@ def open_model(path: str | os.PathLike, shared: SharedCheck | None = None) -> Ch
 
 class LazyState(Mapping):
     """A read-only mapping name -> tensor computed on access, so a consumer that walks the
-    parameters one by one never holds more than one full parameter from the checkpoint."""
+    parameters one by one never holds more than one full parameter from the checkpoint. With
+    `load_range`, `range(name, start, stop)` gives elements [start, stop) of the flattened
+    tensor, read alone (a ZeRO rank's own part)."""
 
-    def __init__(self, names: list[str], load: Callable[[str], torch.Tensor]):
+    def __init__(self, names: list[str], load: Callable[[str], torch.Tensor],
+                 load_range: Callable[[str, int, int], torch.Tensor] | None = None):
         self._names, self._load = set(names), load
+        self._load_range = load_range
         self._last: tuple[str, torch.Tensor] | None = None  # consumers often read a name twice
+
+    @property
+    def ranged(self) -> bool:
+        return self._load_range is not None
+
+    def range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._load_range(name, start, stop)
 
     def __getitem__(self, name):
         if name not in self._names:
@@ -231,6 +267,9 @@ class LazyState(Mapping):
 
     def __len__(self):
         return len(self._names)
+
+    def __contains__(self, name):  # Mapping's would load the tensor to answer
+        return name in self._names
 
 
 def load_model_state(path: str | os.PathLike, verify_files: bool = True):

@@ -340,6 +340,13 @@ class TrainCheckpoints:
         def moment(key: str) -> torch.Tensor:  # "exp_avg.NAME" / "exp_avg_sq.NAME"
             kind, name = key.split(".", 1)
             return shard(name, kind)
+
+        def moment_range(key: str, start: int, stop: int) -> torch.Tensor:  # this rank's part
+            kind, name = key.split(".", 1)
+            spec = specs[name]
+            dim = spec.tp_dim if topo.tp_size > 1 else None
+            return reader.load_tp_range(spec.name, kind, topo.tp_rank, topo.tp_size, dim, start,
+                                        stop).to(torch.float32)
         names = list(specs)
         master = ckpt.LazyState(names, lambda n: shard(n, "model"))
         if not reader.has("exp_avg"):
@@ -347,7 +354,7 @@ class TrainCheckpoints:
         # With the error-feedback residuals of every saving dp rank (zero/state.py's rule).
         kinds = ckpt.OPTIM_KINDS + tuple(ckpt.residual_kinds(reader.manifest))
         keys = [f"{k}.{n}" for k in kinds for n in names]
-        return master, ckpt.LazyState(keys, moment)
+        return master, ckpt.LazyState(keys, moment, moment_range)
 
     def _restore_rng(self, manifest: dict) -> None:
         """Each rank's default generators (which tensor parallelism's dropout streams fork

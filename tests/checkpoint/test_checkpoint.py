@@ -168,17 +168,24 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
 
 def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto"):
     """A dp2 job resuming with checkpoint.resume=`resume`: the step it took up, the files this
-    rank hashed, and its log."""
-    hashed, lines = [], []
-    real_sha = ckpt.format.sha256_file
+    rank hashed, its log, and the elements it read of each kind."""
+    hashed, lines, read = [], [], {}
+    real_sha, real_fill = ckpt.format.sha256_file, ckpt.CheckpointReader._fill
     ckpt.format.sha256_file = lambda f, *a: hashed.append((f.parent.name, f.name)) or \
         real_sha(f, *a)
+
+    def fill(self, name, kind, frags, out, lo=0):
+        read[kind] = read.get(kind, 0) + out.numel()
+        return real_fill(self, name, kind, frags, out, lo)
+
+    ckpt.CheckpointReader._fill = fill
     trainer = Trainer(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
                                  checkpoint={"dir": root, "resume": resume}),
                       log=lambda *a: lines.append(" ".join(map(str, a))))
     step = trainer.state.step
+    ckpt.CheckpointReader._fill = real_fill
     trainer.run()  # to its end (steps 5 and 6), which stops the job's threads
-    return step, hashed, "\n".join(lines)
+    return step, hashed, "\n".join(lines), read
 
 
 def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
@@ -197,21 +204,30 @@ def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     results = run_ranks(2, _resume_auto_worker, dataset, str(tmp_path / "r"), str(root))
-    assert [step for step, _, _ in results] == [4, 4]
+    assert [r[0] for r in results] == [4, 4]
     # Rank 0 logs; it did not hash that file, and says what rank 1 found.
     assert names[1] not in [f for d, f in results[0][1] if d == step6.name]
     log = results[0][2]
     assert f"skipping {step6.name}" in log and names[1] in log and "checksum" in log
-    hashed4 = [f for _, files, _ in results for d, f in files if d == step4.name]
+    hashed4 = [f for r in results for d, f in r[1] if d == step4.name]
     assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])  # each file once
     assert {f for d, f in results[0][1] if d == step6.name}.isdisjoint(
         {f for d, f in results[1][1] if d == step6.name})
     # A checkpoint named by path is shared out the same way.
     results = run_ranks(2, _resume_auto_worker, dataset, str(tmp_path / "p"), str(root),
                         str(step4))
-    assert [step for step, _, _ in results] == [4, 4]
-    hashed4 = [f for _, files, _ in results for d, f in files if d == step4.name]
+    assert [r[0] for r in results] == [4, 4]
+    hashed4 = [f for r in results for d, f in r[1] if d == step4.name]
     assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])
+    # ZeRO-1 at dp2: each rank reads its half of each Adam moment, not the whole (the masters
+    # whole: its compute copy needs every weight).
+    total = sum(t.numel() for t in full_state(step4, ("model",)).values())
+    for r in results:
+        read = r[3]
+        assert read["model"] == total
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert 0.4 * total < read[kind] < 0.6 * total, (kind, read[kind], total)
+    assert sum(r[3]["exp_avg"] for r in results) == total
 
 
 def _train_dp2_worker(rank, world, dataset, tmp, root):

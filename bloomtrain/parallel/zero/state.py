@@ -103,6 +103,9 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
             if key not in tensors:
                 raise KeyError(f"checkpoint has no {prefix or 'weights '}"
                                f"{'' if prefix else 'for parameter '}{slot.name}")
+            if buf is not bufs.master and getattr(tensors, "ranged", False):
+                _load_owned(bufs, buf, tensors, key, pieces[id(slot)])
+                continue
             flat = tensors[key].reshape(-1)
             for seg, piece in pieces[id(slot)]:
                 lo, hi = bufs.own(seg)
@@ -116,6 +119,18 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
                         flat[piece.param_start:piece.param_start + piece.numel])
     bufs.refresh_compute_shard()
     feedback.load(bufs, pieces, optim or {})
+
+
+def _load_owned(bufs: FlatBuffers, buf: torch.Tensor, tensors, key: str, pieces) -> None:
+    """A moment's parts that this rank keeps, each read alone (`tensors.range`): under ZeRO a
+    rank keeps 1/dp of each moment, and reading the whole to keep that part read dp times the
+    bytes, the job's optimizer states dp times over at every resume."""
+    for seg, piece in pieces:
+        lo, hi = bufs.own(seg)
+        a, b = max(lo, piece.seg_start), min(hi, piece.seg_start + piece.numel)
+        if a < b:
+            src = piece.param_start + a - piece.seg_start
+            bufs.state_view(buf, seg)[a - lo:b - lo].copy_(tensors.range(key, src, src + b - a))
 
 
 @torch.no_grad()
