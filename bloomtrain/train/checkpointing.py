@@ -329,32 +329,32 @@ class TrainCheckpoints:
 
     def _local_state(self, reader):
         """Lazy maps from local parameter name (and `exp_avg.NAME` / `exp_avg_sq.NAME`) to this
-        rank's tp shard of the full tensor, read when the engine asks for it."""
+        rank's tp shard of the full tensor, read when the engine asks for it; or, by `range`,
+        a flat part of that shard alone (the part a ZeRO rank keeps)."""
         specs, topo = self.parts.specs, self.parts.topo
-
-        def shard(name: str, kind: str) -> torch.Tensor:
-            spec = specs[name]
-            dim = spec.tp_dim if topo.tp_size > 1 else None
-            return reader.load_tp_shard(spec.name, kind, topo.tp_rank, topo.tp_size,
-                                        dim).to(torch.float32)
-        def moment(key: str) -> torch.Tensor:  # "exp_avg.NAME" / "exp_avg_sq.NAME"
-            kind, name = key.split(".", 1)
-            return shard(name, kind)
-
-        def moment_range(key: str, start: int, stop: int) -> torch.Tensor:  # this rank's part
-            kind, name = key.split(".", 1)
-            spec = specs[name]
-            dim = spec.tp_dim if topo.tp_size > 1 else None
-            return reader.load_tp_range(spec.name, kind, topo.tp_rank, topo.tp_size, dim, start,
-                                        stop).to(torch.float32)
-        names = list(specs)
-        master = ckpt.LazyState(names, lambda n: shard(n, "model"))
-        if not reader.has("exp_avg"):
-            return master, None
         # With the error-feedback residuals of every saving dp rank (zero/state.py's rule).
         kinds = ckpt.OPTIM_KINDS + tuple(ckpt.residual_kinds(reader.manifest))
+
+        def where(key: str) -> tuple:  # "NAME" (a master) or "KIND.NAME" (exp_avg, ...)
+            kind, _, name = key.partition(".")
+            if kind not in kinds:
+                kind, name = "model", key
+            spec = specs[name]
+            return (spec.name, kind, topo.tp_rank, topo.tp_size,
+                    spec.tp_dim if topo.tp_size > 1 else None)
+
+        def whole(key: str) -> torch.Tensor:
+            return reader.load_tp_shard(*where(key)).to(torch.float32)
+
+        def part(key: str, start: int, stop: int) -> torch.Tensor:
+            return reader.load_tp_range(*where(key), start, stop).to(torch.float32)
+
+        names = list(specs)
+        master = ckpt.LazyState(names, whole, part)
+        if not reader.has("exp_avg"):
+            return master, None
         keys = [f"{k}.{n}" for k in kinds for n in names]
-        return master, ckpt.LazyState(keys, moment, moment_range)
+        return master, ckpt.LazyState(keys, whole, part)
 
     def _restore_rng(self, manifest: dict) -> None:
         """Each rank's default generators (which tensor parallelism's dropout streams fork

@@ -166,7 +166,7 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
     assert "skipping step_00000004" in text and "truncated" in text
 
 
-def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto"):
+def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto", zero=1):
     """A dp2 job resuming with checkpoint.resume=`resume`: the step it took up, the files this
     rank hashed, its log, and the elements it read of each kind."""
     hashed, lines, read = [], [], {}
@@ -179,7 +179,7 @@ def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto"):
         return real_fill(self, name, kind, frags, out, lo)
 
     ckpt.CheckpointReader._fill = fill
-    trainer = Trainer(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
+    trainer = Trainer(layout_cfg(dataset, tmp, (1, 1, 2, zero), train__train_iters=6,
                                  checkpoint={"dir": root, "resume": resume}),
                       log=lambda *a: lines.append(" ".join(map(str, a))))
     step = trainer.state.step
@@ -230,9 +230,24 @@ def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
     assert sum(r[3]["exp_avg"] for r in results) == total
 
 
-def _train_dp2_worker(rank, world, dataset, tmp, root):
-    """dp2, ZeRO-1: 6 steps, saved at 2, 4 and 6."""
-    train(layout_cfg(dataset, tmp, (1, 1, 2, 1), train__train_iters=6,
+def test_a_zero3_rank_reads_its_part_of_the_masters_too(dataset, tmp_path):
+    """At ZeRO-3 no rank holds a full compute copy, so the masters are read by part too: each
+    rank reads about half of every state at dp2, and the two halves make the whole."""
+    root = tmp_path / "ck"
+    run_ranks(2, _train_dp2_worker, dataset, str(tmp_path), str(root), 3)
+    step4 = root / ckpt.step_dir_name(4)
+    results = run_ranks(2, _resume_auto_worker, dataset, str(tmp_path / "r"), str(root),
+                        str(step4), 3)
+    assert [r[0] for r in results] == [4, 4]
+    total = sum(t.numel() for t in full_state(step4, ("model",)).values())
+    for kind in ("model", "exp_avg", "exp_avg_sq"):
+        assert all(0.4 * total < r[3][kind] < 0.6 * total for r in results), kind
+        assert sum(r[3][kind] for r in results) == total, kind
+
+
+def _train_dp2_worker(rank, world, dataset, tmp, root, zero=1):
+    """dp2 at ZeRO stage `zero`: 6 steps, saved at 2, 4 and 6."""
+    train(layout_cfg(dataset, tmp, (1, 1, 2, zero), train__train_iters=6,
                      checkpoint={"dir": root, "save_interval": 2, "keep_last": 5}), **QUIET)
 
 

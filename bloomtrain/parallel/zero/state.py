@@ -103,7 +103,9 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
             if key not in tensors:
                 raise KeyError(f"checkpoint has no {prefix or 'weights '}"
                                f"{'' if prefix else 'for parameter '}{slot.name}")
-            if buf is not bufs.master and getattr(tensors, "ranged", False):
+            # The masters whole where a full compute copy is made from them (stages 0-2).
+            whole = buf is bufs.master and bufs.compute is not None
+            if not whole and getattr(tensors, "ranged", False):
                 _load_owned(bufs, buf, tensors, key, pieces[id(slot)])
                 continue
             flat = tensors[key].reshape(-1)
@@ -122,9 +124,10 @@ def load_state(bufs: FlatBuffers, master: Mapping, optim: Mapping | None) -> Non
 
 
 def _load_owned(bufs: FlatBuffers, buf: torch.Tensor, tensors, key: str, pieces) -> None:
-    """A moment's parts that this rank keeps, each read alone (`tensors.range`): under ZeRO a
-    rank keeps 1/dp of each moment, and reading the whole to keep that part read dp times the
-    bytes, the job's optimizer states dp times over at every resume."""
+    """A state's parts that this rank keeps, each read alone (`tensors.range`): under ZeRO a
+    rank keeps 1/dp of each moment (and at stage 3 of each master), and reading the whole to
+    keep that part read dp times the bytes, the job's optimizer states dp times over at every
+    resume."""
     for seg, piece in pieces:
         lo, hi = bufs.own(seg)
         a, b = max(lo, piece.seg_start), min(hi, piece.seg_start + piece.numel)
