@@ -383,6 +383,11 @@ def resolve(path: str | os.PathLike) -> Path:
     return found
 
 
-def prune(root: Path, keep_last: int) -> None:
-    for _, path in list_checkpoints(root)[:-keep_last]:
+def prune(root: Path, keep_last: int, newest: int | None = None) -> None:
+    """Remove all but the `keep_last` highest steps at or below `newest` (the step just
+    committed; None: every step). Steps above it are left alone: they are not this run's
+    (a save that resume=auto skipped as corrupt, or the history a run resumed from an older
+    step left), and counting them would delete the save just made."""
+    ours = [(s, p) for s, p in list_checkpoints(root) if newest is None or s <= newest]
+    for _, path in ours[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)

@@ -293,7 +293,7 @@ class CheckpointWriter:
         except Exception as e:
             return self._failure(final, tmp, f"rank 0: {e}", needed)
         if keep_last:
-            prune(final.parent, keep_last)
+            prune(final.parent, keep_last, step)
         self.log(f"[checkpoint] saved {final}")
         return None
 

@@ -270,12 +270,52 @@ class TrainCheckpoints:
         c = self.cfg.checkpoint
         if c.resume == "none":
             return None
+        shared = job_check()
         if c.resume == "auto":
-            return ckpt.find_latest_valid(c.dir, log=self.log, shared=job_check()) \
-                if c.dir else None
+            if not c.dir:
+                return None
+            found = ckpt.find_latest_valid(c.dir, log=self.log, shared=shared)
+            if found is None:
+                names = [p.name for _, p in ckpt.list_checkpoints(c.dir)]
+                names = shared.common(names) if shared is not None else names
+                if names:  # starting over would overwrite them, and metrics.jsonl with them
+                    raise UserError(
+                        f"checkpoint.resume=auto: {c.dir} holds {_listed(names)}, and none "
+                        f"passed its checks (the lines above say why). Nothing was trained or "
+                        f"written. Repair or move them away to start over, or name one with "
+                        f"checkpoint.resume=PATH")
+            return found
         path = ckpt.resolve(c.resume)
-        ckpt.verify_shared(path, job_check())
+        ckpt.verify_shared(path, shared)
         return path
+
+    def _check_history(self, path: Path | None) -> None:
+        """A run writes into checkpoint.dir steps after the one it starts from. Checkpoints
+        there of higher steps are another history: a fresh run (resume=none) is refused, since
+        its saves would be mixed with them; a run resumed from a path (going back to an older
+        step, as BLOOM's operators did after a divergence) is told which they are. Under auto
+        the higher ones are those it skipped as damaged, and its saves replace them."""
+        c = self.cfg.checkpoint
+        if not c.dir or c.resume == "auto":
+            return
+        start = 0
+        if path is not None:
+            start = (ckpt.read_manifest(path).get("train_state") or {}).get("step", 0)
+        names = [p.name for s, p in ckpt.list_checkpoints(c.dir) if s > start]
+        shared = job_check()
+        names = shared.common(names) if shared is not None else names
+        if not names:
+            return
+        if path is None:
+            raise UserError(
+                f"checkpoint.dir {c.dir} already holds {_listed(names)} of an earlier run, and "
+                f"checkpoint.resume=none starts from step 0: its saves would be mixed with them "
+                f"(and keep_last would count them). Continue that run with "
+                f"checkpoint.resume=auto, or choose another checkpoint.dir, or move them away")
+        self.log(f"[checkpoint] WARNING {c.dir} holds {_listed(names)}, after step {start} "
+                 f"that this run resumes from: another history. This run's saves replace them "
+                 f"as it reaches their steps; until then checkpoint.resume=auto would take the "
+                 f"newest of them. Move them away to keep them")
 
     def resume(self) -> TrainState | None:
         """Load the checkpoint `checkpoint.resume` names into the engine; the train state it
@@ -284,6 +324,7 @@ class TrainCheckpoints:
         checkpoint has the same tp split) and handed to the engine whole, one at a time; the
         engine keeps its own ranges."""
         path = self._find()
+        self._check_history(path)
         if path is None:
             return None
         state, manifest = self._load(path)
@@ -366,3 +407,10 @@ class TrainCheckpoints:
         own = ranks.get(str(self.parts.topo.rank) if same else "0", {})
         if "rng" in own:
             set_rng_state(own["rng"])
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    """`names` for a message: all of them up to `most`, else the first and last few."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{len(names)} checkpoints ({', '.join(names[:2])}, ..., {names[-1]})"

@@ -166,6 +166,47 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
     assert "skipping step_00000004" in text and "truncated" in text
 
 
+def test_a_runs_saves_are_never_pruned_for_another_runs_checkpoints(dataset, tmp_path):
+    """keep_last counts this run's history only. A fresh run (resume=none) into a directory
+    holding another run's checkpoints is refused before it trains (its first saves were the
+    lowest steps there, so pruning deleted each right after writing it, and `latest` named a
+    deleted one); a run resumed from an older step by path is warned, and its saves are kept
+    over the higher steps of the history it left; resume=auto finding only damaged
+    checkpoints is refused, not started over (which truncated metrics.jsonl)."""
+    from bloomtrain.errors import UserError
+
+    root = tmp_path / "ck"
+    train(make_cfg(dataset, tmp_path, train__train_iters=6,
+                   checkpoint={"dir": str(root), "save_interval": 2, "keep_last": 2}), **QUIET)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [4, 6]
+    with pytest.raises(UserError, match="already holds step_00000004, step_00000006"):
+        Trainer(make_cfg(dataset, tmp_path / "fresh", train__train_iters=3,
+                         checkpoint={"dir": str(root), "resume": "none"}), **QUIET)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [4, 6]
+
+    lines = []
+    train(make_cfg(dataset, tmp_path / "back", train__train_iters=5,
+                   checkpoint={"dir": str(root), "resume": str(root / ckpt.step_dir_name(4)),
+                               "save_interval": 1, "keep_last": 1}),
+          log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert "WARNING" in "\n".join(lines) and "step_00000006" in "\n".join(lines)
+    # Step 5 is this run's newest: kept; 4 pruned (keep_last 1); 6 is not this run's.
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [5, 6]
+    assert (root / "latest").read_text().strip() == ckpt.step_dir_name(5)
+
+    for _, path in ckpt.list_checkpoints(root):
+        model = path / "model-00000.safetensors"
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        model.write_bytes(bytes(data))
+    metrics = tmp_path / "back" / "run" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    with pytest.raises(UserError, match="none passed its checks"):
+        Trainer(make_cfg(dataset, tmp_path / "back", train__train_iters=6,
+                         checkpoint={"dir": str(root)}), **QUIET)
+    assert metrics.read_bytes() == before
+
+
 def _resume_auto_worker(rank, world, dataset, tmp, root, resume="auto", zero=1):
     """A dp2 job resuming with checkpoint.resume=`resume`: the step it took up, the files this
     rank hashed, its log, and the elements it read of each kind."""
