@@ -21,6 +21,14 @@ from bloomtrain.errors import UserError
 from bloomtrain.checkpoint.load import job_check
 
 
+# The model settings a checkpoint's weights fix: their shapes, and the LayerNorm epsilon their
+# function was trained with. Dropout and the init std are the resuming run's own (a fine-tune
+# of real BLOOM weights may add dropout; the bloom-* presets say init std 0.0048 where HF's
+# configs say 0.02), so a checkpoint that differs in them only still resumes.
+WEIGHTS_FUNCTION = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                    "layer_norm_epsilon")
+
+
 @dataclass
 class TrainState:
     step: int = 0
@@ -352,9 +360,12 @@ class TrainCheckpoints:
         checks sizes only."""
         reader = ckpt.CheckpointReader(path, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS,
                                        check_sums=False)
-        if reader.shape != self.parts.shape:
-            raise UserError(f"checkpoint {path} has model shape {reader.shape}, but the config "
-                            f"gives {self.parts.shape}; resume with the same model settings")
+        differ = [f"{k} {getattr(reader.shape, k)} (config: {getattr(self.parts.shape, k)})"
+                  for k in WEIGHTS_FUNCTION if getattr(reader.shape, k) !=
+                  getattr(self.parts.shape, k)]
+        if differ:
+            raise UserError(f"checkpoint {path} has {', '.join(differ)}; resume with the model "
+                            f"settings it was saved with")
         manifest = reader.manifest
         check_train_manifest(path, manifest)
         master, optim = self._local_state(reader)

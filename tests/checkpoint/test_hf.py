@@ -213,7 +213,7 @@ def test_export_own_checkpoint_with_tokenizer(tmp_path, tiny_tokenizer_dir):
     assert hf_tok("héllo 数据").input_ids == tok.encode("héllo 数据")
 
 
-def test_export_replaces_previous_export_only(tmp_path):
+def test_export_replaces_previous_export_only(tmp_path, monkeypatch):
     ref = make_hf_model(CONFIGS["h48_6heads"][0])
     ref.save_pretrained(tmp_path / "hf")
     hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
@@ -225,6 +225,43 @@ def test_export_replaces_previous_export_only(tmp_path):
     with pytest.raises(UserError, match="not an HF Bloom export"):
         hf.export_hf(tmp_path / "ckpt", tmp_path / "other", log=lambda *_: None)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+    # An HF Bloom directory with more than an export writes (the download imported from, a
+    # hub clone) is not replaced: that deleted its README, .git and other weights.
+    (tmp_path / "hf" / "README.md").write_text("model card")
+    (tmp_path / "hf" / ".git").mkdir()
+    before = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    with pytest.raises(UserError, match=r"holds files an export does not write \(\.git, "
+                                        r"README\.md\)"):
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "hf", log=lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
+    # --output . (the directory one is in) has no name to put the temporary beside.
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    hf.export_hf(tmp_path / "ckpt", ".", log=lambda *_: None)
+    assert (tmp_path / "here" / "model.safetensors").is_file()
+
+
+def test_an_imported_model_fine_tunes_with_its_own_dropout_and_init_std(tmp_path, dataset):
+    """README's fine-tune of real BLOOM weights: `checkpoint.resume=IMPORTED` with the run's own
+    dropout and init std (the bloom-* presets' 0.0048, where HF's configs say 0.02) resumes;
+    a setting the weights fix (their shapes, the LayerNorm epsilon) must match."""
+    from bloomtrain.train import train
+    from tests.helpers import make_cfg
+
+    make_hf_model(CONFIGS["h48_6heads"][0]).save_pretrained(tmp_path / "hf")
+    imported = hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    shape = checkpoint.read_manifest(imported)["model_shape"]
+    model = {"hidden_size": shape["hidden_size"], "num_layers": shape["num_layers"],
+             "num_heads": shape["num_heads"], "ffn_hidden_size": shape["ffn_hidden_size"],
+             "vocab_size": shape["vocab_size"], "hidden_dropout": 0.1,
+             "init_method_std": 0.0048}
+    result = train(make_cfg(dataset, tmp_path / "ft", model=model, train__train_iters=1,
+                            checkpoint={"resume": str(imported)}), log=lambda *_: None)
+    assert result.state.step == 1
+    with pytest.raises(UserError, match="layer_norm_epsilon 1e-05 \\(config: 0.001\\)"):
+        train(make_cfg(dataset, tmp_path / "eps", model={**model, "layer_norm_epsilon": 1e-3},
+                       train__train_iters=1, checkpoint={"resume": str(imported)}),
+              log=lambda *_: None)
 
 
 def test_import_rejects_bad_inputs(tmp_path):

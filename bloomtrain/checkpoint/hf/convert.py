@@ -236,6 +236,15 @@ def _prepare_output(output_dir: Path) -> None:
     if previous != "bloom":
         raise UserError(f"--output {output_dir} exists and is not an HF Bloom export; choose a "
                         f"new or empty directory")
+    # Replacing the directory removes everything in it: only what an export writes may be
+    # there (an HF download or a hub clone has a README, .git, other weights).
+    ours = {"config.json", "generation_config.json", SAFETENSORS_FILE, *TOKENIZER_FILES}
+    others = sorted(p.name for p in output_dir.iterdir() if p.name not in ours)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5
+                                         else "")
+        raise UserError(f"--output {output_dir} holds files an export does not write ({shown}): "
+                        f"replacing it would delete them. Choose a new or empty directory")
 
 
 def _export_config(reader, dtype: str) -> tuple[dict, Path | None]:
@@ -301,7 +310,7 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
 
     reader = open_model(checkpoint_path)
     ckpt = reader.path
-    output_dir = Path(output_dir)
+    output_dir = Path(output_dir).absolute()  # "." has no name to put a temporary beside
     _prepare_output(output_dir)
     names = sorted(n for n in reader.names() if n != LM_HEAD)
     info = {n: (str(reader.dtype(n)).removeprefix("torch."), reader.full_shape(n)) for n in names}
