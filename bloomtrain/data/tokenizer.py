@@ -7,6 +7,7 @@ so does Megatron's GPT-2 pair vocab.json + merges.txt (bloomtrain.data.gpt2_bpe)
 """
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -161,6 +162,11 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(file))
         except Exception as e:
             raise UserError(f"cannot load tokenizer {file}: {e}") from e
+        # A tokenizer.json saved with truncation or padding on keeps them, and the raw
+        # `tokenizers` encode applies them: every document cut to max_length and padded, into
+        # the .bin without a word. transformers' encode (Megatron's path) turns both off.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.path = file
         # Megatron's vocab.json + merges.txt found beside the tokenizer.json and checked to be
         # the same tokenizer (load_tokenizer); save() keeps them.
@@ -184,9 +190,12 @@ class Tokenizer:
         token_id = self._tok.token_to_id(token) if token else None
         return token_id if token_id is not None else self._tok.token_to_id(default)
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        """The bound of the ids, not their count: a tokenizer.json may leave gaps between ids
+        (its count then picked a dataset dtype its largest id overflowed), and every id must
+        fit the embedding. Computed once: decode asks at every call."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @property
     def eod_id(self) -> int:

@@ -235,3 +235,51 @@ def test_progress_on_a_terminal_only(tiny_tokenizer_dir, tmp_path, monkeypatch, 
     assert fields[:3] == ["preprocess", "file 2 of 2", "10 docs"]
     assert fields[3].endswith(" tokens") and fields[4].endswith(" docs/s")
     assert fields[5].endswith(" tok/s") and fields[6] == "0:00:00"
+
+
+def _word_level(tmp_path, vocab, **settings):
+    """A word-level tokenizer.json over `vocab`, saved with `settings` (truncation, padding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if "truncation" in settings:
+        tok.enable_truncation(max_length=settings["truncation"])
+    if "padding" in settings:
+        tok.enable_padding(pad_id=settings["padding"], pad_token="<pad>")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "tokenizer.json"
+
+
+def test_a_tokenizer_saved_with_truncation_and_padding_tokenizes_documents_whole(tmp_path):
+    """`tokenizers` keeps truncation and padding in tokenizer.json (Hub files often have them),
+    and its raw encode applies them: every document was cut to max_length and the shorter ones
+    of a batch padded, silently, into the .bin. transformers' encode, Megatron's path, turns
+    both off: the reference here."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, "a": 4, "b": 5, "c": 6}
+    file = _word_level(tmp_path, vocab, truncation=4, padding=3)
+    docs = ["a b c a b c a b", "c", "b a"]
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for text in docs:
+            f.write(json.dumps({"text": text}) + "\n")
+    preprocess([str(tmp_path / "in.jsonl")], str(file), str(tmp_path / "out"), progress=False,
+               log=lambda *_: None, append_eod=False)
+    ds = MMapIndexedDataset(str(tmp_path / "out_text_document"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(file))
+    assert [ds[i].tolist() for i in range(len(ds))] == \
+        [hf.encode(t, add_special_tokens=False) for t in docs]
+
+
+def test_a_vocabulary_with_gaps_between_ids_sizes_the_dtype_by_its_largest_id(tmp_path):
+    """The dataset's dtype (and the embedding) must hold the largest id, not the number of
+    tokens: 4 tokens with an id of 70,000 picked uint16 and failed with a bare OverflowError."""
+    file = _word_level(tmp_path, {"<unk>": 0, "<s>": 1, "</s>": 2, "b": 70000})
+    assert load_tokenizer(str(file)).vocab_size == 70001
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": "b b"}) + "\n")
+    preprocess([str(tmp_path / "in.jsonl")], str(file), str(tmp_path / "out"), progress=False,
+               log=lambda *_: None, append_eod=True)
+    ds = MMapIndexedDataset(str(tmp_path / "out_text_document"))
+    assert ds[0].tolist() == [70000, 70000, 2]
+    assert ds[0].dtype.itemsize >= 4
