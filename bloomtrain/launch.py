@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -358,6 +359,9 @@ class _AgentNoise(logging.Filter):
 # Set in the environment of workers whose launcher takes Ctrl-C itself (SigintStop): a file
 # that the launcher creates at the first SIGINT and the workers look for at their next safe point.
 STOP_FILE_ENV = "BLOOMTRAIN_STOP_FILE"
+# When the job started (time.time()), set by the launcher for its workers: a restarted worker's
+# train.exit_duration_minutes still counts from the job's start, as the scheduler's limit does.
+JOB_START_ENV = "BLOOMTRAIN_JOB_START"
 
 
 @dataclass
@@ -516,7 +520,9 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
     # attempt; without restarts the shared one stays, as it outlives an early-exiting rank 0.
     unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
+    env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare,
+           # train.exit_duration_minutes counts from here across the workers' restarts.
+           JOB_START_ENV: os.environ.get(JOB_START_ENV) or repr(time.time())}
     with contextlib.ExitStack() as stack:
         taker = _SigintTaker(sigint, stack)
         env.update(taker.worker_env(lc))

@@ -28,7 +28,7 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.parallel import comm
-from bloomtrain.launch import say_in_handler, STOP_FILE_ENV
+from bloomtrain.launch import JOB_START_ENV, say_in_handler, STOP_FILE_ENV
 
 STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minutes", 4: "SIGINT"}
 SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
@@ -43,7 +43,11 @@ class RunControl:
         self.signal: int | None = None  # SIGTERM or SIGUSR1
         self.interrupted = False  # a SIGINT reached this process
         self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by bloomtrain's launcher
-        self.started = self.last_save = time.time()
+        self.last_save = time.time()
+        # train.exit_duration_minutes counts from the job's start, as a scheduler's time limit
+        # does (Megatron: from its process start, the earliest over the ranks), not from the
+        # first step: loading, hashing the checkpoint and building the data indices count.
+        self.started = job_start()
 
     @contextlib.contextmanager
     def active(self):
@@ -59,7 +63,10 @@ class RunControl:
                 saved[sig] = signal.signal(sig, new)
             except ValueError:  # not the main thread (e.g. some notebook runners)
                 pass
-        self.started = self.last_save = time.time()
+        self.last_save = time.time()
+        t = torch.tensor([self.started], dtype=torch.float64, device=self.device)
+        comm.all_reduce(t, comm.world_group(), "control", op=comm.ReduceOp.MIN)
+        self.started = float(t)
         try:
             yield self
         finally:
@@ -67,6 +74,16 @@ class RunControl:
                 # None: the previous handler was not installed from Python; the default is the
                 # closest Python can put back.
                 signal.signal(sig, signal.SIG_DFL if old is None else old)
+
+    def kill_switch_at_start(self) -> bool:
+        """Whether BLOOM's kill-switch file is there before the first step (agreed across
+        ranks): then the run must not start. Else a job the scheduler requeues would train a
+        step, save and prune an older checkpoint at every start."""
+        path = self.t.kill_switch_path
+        flag = torch.tensor([int(bool(path) and os.path.exists(path))], dtype=torch.int32,
+                            device=self.device)
+        comm.all_reduce(flag, comm.world_group(), "control", op=comm.ReduceOp.MAX)
+        return bool(flag)
 
     def _sigint(self, _signum, _frame) -> None:
         # Under an elastic agent (bloomtrain's launcher, torchrun) every SIGINT only asks for
@@ -114,6 +131,24 @@ class RunControl:
 
     def saved(self) -> None:
         self.last_save = time.time()
+
+
+def job_start() -> float:
+    """When this job started: the launcher's time (JOB_START_ENV) when it set one, else this
+    process's start (from /proc; the import of this module where there is none)."""
+    found = [_IMPORTED]
+    with contextlib.suppress(ValueError, TypeError):
+        found.append(float(os.environ.get(JOB_START_ENV)))
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/stat") as f:  # field 22: start, in clock ticks after boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        found.append(boot + ticks / os.sysconf("SC_CLK_TCK"))
+    return min(found)
+
+
+_IMPORTED = time.time()
 
 
 def newest_checkpoint_text(directory) -> str:

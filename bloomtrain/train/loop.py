@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.data.check import check_data
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.model.attention import resolve_attention
@@ -65,6 +66,10 @@ class TrainData:
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             d, tokenizer, [self.train_samples, t.eval_iters * t.global_batch_size * evals, 0],
             d.seq_length)
+        if t.eval_interval and self.valid_ds is None:  # no evaluation would ever run
+            raise UserError(f"train.eval_interval is {t.eval_interval}, but data.split "
+                            f"{d.split!r} gives the validation split no documents: give it a "
+                            f"share (e.g. data.split=949,50,1) or unset train.eval_interval")
         self.eod_id = tokenizer.eod_id if tokenizer else None
         self.stream = DataIterator(self.train_ds, run.batches, topo.dp_rank, 0, self.eod_id,
                                    d.eod_mask_loss, prefetch=True)
@@ -245,6 +250,11 @@ class Trainer:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
         self.steplog.announce(self.shape, self.data.train_samples, self.run_dir, self.plan_text)
+        if self.control.kill_switch_at_start():
+            self.print(f"[train] the kill switch {t.kill_switch_path} is there: not training and "
+                       f"not saving (remove it to train)")
+            result.exit_reason = "kill switch"
+            return result
         if state.consumed_samples >= self.data.train_samples:
             # A resumed run at its end: say so, rather than exit 0 having done nothing.
             total = t.train_iters if t.train_iters is not None else state.step

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from bloomtrain.errors import UserError
 from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.train.sinks import open_sinks
 from bloomtrain.files import atomic_output
@@ -80,8 +81,19 @@ class MetricsLog:
             # Steps after the checkpoint are about to run again: drop their old records so the
             # file reads as one uninterrupted run.
             keep = []
-            for line in filter(str.strip, self.path.read_text().splitlines()):
-                rec = json.loads(line)
+            lines = list(filter(str.strip, self.path.read_text().splitlines()))
+            for i, line in enumerate(lines):
+                try:
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict):
+                        raise ValueError("not a record")
+                except ValueError:
+                    if i == len(lines) - 1:  # cut short by a kill or a full disk
+                        log(f"[metrics] dropping the unfinished last line of {self.path}")
+                        break
+                    raise UserError(f"{self.path} line {i + 1} is not JSON; a resumed run "
+                                    f"keeps the records up to its step: repair or remove "
+                                    f"that line") from None
                 if rec.get("step", 0) <= resume_step:
                     keep.append(line)
                     history.append(rec)

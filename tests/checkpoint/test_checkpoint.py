@@ -424,6 +424,17 @@ def test_kill_switch_saves_and_exits(dataset, tmp_path):
     assert "kill switch" in out
     (step, path), = ckpt.list_checkpoints(tmp_path / "ck")
     assert step >= 2 and ckpt.verify(path)
+    # The switch left in place: a restart (a requeued job) neither trains nor saves. It
+    # trained a step, saved and pruned an older checkpoint at every start.
+    lines = []
+    res = train(make_cfg(dataset, tmp_path / "again", train__train_iters=20,
+                         train__kill_switch_path=str(switch),
+                         checkpoint={"dir": str(tmp_path / "ck"), "save_interval": 1,
+                                     "keep_last": 1}),
+                log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert res.exit_reason == "kill switch" and res.state.step == step
+    assert "not training and not saving" in "\n".join(lines)
+    assert ckpt.list_checkpoints(tmp_path / "ck") == [(step, path)]
 
 
 def test_resave_killed_between_renames_keeps_the_step(tmp_path, monkeypatch):

@@ -117,6 +117,29 @@ def test_exit_duration_saves_and_stops(dataset, tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
 
 
+def test_exit_duration_counts_from_the_jobs_start(dataset, tmp_path, monkeypatch):
+    """As a scheduler's time limit does: a job its launcher started two minutes ago (a worker
+    restarted since, or one that spent them loading) stops after its first step at a limit
+    of one minute. It counted from the first step, so loading and restarts were free."""
+    import time
+
+    from bloomtrain.launch import JOB_START_ENV
+
+    monkeypatch.setenv(JOB_START_ENV, repr(time.time() - 120))
+    res = train(make_cfg(dataset, tmp_path, train__train_iters=50,
+                         train__exit_duration_minutes=1.0), log=lambda *a: None)
+    assert res.exit_reason == "exit_duration_minutes" and res.state.step == 1
+
+
+def test_an_eval_interval_without_a_validation_split_is_refused(dataset, tmp_path):
+    """No evaluation would ever run: that was silent."""
+    from bloomtrain.errors import UserError
+
+    with pytest.raises(UserError, match="gives the validation split no documents"):
+        train(make_cfg(dataset, tmp_path, data__split="100,0,0", train__eval_interval=2,
+                       train__train_iters=2), log=lambda *a: None)
+
+
 def test_a_finished_run_says_there_is_nothing_to_train(dataset, tmp_path):
     # Run again at its end (train_iters, then the same end as train_samples), it trains nothing,
     # says so, and leaves metrics.jsonl as the finished run wrote it (no second eval record).
