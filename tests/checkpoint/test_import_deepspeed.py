@@ -811,3 +811,76 @@ def test_shards_without_param_slice_mappings_are_read_from_param_shapes(tmp_path
     for name in old.names():
         for kind in KINDS:
             assert torch.equal(got.load(name, kind), old.load(name, kind)), (name, kind)
+
+
+def test_zero3_sub_groups_import_as_their_groups(tmp_path):
+    """ZeRO-3 cuts a parameter group whose partition exceeds zero_optimization.sub_group_size
+    (DeepSpeed's default 1e9 elements: bloom-7b1 below dp 8) into sub-groups (stage3.py
+    _create_fp16_sub_groups): param_shapes, fp32_flat_groups and the moments are per
+    sub-group, param_groups per group, each listing its sub-groups' indices in `params`. The
+    fixture's ZeRO-3 shards rewritten so, the same data, import bit for bit as the original
+    (paired in order, the sub-groups took other groups' weight decay and the import failed)."""
+    import math
+    from collections import OrderedDict
+
+    from bloomtrain.checkpoint.interop.safe_load import load
+
+    sub, dp = 5000, 2  # sub_group_size, in partition elements
+    src = _copy(tmp_path, "hf_zero3_fp32")
+    step = src / "global_step3"
+    groups = load(step / "zero_pp_rank_0_mp_rank_00_model_states.pt")["param_shapes"]
+    shapes, owners = [], []  # each sub-group's shapes, and its group
+    for g, group in enumerate(groups):
+        cut, size = [], 0
+        items = list(group.items())
+        for i, (name, shape) in enumerate(items):
+            cut.append((name, shape))
+            size += math.ceil(math.prod(shape) / dp)
+            if size >= sub or i == len(items) - 1:
+                shapes.append(OrderedDict(cut))
+                owners.append(g)
+                cut, size = [], 0
+    assert len(shapes) > len(groups) and owners.count(0) > 1
+
+    def split(flats):  # per group -> per sub-group, in order
+        out = []
+        for g, flat in enumerate(flats):
+            at = 0
+            for s, owner in zip(shapes, owners):
+                if owner == g:
+                    n = sum(math.ceil(math.prod(x) / dp) for x in s.values())
+                    out.append(flat[at:at + n].clone())
+                    at += n
+            assert at == flat.numel()
+        return out
+
+    for r in range(dp):
+        f = step / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        states = load(f)
+        states["param_shapes"] = shapes
+        torch.save(states, f)
+        f = step / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        states = load(f)
+        osd = states["optimizer_state_dict"]
+        # The loader's stand-ins for DeepSpeed's classes, as plain values to save again.
+        osd["zero_stage"] = int(osd["zero_stage"])
+        scaler = osd.get("loss_scaler")
+        osd["loss_scaler"] = None if scaler is None else dict(vars(scaler))
+        osd["fp32_flat_groups"] = split(osd["fp32_flat_groups"])
+        base = osd["optimizer_state_dict"]
+        per_group = [base["state"][k] for k in sorted(base["state"])]
+        moments = {k: split([s[k] for s in per_group]) for k in ("exp_avg", "exp_avg_sq")}
+        base["state"] = {i: {"step": per_group[owners[i]]["step"],
+                             **{k: v[i] for k, v in moments.items()}}
+                         for i in range(len(shapes))}
+        for g, pg in enumerate(base["param_groups"]):
+            pg["params"] = [i for i, owner in enumerate(owners) if owner == g]
+        torch.save(states, f)
+    want = imported(tmp_path, "hf_zero3_fp32")
+    out = tmp_path / "sub-groups"
+    import_deepspeed(src, out, log=lambda *a: None)
+    got = ckpt.CheckpointReader(out, kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+    assert sorted(got.names()) == sorted(want.names())
+    for name in want.names():
+        for kind in KINDS:
+            assert torch.equal(got.load(name, kind), want.load(name, kind)), (name, kind)

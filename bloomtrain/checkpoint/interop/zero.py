@@ -235,8 +235,17 @@ class ZeroShards:
         groups = base.get("param_groups") if isinstance(base, dict) else None
         if not isinstance(groups, list):
             groups = osd.get("param_groups") or [{} for _ in self.groups]
-        return [{**{k: v for k, v in pg.items() if k != "params"}, "names": list(shapes)}
-                for pg, shapes in zip(groups, self.groups)]
+        # ZeRO-3 splits a group whose partition exceeds sub_group_size (DeepSpeed's default
+        # 1e9 elements: bloom-7b1 below dp 8) into sub-groups: param_shapes, the flat groups
+        # and the moments are per sub-group, param_groups per group, each listing the indices
+        # of its sub-groups in `params`. Each flat group takes the hyperparameters of the group
+        # that lists it (one each without sub-groups: the pairing in order).
+        owner = {i: pg for pg in groups if isinstance(pg, dict)
+                 for i in (pg.get("params") or []) if isinstance(i, int)}
+        if sorted(owner) != list(range(len(self.groups))):
+            owner = dict(enumerate(groups))
+        return [{**{k: v for k, v in owner[i].items() if k != "params"}, "names": list(shapes)}
+                for i, shapes in enumerate(self.groups) if i in owner]
 
     def loss_scale(self) -> dict | None:
         scaler = self.states[0].get("loss_scaler")
