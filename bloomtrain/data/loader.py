@@ -32,7 +32,8 @@ def build_train_valid_test_datasets(data_cfg, tokenizer, train_valid_test_num_sa
                                     seq_length: int):
     """(train, valid, test) for `data_cfg.paths`; a split with no documents gives None.
 
-    One path: GPTDatasets over its document split. Several "WEIGHT PREFIX" paths: each dataset
+    One bare path: GPTDatasets over its document split. "WEIGHT PREFIX" paths (one or more, as
+    Megatron blends a weighted --data-path even alone): each dataset
     is split and built with ceil(n * w * 1.005) samples per split, then the splits are blended by
     weight. `tokenizer` (optional) is checked against each dataset's token dtype."""
     entries = parse_data_paths(data_cfg.paths)
@@ -42,7 +43,10 @@ def build_train_valid_test_datasets(data_cfg, tokenizer, train_valid_test_num_sa
     num_samples = [int(n) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must hold three counts")
-    if len(entries) == 1:
+    paths = [data_cfg.paths] if isinstance(data_cfg.paths, str) else data_cfg.paths
+    if len(entries) == 1 and len(str(paths[0]).split()) == 1:
+        # Megatron takes this branch only for a bare prefix (len(data_prefix) == 1): `--data-path
+        # 1.0 X` is blended, over ceil(n * 1.005) samples, which shuffles differently.
         return _build_splits(entries[0][1], data_cfg, tokenizer, num_samples, seq_length)
 
     weights, per_dataset = normalize_weights_and_num_samples([w for w, _ in entries], num_samples)

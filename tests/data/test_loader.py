@@ -225,3 +225,28 @@ def test_tokenizer_dtype_check(fixture_copies):
     cfg = DataConfig(paths=[fixture_copies["narrow_uint16"]], split="1")
     with pytest.raises(UserError, match="tokenizer"):
         build_train_valid_test_datasets(cfg, BigVocab(), [10, 0, 0], 16)
+
+
+def test_one_weighted_path_is_blended_as_megatron_blends_it(tmp_path):
+    """Megatron takes its single-dataset branch only for a bare prefix (len(data_prefix) == 1):
+    `--data-path 1.0 X` is blended, the dataset built with ceil(n * 1.005) samples, and that
+    shuffles differently (here 213 of the first 214 samples). A bare prefix stays plain."""
+    for ext in ("bin", "idx"):
+        shutil.copy(FIXTURES / f"wide_int32.{ext}", tmp_path / f"wide.{ext}")
+    prefix, n, seq = str(tmp_path / "wide"), 214, 32
+    cfg = DataConfig(paths=[f"1.0 {prefix}"], split="100,0,0", seq_length=seq, seed=1234,
+                     cache_dir=str(tmp_path / "ours"))
+    ours, _, _ = build_train_valid_test_datasets(cfg, None, [n, 0, 0], seq)
+    weights, per = normalize_weights_and_num_samples([1.0], [n, 0, 0])
+    assert per[0][0] == math.ceil(n * 1.005)
+    indexed = MMapIndexedDataset(prefix)
+    alone = GPTDataset("train", indexed, np.arange(len(indexed.sizes), dtype=np.int32),
+                       per[0][0], seq, 1234, cache_dir=str(tmp_path / "ref"))
+    megatron = BlendableDataset([alone], weights)
+    assert isinstance(ours, BlendableDataset) and len(ours) == len(megatron)
+    assert all(np.array_equal(ours[i], megatron[i]) for i in range(n))
+    bare, _, _ = build_train_valid_test_datasets(
+        DataConfig(paths=[prefix], split="100,0,0", seq_length=seq, seed=1234,
+                   cache_dir=str(tmp_path / "bare")), None, [n, 0, 0], seq)
+    assert isinstance(bare, GPTDataset)
+    assert sum(not np.array_equal(bare[i], ours[i]) for i in range(n)) > n // 2
