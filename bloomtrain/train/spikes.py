@@ -167,6 +167,10 @@ class LossSpikes:
         step is rolled back (the rollback restores the checkpoint's window)."""
         spike = self.monitor.check(state.step + 1, loss, state.loss_window)
         if spike is not None and spike.action == "rollback":
+            # An async save in flight is settled first (the rollback waits for it anyway): if
+            # it fails, the target is the checkpoint before it, or none (rolling back to it
+            # found nothing to load, and died on a TypeError).
+            self.checkpoints.wait()
             last = self.checkpoints.last
             if last is None:
                 spike.action, spike.fallback = "skip", "no checkpoint to roll back to yet"

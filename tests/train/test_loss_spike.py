@@ -301,3 +301,34 @@ def test_every_rank_takes_the_same_decision(dataset, tmp_path):
     step, consumed, skipped, ranges, _ = first["state"]
     assert (step, consumed, skipped, first["step_count"]) == (16, 128, 3, 13)
     assert [(r["start"], r["end"]) for r in ranges] == [(80, 104)]
+
+
+def test_a_rollback_to_an_async_save_that_failed_goes_to_the_one_before(dataset, tmp_path,
+                                                                        monkeypatch):
+    """The newest checkpoint is a background save still being written when the spike comes,
+    and that save fails (a full disk; checkpoint.on_save_error=continue). The spike's target
+    is settled first: here no checkpoint is left, so the spike is skipped and the run goes on.
+    It chose the save in flight, found nothing to load, and died on a TypeError."""
+    from bloomtrain.checkpoint import writer
+
+    real = writer.CheckpointWriter._save
+
+    def save(self, step, *args, **kwargs):
+        if step == 12:
+            raise writer.CheckpointSaveError("no space left on device (injected)")
+        return real(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(writer.CheckpointWriter, "_save", save)
+    cfg = _rollback_cfg(dataset, tmp_path,
+                        checkpoint={"dir": str(tmp_path / "ck"), "save_interval": 12,
+                                    "async_save": True, "on_save_error": "continue"})
+    lines = []
+    trainer = Trainer(cfg, log=capture(lines))
+    inject_spike(trainer, {13})
+    res = trainer.run()
+    trainer.checkpoints.wait()
+    assert res.exit_reason == "finished" and res.state.step == 16
+    assert res.state.skipped_steps == 1 and not res.state.skipped_samples
+    assert any(l.startswith("[train] loss spike at step 13") and
+               "no checkpoint to roll back to yet" in l for l in lines), lines
+    assert any("no space left on device (injected)" in l for l in lines)
