@@ -145,7 +145,8 @@ class CheckpointWriter:
     def wait(self) -> None:
         """Wait for an in-flight async save; re-raise its error."""
         if self._thread is not None:
-            self._thread.join()
+            with comm.INFLIGHT.long_phase("checkpoint write"):
+                self._thread.join()
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
@@ -179,7 +180,8 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=run, name="bloomtrain-ckpt", daemon=True)
             self._thread.start()
         else:
-            self._save(*args)
+            with comm.INFLIGHT.long_phase("checkpoint write"):
+                self._save(*args)
         return final
 
     def _snapshot_fits(self, step: int, fragments: list[Fragment]) -> bool:

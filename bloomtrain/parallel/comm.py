@@ -109,11 +109,34 @@ class InFlight:
         self.last: tuple | None = None
         # Called as on_failure(entry, error) when an op raises a timeout/connection error.
         self.on_failure = None
+        # Long phases running (long_phase), any thread; a list, so that += from two threads
+        # cannot lose a count (each append or pop is one atomic operation).
+        self._long: list[str] = []
+
+    @contextlib.contextmanager
+    def long_phase(self, what: str):
+        """A phase that may rightly take longer than the hang timeout, a checkpoint's write or
+        its hashing: the watchdog's step clock stops while one runs and starts again after it.
+        Its own collectives (LONG_OPS) are bounded by their group's timeout instead."""
+        self._long.append(what)
+        try:
+            yield
+        finally:
+            self._long.pop()
+
+    @property
+    def in_long_phase(self) -> bool:
+        return bool(self._long)
 
     def snapshot(self) -> dict[int, tuple]:
         """The ops in flight now, by thread."""
         return {k: v for k, v in self.busy.copy().items() if v is not None}
 
+
+# Ops of these names wait on other ranks' disk reads and writes (the checkpoint group: a
+# shard's write, a checksum share of a resume), which take as long as the files do: the hang
+# watchdog leaves them to the collective timeout.
+LONG_OPS = ("checkpoint",)
 
 # Module state (allow-listed in tests/structure.py): every wrapper writes it, autograd backward
 # passes included, and the watchdog's thread reads it. Like STATS, it never changes what is sent.

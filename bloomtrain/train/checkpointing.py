@@ -18,6 +18,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
+from bloomtrain.parallel import comm
 from bloomtrain.checkpoint.load import job_check
 
 
@@ -350,8 +351,9 @@ class TrainCheckpoints:
         self.wait()
         if self.last is None:
             return None
-        ckpt.verify_shared(self.last[1], job_check())
-        return self._load(self.last[1])[0], self.last[1]
+        with comm.INFLIGHT.long_phase("checkpoint read"):  # inside a step: as long as it takes
+            ckpt.verify_shared(self.last[1], job_check())
+            return self._load(self.last[1])[0], self.last[1]
 
     def _load(self, path: Path) -> tuple[TrainState, dict]:
         """Load the checkpoint at `path`, which the job has just verified (verify_shared: each

@@ -148,10 +148,16 @@ class Watchdog:
         """The hang, if any. The step clock counts from the later of the heartbeat and the last
         time a check saw a new op begun (any thread), only while no op is in flight and while
         the heartbeat's caller (the training loop) is still running: evaluation and saving,
-        which communicate, and whatever follows the loop, are never taken for a hang."""
+        which communicate, and whatever follows the loop, are never taken for a hang. A
+        checkpoint's write and reads (comm.INFLIGHT.long_phase) stop the step clock, and the
+        checkpoint group's ops (comm.LONG_OPS), where ranks wait for the slowest one's disk, are
+        left to their collective timeout: a slow filesystem is no hang."""
         now = time.monotonic() if now is None else now
         slot = comm.INFLIGHT
-        inflight = slot.snapshot()
+        if slot.in_long_phase:  # a checkpoint is written or read: its clock starts after
+            self._active_at = now
+            return None
+        inflight = {k: v for k, v in slot.snapshot().items() if v[1] not in comm.LONG_OPS}
         last = slot.last
         if last is not self._seen_last:  # an op began since the previous check: progress
             self._seen_last, self._active_at = last, now

@@ -205,6 +205,33 @@ def test_the_step_heartbeat_sees_a_rank_stuck_outside_communication(tmp_path, mo
     assert dog.check(start + 100.0) is None
 
 
+def test_a_slow_checkpoint_is_no_hang(tmp_path, monkeypatch, fake_group):
+    """A shard's write can outlast the hang timeout on a slow filesystem: the other ranks wait
+    in the checkpoint group's gather, the writing rank is in its step outside any op. Neither
+    is a hang (the ranks were ended with `.step_N.tmp` left and no checkpoint); the checkpoint
+    group's collective timeout bounds them. The step clock starts again after the write."""
+    dog = _dog(tmp_path, rank=1)
+    monkeypatch.setattr(comm.INFLIGHT, "busy", {})
+    now = time.monotonic()
+    comm.INFLIGHT.busy[12345] = ("gather_object", "checkpoint", fake_group, None, now - 60.0)
+    assert dog.check(now) is None
+    comm.INFLIGHT.busy[12345] = ("gather_object", "dp", fake_group, None, now - 60.0)
+    assert dog.check(now).state == "waiting"  # any other group's op is watched as before
+    comm.INFLIGHT.busy.clear()
+
+    def training_loop():
+        dog.heartbeat(4)
+        start = dog._beat[1]
+        with comm.INFLIGHT.long_phase("checkpoint write"):
+            during = dog.check(start + 60.0)
+        return during, dog.check(start + 62.0), dog.check(start + 64.0)
+
+    during, after, late = training_loop()
+    assert during is None and after is None  # 2 s since the write ended, of 3
+    assert late.state == "outside"
+    assert not comm.INFLIGHT.in_long_phase
+
+
 class Exited(Exception):
     pass
 
