@@ -520,9 +520,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     # Connection refused"; pytorch/pytorch#135712). Unshared, rank 0 serves a fresh store each
     # attempt; without restarts the shared one stays, as it outlives an early-exiting rank 0.
     unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare,
-           # train.exit_duration_minutes counts from here across the workers' restarts.
-           JOB_START_ENV: os.environ.get(JOB_START_ENV) or repr(time.time())}
+    env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
     with contextlib.ExitStack() as stack:
         taker = _SigintTaker(sigint, stack)
         env.update(taker.worker_env(lc))
@@ -589,7 +587,8 @@ def _address_env(spec: LaunchSpec, address: NodeAddress | None, endpoint: str) -
 def _launch_config(spec: LaunchSpec, worker_env: dict[str, str]):
     """torch's LaunchConfig for `spec`, the rendezvous endpoint (a free localhost port for one
     node) and the workers' variables: the address this node advertises (node_address) and their
-    threads (thread_env; none where the caller's `worker_env` sets them)."""
+    threads (thread_env; none where the caller's `worker_env` sets them), and when the job
+    started (JOB_START_ENV: train.exit_duration_minutes counts from it across restarts)."""
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -617,7 +616,8 @@ def _launch_config(spec: LaunchSpec, worker_env: dict[str, str]):
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
         local_addr=address.addr if address is not None else None)
     return lc, endpoint, {**_address_env(spec, address, endpoint),
-                          **thread_env(spec.nproc, {**os.environ, **worker_env})}
+                          **thread_env(spec.nproc, {**os.environ, **worker_env}),
+                          JOB_START_ENV: os.environ.get(JOB_START_ENV) or repr(time.time())}
 
 
 def _signalled_exit(sigval: int, nproc: int, forced: int, after: str | None) -> None:

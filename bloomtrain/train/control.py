@@ -75,14 +75,17 @@ class RunControl:
                 # closest Python can put back.
                 signal.signal(sig, signal.SIG_DFL if old is None else old)
 
-    def kill_switch_at_start(self) -> bool:
+    def kill_switch_at_start(self, log) -> bool:
         """Whether BLOOM's kill-switch file is there before the first step (agreed across
-        ranks): then the run must not start. Else a job the scheduler requeues would train a
-        step, save and prune an older checkpoint at every start."""
+        ranks; `log` says so): then the run must not start. Else a job the scheduler requeues
+        would train a step, save and prune an older checkpoint at every start."""
         path = self.t.kill_switch_path
         flag = torch.tensor([int(bool(path) and os.path.exists(path))], dtype=torch.int32,
                             device=self.device)
         comm.all_reduce(flag, comm.world_group(), "control", op=comm.ReduceOp.MAX)
+        if flag:
+            log(f"[train] the kill switch {path} is there: not training and not saving "
+                f"(remove it to train)")
         return bool(flag)
 
     def _sigint(self, _signum, _frame) -> None:

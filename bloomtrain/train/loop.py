@@ -250,9 +250,7 @@ class Trainer:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
         self.steplog.announce(self.shape, self.data.train_samples, self.run_dir, self.plan_text)
-        if self.control.kill_switch_at_start():
-            self.print(f"[train] the kill switch {t.kill_switch_path} is there: not training and "
-                       f"not saving (remove it to train)")
+        if self.control.kill_switch_at_start(self.print):
             result.exit_reason = "kill switch"
             return result
         if state.consumed_samples >= self.data.train_samples:
