@@ -160,6 +160,29 @@ def test_a_users_omp_num_threads_is_kept(tmp_path, monkeypatch, capfd):
     assert "OMP_NUM_THREADS=" not in capfd.readouterr().err
 
 
+def _report_job_start(folder: str) -> None:
+    """A worker: the job's start its launcher gave it."""
+    rank = os.environ["RANK"]
+    with open(os.path.join(folder, f"start{rank}"), "w") as f:
+        f.write(os.environ.get(launch.JOB_START_ENV, ""))
+
+
+def test_the_workers_are_told_when_the_job_started(tmp_path, monkeypatch):
+    """train.exit_duration_minutes counts from the job's start, which a restarted worker
+    cannot know: the launcher gives every worker the same time, or passes on its own
+    launcher's."""
+    import time
+
+    monkeypatch.delenv(launch.JOB_START_ENV, raising=False)
+    before = time.time()
+    launch.launch_local(2, _report_job_start, str(tmp_path))
+    seen = {(tmp_path / f"start{r}").read_text() for r in range(2)}
+    assert len(seen) == 1 and before <= float(seen.pop()) <= time.time()
+    monkeypatch.setenv(launch.JOB_START_ENV, "1234.5")
+    launch.launch_local(2, _report_job_start, str(tmp_path))
+    assert {(tmp_path / f"start{r}").read_text() for r in range(2)} == {"1234.5"}
+
+
 # ---- Ctrl-C -------------------------------------------------------------------------------------
 STEPS = 8
 
