@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -38,6 +39,12 @@ def env_from_slurm(env=os.environ) -> None:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    # Tasks per node ("8", or "8(x2)" for two nodes of 8), which torchrun gives as
+    # LOCAL_WORLD_SIZE: the node-local groups (ZeRO's hpZ) and each node's host memory use it.
+    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE")
+                        or env.get("SLURM_TASKS_PER_NODE", ""))
+    if per_node and "LOCAL_WORLD_SIZE" not in env:
+        env["LOCAL_WORLD_SIZE"] = per_node.group()
 
 
 def world_size_from_env() -> int:

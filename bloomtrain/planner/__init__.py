@@ -16,6 +16,8 @@ by a submodule of the same name.)
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import replace
 
 from bloomtrain.config import Config
@@ -109,7 +111,10 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
     work = workload_from_config(cfg, device=device.type, shape=shape)
     base = GPUS["a100-80g"] if on_cuda else GPUS["cpu"]
     spec = replace(base, name=str(device), memory_bytes=total or 1 << 62)
-    cluster = Cluster(spec, world_size, world_size)
+    # The launcher's processes per node (torchrun's LOCAL_WORLD_SIZE; srun's tasks per node
+    # through env_from_slurm): node-local groups such as ZeRO's hpZ are sized by it.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    cluster = Cluster(spec, world_size, max(1, min(per_node, world_size)))
     p = evaluate(candidate_from_config(cfg, world_size), work, cluster,
                  memory_limit=float(spec.memory_bytes))
     if not p.stages:  # validation passed, so this is a planner gap: say so, do not block

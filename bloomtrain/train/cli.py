@@ -12,8 +12,8 @@ from bloomtrain.launch import (end_by_signal, env_from_slurm, LaunchSpec, node_a
                                STOP_FILE_ENV, world_size_from_env)
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
-LAUNCH_DEFAULTS = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None, "rdzv_timeout": None,
-                   "max_restarts": 0, "local_addr": None}
+LAUNCH_DEFAULTS = {"nproc": None, "nnodes": 1, "node_rank": 0, "rdzv_endpoint": None,
+                   "rdzv_timeout": None, "max_restarts": 0, "local_addr": None}
 
 
 def worker_entry(config_path, overrides, run):
@@ -59,15 +59,21 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_timeout=rdzv, max_restarts=args.max_restarts,
                       local_addr=args.local_addr)
-    if "WORLD_SIZE" in os.environ:
+    # A worker of torchrun (WORLD_SIZE), or a task of a plain srun of several (whose variables
+    # env_from_slurm translates later): each task starting a launch of its own would make as
+    # many independent jobs writing the same run directory.
+    srun = "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    if "WORLD_SIZE" in os.environ or srun:
         given = [f"--{k.replace('_', '-')}" for k, v in LAUNCH_DEFAULTS.items()
                  if getattr(args, k) != v]
         if given:
+            under = "WORLD_SIZE is set" if "WORLD_SIZE" in os.environ else \
+                f"srun started {os.environ['SLURM_NTASKS']} tasks"
             raise UserError(f"{' '.join(given)} are bloomtrain's launcher options, but this "
-                            f"process already runs under a launcher (WORLD_SIZE is set); give "
-                            f"them to torchrun (--nnodes, --node-rank, --rdzv-endpoint, "
-                            f"--max-restarts, --local-addr), or run `bloomtrain train` without "
-                            f"torchrun")
+                            f"process already runs under a launcher ({under}); give them to "
+                            f"torchrun (--nproc-per-node, --nnodes, --node-rank, "
+                            f"--rdzv-endpoint, --max-restarts, --local-addr) or srun, or run "
+                            f"`bloomtrain train` without either")
         return None
     spec.check()
     node_address(spec)  # a loopback advertisement refused now, before anything waits

@@ -722,3 +722,31 @@ def test_ties_are_every_plan_within_the_error_band():
         for i, plan in enumerate(plans):
             assert plan.ties == [j + 1 for j, t in enumerate(times)
                                  if j != i and abs(math.log(t / times[i])) <= band]
+
+
+def test_a_runs_own_plan_knows_its_nodes(monkeypatch):
+    """plan_for_run (the prediction `bloomtrain train` logs and, on CUDA, enforces) took the
+    whole job for one node, so ZeRO-3's hpZ secondary copy, sharded within a node, came out
+    1/dp instead of 1/(ranks per node): half of what 2 nodes of 8 hold. The launcher's
+    LOCAL_WORLD_SIZE (srun's tasks per node through env_from_slurm) says how many a node has."""
+    from dataclasses import replace as dc_replace
+
+    from bloomtrain.config import Config
+
+    cfg = Config.load(None, ["train.train_iters=1", "model.preset=bloom-560m",
+                             "model.vocab_size=250880", "parallel.zero_stage=3",
+                             "parallel.zero_secondary_shard=true",
+                             "train.global_batch_size=16", "data.seq_length=512"])
+    shape = resolve_model_config(cfg.model, 250880)
+    spec = dc_replace(GPUS["cpu"], memory_bytes=1 << 62)
+    work = workload_from_config(cfg, device="cpu", shape=shape)
+    want = evaluate(candidate_from_config(cfg, 16), work, Cluster(spec, 16, 8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    got, _ = plan_for_run(cfg, shape, 16, "cpu")
+
+    def secondary(p):
+        return p.stages[0]["model_states"]["hpz_secondary"]
+    assert secondary(got) == secondary(want) > 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    alone, _ = plan_for_run(cfg, shape, 16, "cpu")
+    assert secondary(alone) == secondary(want) / 2  # one node of 16

@@ -101,6 +101,14 @@ def test_slurm_environment_mapping():
            "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
     env_from_slurm(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "16", "1")
+    assert "LOCAL_WORLD_SIZE" not in env  # nothing says how many tasks a node has
+    # Tasks per node as torchrun's LOCAL_WORLD_SIZE (hpZ's node-local group, the node's host
+    # memory): without it the whole job counted as one node.
+    for per_node in ({"SLURM_NTASKS_PER_NODE": "8"}, {"SLURM_TASKS_PER_NODE": "8(x2)"}):
+        env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+               "MASTER_ADDR": "node1", "MASTER_PORT": "29500", **per_node}
+        env_from_slurm(env)
+        assert env["LOCAL_WORLD_SIZE"] == "8"
     torchrun = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
     env_from_slurm(torchrun)  # torchrun's variables win
     assert torchrun["RANK"] == "3"
