@@ -125,6 +125,12 @@ class BloomtrainLM(TemplateLM):
         for lo in range(0, len(representatives), self._batch_size):
             rows, queries, plans = [], {}, []
             for req_str, ctx, cont in representatives[lo:lo + self._batch_size]:
+                if len(cont) > self._max_length:
+                    # Its first tokens would have no position in the window: their scores
+                    # came from other requests' rows. The harness's HF backend refuses too.
+                    raise ValueError(f"a loglikelihood continuation of {len(cont)} tokens is "
+                                     f"longer than max_length {self._max_length}; raise "
+                                     f"max_length or shorten the task's targets")
                 whole = (ctx + cont)[-(self._max_length + 1):]
                 row = len(rows)
                 rows.append(whole[:-1])

@@ -697,6 +697,20 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+def test_a_continuation_longer_than_the_window_is_refused(model_dirs):
+    """Its first tokens have no position in the max_length window: they were scored at
+    negative positions, read from other requests' rows (a different score batched with each,
+    and alone), without a word. The harness's HF backend refuses it (an assertion)."""
+    lm = local_lm(model_dirs[0])
+    long = list(range(5, 5 + MAX_LENGTH + 2))
+    with pytest.raises(ValueError, match=f"continuation of {MAX_LENGTH + 2} tokens is longer "
+                                         f"than max_length {MAX_LENGTH}"):
+        lm._loglikelihood_tokens([(None, [1, 2, 3], long), (None, [1], [4, 5, 6])])
+    # One that just fits (max_length tokens, the window's every position) is scored.
+    (score, _), = lm._loglikelihood_tokens([(None, [1, 2, 3], long[:MAX_LENGTH])])
+    assert math.isfinite(score)
+
+
 def test_command_errors_say_what_to_change(model_dirs, tmp_path, capsys, monkeypatch):
     ckpt = str(model_dirs[0])
     rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tny",
