@@ -63,6 +63,18 @@ def find_pair(path: Path, required: bool = True) -> tuple[Path, Path] | None:
     return vocab, merges
 
 
+def byte_of_char() -> dict[str, int]:
+    """The byte-level alphabet, character -> the byte it stands for (GPT-2's bytes_to_unicode,
+    which BLOOM's tokenizer and `tokenizers`' ByteLevel share): printable bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    out = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in out.values()]
+    out.update({chr(256 + n): b for n, b in enumerate(others)})
+    return out
+
+
 def read_vocab(file: Path, megatron: bool = True) -> dict[str, int]:
     """vocab.json as {token: id}, checked: ids 0..n-1 each once and, for Megatron's tokenizer
     (`megatron`), the 256 byte-level symbols and `<|endoftext|>` present."""

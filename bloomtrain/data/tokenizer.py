@@ -245,6 +245,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))
 
+    @functools.cached_property
+    def _byte_level(self) -> dict[str, int] | None:
+        """The byte-level alphabet (gpt2_bpe.byte_of_char) when this tokenizer decodes bytes
+        (BLOOM's, GPT-2's), else None."""
+        return gpt2_bpe.byte_of_char() if type(self._tok.decoder).__name__ == "ByteLevel" \
+            else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for. A byte-level token may hold part of a character, whose
+        text alone decodes to U+FFFD; OpenAI's logprobs `bytes` are the token's own, so that
+        a client can join a character split over tokens."""
+        piece, table = self.id_to_token(token_id), self._byte_level
+        if table is not None and piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return self.decode([token_id]).encode("utf-8")
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Copy tokenizer.json and its HF side files (and Megatron's vocab.json + merges.txt when
         they came with it) into `directory` (for checkpoints and exports)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 
 from bloomtrain.serve.sampling import MAX_CHAT_LOGPROBS, MAX_LOGPROBS, SamplingParams
@@ -170,7 +171,7 @@ def _logit_bias(body) -> tuple[tuple[int, float], ...]:
                          "logit_bias")
     out = []
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit():
+        if not re.fullmatch(r"-?[0-9]+", key):  # str.isdigit takes "²" and "٣"
             raise BadRequest(f"`logit_bias` keys must be token ids, got {key!r}", "logit_bias")
         if (not isinstance(value, (int, float)) or isinstance(value, bool)
                 or not math.isfinite(value) or not -100 <= value <= 100):
@@ -509,7 +510,8 @@ class ChatChoice:
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         s = self.tokenizer.decode([token_id])
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def _logprobs(self, entries) -> list[dict]:
         out = []

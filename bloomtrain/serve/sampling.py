@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the CLI parser imports generate, which imports this module
     import torch
 
+SAMPLING_EPS = 1e-5     # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 5        # OpenAI's limit for the completions API
 MAX_CHAT_LOGPROBS = 20  # and for the chat API's top_logprobs
 
@@ -41,7 +42,9 @@ class SamplingParams:
 
     @property
     def do_sample(self) -> bool:
-        return self.temperature > 0
+        # Below SAMPLING_EPS the scores over the temperature overflow fp32 (inf, then NaN
+        # probabilities): such a request is greedy, as in vLLM.
+        return self.temperature >= SAMPLING_EPS
 
     @property
     def edits_logits(self) -> bool:

@@ -325,7 +325,12 @@ async def chat_completions(request: web.Request, state: ServerState) -> web.Stre
         ids = _chat_prompt(state, req.messages, req.add_generation_prompt)
         s = req.sampling
         if s.params.max_tokens is None:  # the room the prompt leaves
-            room = max(engine.config.max_model_len - len(ids), 0)
+            room = engine.config.max_model_len - len(ids)
+            if room < 1:  # not an empty answer cut for "length"
+                return error_response(
+                    400, f"the conversation takes {len(ids)} tokens of the model's "
+                         f"{engine.config.max_model_len} (--max-model-len): no room is left to "
+                         f"answer; shorten the messages", "messages", "context_length_exceeded")
             s = replace(s, params=replace(s.params, max_tokens=room))
         engine.check_request(ids, s.params)
     except BadRequest as e:

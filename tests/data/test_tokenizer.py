@@ -121,3 +121,15 @@ def test_a_vocabulary_smaller_than_asked_is_a_warning_with_the_reason(tmp_path):
     logged.clear()
     train_tokenizer([corpus], got, tmp_path / "tok2", log=logged.append)
     assert logged == []  # exactly what it asks for: nothing to warn about
+
+
+def test_a_tokens_bytes_are_its_own_even_where_it_splits_a_character(tiny_tokenizer_dir):
+    """OpenAI's logprobs `bytes` let a client join a character split over byte-level tokens:
+    each token's bytes are its own (a token's text alone decodes a partial character to
+    U+FFFD, whose bytes they were)."""
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    for text in ("😀", "数据并行", "Привет, мир", "plain ascii"):
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+    split = [i for i in tok.encode("😀") if tok.decode([i]) == "\ufffd"]
+    assert split and all(tok.token_bytes(i) != "\ufffd".encode() for i in split)

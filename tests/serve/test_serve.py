@@ -60,6 +60,21 @@ def lp_values(result):
 
 # ---- the engine: batch invariance, HF parity, scheduling -----------------------------------
 
+def test_a_vanishing_temperature_is_greedy(model_dir):
+    """Scores over a temperature of 1e-38 overflow fp32 to inf, then NaN probabilities, and
+    the draw took token 0 at every step (an empty text, "length"): below vLLM's 1e-5 a request
+    is greedy."""
+    _, path = model_dir
+    prompts = random_prompts([5, 9])
+    engine = make_engine(path)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    for t in (1e-38, 1e-300, 1e-6):
+        assert not SamplingParams(temperature=t).do_sample
+        tiny = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=t, seed=3))
+        assert [r["token_ids"] for r in tiny] == [r["token_ids"] for r in greedy]
+    assert SamplingParams(temperature=1e-5).do_sample
+
+
 def test_batched_equals_alone_and_hf(model_dir, monkeypatch):
     """8 prompts of different lengths (1 to 70 tokens: one to five chunks) arriving at
     different steps, greedy and seeded sampling mixed: every request gets exactly the tokens,
@@ -351,6 +366,10 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
         ({**ok, "presence_penalty": 2.5}, 400, "`presence_penalty` must be in [-2.0, 2.0]"),
         ({**ok, "repetition_penalty": 0}, 400, "`repetition_penalty` must be in (0.0, inf]"),
         ({**ok, "logit_bias": {"x": 1}}, 400, "`logit_bias` keys must be token ids"),
+        # Not ASCII digits: "²" and "--5" were a 500 from int(), "٣" read as token 3.
+        ({**ok, "logit_bias": {"²": 1}}, 400, "`logit_bias` keys must be token ids"),
+        ({**ok, "logit_bias": {"--5": 1}}, 400, "`logit_bias` keys must be token ids"),
+        ({**ok, "logit_bias": {"٣": 1}}, 400, "`logit_bias` keys must be token ids"),
         ({**ok, "logit_bias": {"5": 101}}, 400, "values must be numbers in [-100, 100]"),
         ({**ok, "logit_bias": {"99999": 1}}, 400, "outside the vocabulary"),
         ({**ok, "min_tokens": 5}, 400, "`min_tokens` must be in [0, 4]"),
@@ -580,6 +599,13 @@ def test_chat_completions(model_dir, tokenizer):
                 stopped = await r.json()
             async with session.post("/tokenize", json={"messages": messages}) as r:
                 tokens = (await r.json())["tokens"]
+            # A conversation that fills the context, no max_tokens: no room to answer is a
+            # 400, not an empty answer cut for "length".
+            async with session.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "word " * 200}]}) as r:
+                full = (r.status, await r.json())
+            assert full[0] == 400 and "no room is left" in full[1]["error"]["message"]
+            assert full[1]["error"]["code"] == "context_length_exceeded"
         async with serving(engine, tokenizer, metrics, chat_template=None) as (_, session):
             async with session.post("/v1/chat/completions", json=req) as r:
                 none = (r.status, await r.json())
