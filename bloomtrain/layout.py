@@ -259,8 +259,10 @@ class BatchSchedule:
         for b in range(start, self.global_batch_size, increment):
             try:  # every size of the ramp splits over dp and runs under the pipeline schedule
                 self.layout.num_micro_batches(b, self.micro_batch_size)
-            except UserError as e:
-                raise UserError(f"train.rampup_batch_size: at global batch {b}: {e}") from None
+            except UserError as e:  # it names the ramp's size, which the user did not set
+                text = str(e).replace(f"train.global_batch_size ({b})", f"its batch {b}")
+                raise UserError(f"train.rampup_batch_size [{start}, {increment}, {ramp}]: "
+                                f"{text}; change the ramp's start or increment") from None
         if t.train_samples is None:
             raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
 

@@ -35,6 +35,10 @@ def test_yaml_and_dotted_overrides(tmp_path):
     ({"data.split": "a,b"}, "data.split"),
     ({"optim.decay_style": "step"}, "cosine, linear or constant"),
     ({"train.rampup_batch_size": "[3,2,100]"}, "divisible"),
+    # Without optim.decay_samples the decay spans the run, which ended inside the warmup at a
+    # fraction of the peak lr; with it given, the same values were already refused.
+    ({"train.train_iters": 10, "train.global_batch_size": 8, "train.micro_batch_size": 4,
+      "optim.warmup_samples": 1000}, "must be less than the run's 80 samples"),
 ])
 def test_validation_messages(over, match):
     cfg = base(**over)
@@ -128,9 +132,22 @@ def test_rampup_sizes_must_fit_the_interleaved_schedule():
                   "parallel.num_virtual_stages": 2, "parallel.pp_partition": "uniform",
                   "train.global_batch_size": 8, "train.rampup_batch_size": "[3,1,30]",
                   "train.train_samples": 100, "train.train_iters": "null"})
-    with pytest.raises(UserError, match=r"rampup_batch_size: at global batch 3: the interleaved "
+    with pytest.raises(UserError, match=r"rampup_batch_size \[3, 1, 30\]: the interleaved "
                                         r"schedule needs the number of micro-batches \(3"):
         validate(cfg, 2)
+
+
+def test_a_ramp_that_does_not_split_names_the_ramp():
+    """The ramp's own size, not train.global_batch_size (16, which splits): "global_batch_size
+    (2) must be divisible" named a value the user never set."""
+    cfg = base(**{"train.global_batch_size": 16, "train.micro_batch_size": 2,
+                  "train.rampup_batch_size": "[2,2,100]", "train.train_samples": 1000,
+                  "train.train_iters": "null"})
+    with pytest.raises(UserError) as e:
+        validate(cfg, 2)
+    text = str(e.value)
+    assert "rampup_batch_size [2, 2, 100]: its batch 2 must be divisible by" in text, text
+    assert "global_batch_size (2)" not in text and "start or increment" in text
 
 
 # ---- every key's domain (bloomtrain.config.DOMAINS), inside accepted and outside refused ---------

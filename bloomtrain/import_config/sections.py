@@ -251,12 +251,16 @@ def schedule(c: Conversion) -> None:
     else:
         decay_dest = "lr_decay_samples" if c.has("lr_decay_samples") else "train_samples"
         decay, decay_from = c.int(decay_dest), [decay_dest]
+    # Megatron's warmup fraction is of the decay in samples (get_learning_rate_scheduler), even
+    # where AnnealingLR then decays by tokens.
+    fraction_of, fraction_from = decay, decay_from
     if c.has("lr_decay_tokens"):
         decay = c.int("lr_decay_tokens") / c.config["data"]["seq_length"]
         decay_from = ["lr_decay_tokens", "seq_length"]
     _set_samples(c, "optim.decay_samples", decay, decay_from)
     if c.has("lr_warmup_fraction"):
-        warmup, warmup_from = c.float("lr_warmup_fraction") * decay, ["lr_warmup_fraction"]
+        warmup = c.float("lr_warmup_fraction") * fraction_of
+        warmup_from = ["lr_warmup_fraction", *fraction_from]
     elif c.has("lr_warmup_tokens"):
         warmup = c.int("lr_warmup_tokens") / c.config["data"]["seq_length"]
         warmup_from = ["lr_warmup_tokens", "seq_length"]
@@ -345,8 +349,13 @@ def train(c: Conversion) -> None:
                            "train.activation_checkpointing")
     c.set("train.seed", c.int("seed"), "seed")
     c.set("train.log_interval", c.int("log_interval"), "log_interval")
-    c.set("train.eval_interval", c.int("eval_interval"), "eval_interval")
-    c.set("train.eval_iters", c.int("eval_iters"), "eval_iters")
+    iters, interval = c.int("eval_iters"), c.int("eval_interval")
+    if iters == 0 or interval == 0:  # Megatron evaluates nothing; bloomtrain says it with null
+        c.set("train.eval_interval", None, ["eval_interval", "eval_iters"],
+              "0 turns evaluation off in Megatron")
+    else:
+        c.set("train.eval_interval", interval, "eval_interval")
+        c.set("train.eval_iters", iters, "eval_iters")
     if c.has("exit_duration_in_mins"):
         c.set("train.exit_duration_minutes", c.float("exit_duration_in_mins"),
               "exit_duration_in_mins")
@@ -363,8 +372,8 @@ def checkpoint(c: Conversion) -> None:
     if save is not None:
         c.set("checkpoint.dir", save, "save", "Megatron keeps every checkpoint; bloomtrain "
                                               "keeps the last checkpoint.keep_last (3)")
-        if c.has("save_interval"):
-            c.set("checkpoint.save_interval", c.int("save_interval"), "save_interval")
+        if c.has("save_interval"):  # 0: no periodic saves in Megatron, null here
+            c.set("checkpoint.save_interval", c.int("save_interval") or None, "save_interval")
     else:
         c.ignore("save_interval", "no --save, so Megatron saved nothing")
     c.ignore("load", "bloomtrain resumes its own checkpoints (checkpoint.resume=auto finds them "

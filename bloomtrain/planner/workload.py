@@ -184,9 +184,15 @@ def _value(name: str, val: str, key: str, what: str):
             raise UserError(f"{what} {key}: use 0/1 or true/false, not {val!r}")
         return val.lower() in ("1", "true")
     try:
-        return int(val)
+        number = int(val)
     except ValueError:
         raise UserError(f"{what} {key}: {val!r} is not an integer") from None
+    # Sizes and counts are at least 1 (mbs=0 divided by zero, dp=-4,tp=-1 multiplied to 4);
+    # the ZeRO stage is the one that may be 0.
+    if number < (0 if name == "zero_stage" else 1):
+        raise UserError(f"{what} {key}: must be at least {0 if name == 'zero_stage' else 1}, "
+                        f"got {number}")
+    return number
 
 
 def parse_layout(spec: str, num_gpus: int, partition: str,

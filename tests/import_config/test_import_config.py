@@ -475,3 +475,29 @@ def test_train_iters_as_megatron_derives_it():
     # increment of 4 over 8 samples). Consumed 0 -> 4 -> 8 -> 16 in the ramp-up's loop (it runs
     # while consumed <= 8), then (100 - 16) // 8 = 10 whole batches: 3 + 10.
     assert megatron_train_iters(100, 8, (4, 4, 8)) == 13
+
+
+def test_a_warmup_fraction_is_of_the_decay_in_samples_even_under_token_decay():
+    """Megatron's get_learning_rate_scheduler takes --lr-warmup-fraction of the decay in samples
+    (lr_decay_samples, or train_samples), whatever --lr-decay-tokens then makes AnnealingLR
+    decay by: 1% of 1M samples is 10,000, where the fraction of the token decay's 2M gave
+    20,000."""
+    config, _ = megatron_to_config(
+        {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 1024,
+         "micro_batch_size": 1, "global_batch_size": 8, "train_samples": 1_000_000, "lr": 1e-4,
+         "lr_decay_samples": 1_000_000, "lr_decay_tokens": 2_048_000_000,
+         "lr_warmup_fraction": 0.01, "position_embedding_type": "alibi",
+         "embed_layernorm": True}, world_size=8)
+    assert (config["optim"]["decay_samples"], config["optim"]["warmup_samples"]) == \
+        (2_000_000, 10_000)
+
+
+def test_zero_eval_iters_and_save_interval_turn_them_off():
+    """0 turns evaluation (--eval-iters, --eval-interval) and periodic saves (--save-interval)
+    off in Megatron: the config says it with null. Copied as 0, they made a config
+    `bloomtrain` refused, naming keys the user never wrote."""
+    for flag in ("--eval-iters 0", "--eval-interval 0"):
+        config, _ = _convert(f"{flag} --save /ck --save-interval 0", world_size=8)
+        assert config["train"]["eval_interval"] is None
+        assert config["checkpoint"]["save_interval"] is None
+        Config.from_dict(config).check()

@@ -750,3 +750,14 @@ def test_a_runs_own_plan_knows_its_nodes(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     alone, _ = plan_for_run(cfg, shape, 16, "cpu")
     assert secondary(alone) == secondary(want) / 2  # one node of 16
+
+
+def test_a_layout_with_sizes_below_one_is_refused_by_name():
+    """`--layout mbs=0` divided by zero (a traceback); `dp=-4,tp=-1` multiplied to the GPUs'
+    4 and was taken, the error then about micro-batches."""
+    from bloomtrain.planner.workload import parse_layout
+
+    for spec, key in (("mbs=0", "mbs"), ("dp=-4,tp=-1", "dp"), ("v=0", "v")):
+        with pytest.raises(UserError, match=f"--layout {key}: must be at least 1"):
+            parse_layout(spec, 4, "uniform")
+    assert parse_layout("zero=0", 4, "uniform").zero_stage == 0
