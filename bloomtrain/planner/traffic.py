@@ -114,7 +114,9 @@ def _data_parallel(add, cand, work, pp_rank: int, m: int) -> None:
         add("all_reduce/dp", 8)                          # the loss summed over dp, in fp64
     if cand.pp > 1:
         tied = sum(mem.flat_numel([g], cand.dp, True) for g in groups if g.tied)
-        add("all_reduce/emb", 4 * tied // (cand.dp if z >= 1 else 1))
+        # Whole under Megatron's BF16_Optimizer, the own shard under our ZeRO 1-3 (steptime's
+        # tied_exposed prices the same).
+        add("all_reduce/emb", 4 * tied // (cand.dp if z >= 1 and not work.megatron else 1))
 
 
 def _reduction(add, cand, work, full: int, m: int) -> None:
@@ -123,6 +125,9 @@ def _reduction(add, cand, work, full: int, m: int) -> None:
     bytes the ratio of fp32's (exact for bf16; int8 less the padding of each chunk's last
     block)."""
     z = cand.zero_stage
+    if work.megatron and work.precision == "fp16":  # DeepSpeed's fp16 ZeRO: 16-bit gradients
+        add("all_reduce/dp" if z == 0 else "reduce_scatter/dp", 2 * full)
+        return
     if cand.grad_reduce != "fp32" and not work.megatron:
         wire = reduce_ratio(cand, work) * 4 * full
         add("all_to_all/dp", wire * (m if z >= 2 else 1))

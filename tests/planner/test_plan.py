@@ -761,3 +761,26 @@ def test_a_layout_with_sizes_below_one_is_refused_by_name():
         with pytest.raises(UserError, match=f"--layout {key}: must be at least 1"):
             parse_layout(spec, 4, "uniform")
     assert parse_layout("zero=0", 4, "uniform").zero_stage == 0
+
+
+def test_the_communication_report_prices_what_the_step_time_does():
+    """Megatron-DeepSpeed's BF16_Optimizer sums the tied embedding's gradient whole between the
+    first and last stages (bloom_facts §6), as steptime's tied_exposed prices it; the report
+    divided it by dp (428.8 MiB for 3.4 GiB at BLOOM-176B). Under DeepSpeed's fp16 ZeRO the
+    gradients go in 16 bits, as dp_exposed prices them, not fp32's 4 bytes."""
+    from dataclasses import replace as dc_replace
+
+    from bloomtrain.planner import memory as mem
+
+    work, _ = _bloom("megatron-deepspeed")
+    groups, _ = mem.rank_states(work.shape, BLOOM_LAYOUT.layout, 0, work.system,
+                                work.precision, BLOOM_LAYOUT.offload)
+    tied = sum(mem.flat_numel([g], BLOOM_LAYOUT.dp, True) for g in groups if g.tied)
+    assert comm_bytes(BLOOM_LAYOUT, work, 0, 128)["all_reduce/emb"] == 4 * tied
+    ours, _ = _bloom("bloomtrain")
+    assert comm_bytes(BLOOM_LAYOUT, ours, 0, 128)["all_reduce/emb"] == 4 * tied // 8
+    fp16 = dc_replace(work, precision="fp16")
+    states = mem.rank_states(fp16.shape, BLOOM_LAYOUT.layout, 0, fp16.system, "fp16",
+                             False)[1]
+    sent = comm_bytes(BLOOM_LAYOUT, fp16, 0, 128)
+    assert sent["reduce_scatter/dp"] == 2 * states["flat_numel"]
