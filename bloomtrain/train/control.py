@@ -122,6 +122,11 @@ class RunControl:
         comm.all_reduce(flag, comm.world_group(), "control", op=comm.ReduceOp.MAX)
         return STOP_REASONS[int(flag)]
 
+    def stop_line(self, step: int, reason: str) -> str:
+        """What a stop says: it saves, or, without checkpoint.dir, that there is nowhere to."""
+        return (f"[train] stopping at step {step}: {reason}; "
+                + ("saving" if self.c.dir else "nothing to save to (no checkpoint.dir)"))
+
     def time_to_save(self, step: int) -> bool:
         c = self.c
         due = bool(c.save_interval and step % c.save_interval == 0)

@@ -313,7 +313,7 @@ class Trainer:
         """Why the run stops now, if it does, after saving; else a save if one is due."""
         stop = self.control.should_stop()
         if stop:
-            self.print(f"[train] stopping at step {self.state.step}: {stop}; saving")
+            self.print(self.control.stop_line(self.state.step, stop))
         if stop or self.control.time_to_save(self.state.step):
             # A failed save returns None (checkpoint.on_save_error=continue): the next interval
             # tries again. On a stop there is no next one: it raises.

@@ -134,9 +134,14 @@ def test_exit_duration_counts_from_the_jobs_start(dataset, tmp_path, monkeypatch
     from bloomtrain.launch import JOB_START_ENV
 
     monkeypatch.setenv(JOB_START_ENV, repr(time.time() - 120))
+    lines = []
     res = train(make_cfg(dataset, tmp_path, train__train_iters=50,
-                         train__exit_duration_minutes=1.0), log=lambda *a: None)
+                         train__exit_duration_minutes=1.0),
+                log=lambda *a: lines.append(" ".join(map(str, a))))
     assert res.exit_reason == "exit_duration_minutes" and res.state.step == 1
+    # No checkpoint.dir: the stop does not claim to save.
+    assert ("[train] stopping at step 1: exit_duration_minutes; nothing to save to (no "
+            "checkpoint.dir)") in lines
 
 
 def test_an_eval_interval_without_a_validation_split_is_refused(dataset, tmp_path):
