@@ -75,8 +75,12 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:
     output_prefix = strip_suffix(output_prefix)
     if not prefixes:
         raise UserError("merge needs at least one --inputs prefix")
-    if os.path.abspath(output_prefix) in {os.path.abspath(p) for p in prefixes}:
+    # realpath: an input reached through a symlinked directory is the same files.
+    if os.path.realpath(output_prefix) in {os.path.realpath(p) for p in prefixes}:
         raise UserError(f"--output-prefix {output_prefix} is also an input; choose a new prefix")
+    if not os.path.basename(output_prefix):  # "outdir/" would write outdir/.bin, hidden
+        raise UserError(f"--output-prefix {output_prefix} names a directory; give a prefix in it, "
+                        f"e.g. {os.path.join(output_prefix, 'merged_text_document')}")
     datasets = [MMapIndexedDataset(p) for p in prefixes]
     dtypes = {ds.dtype for ds in datasets}
     if len(dtypes) > 1:

@@ -39,6 +39,11 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
                         f"tokens alone take {minimum}")
     paths = expand_inputs(list(files))
     output_dir = Path(output_dir)
+    held = [n for n in ("tokenizer.json", "vocab.json", "merges.txt")
+            if (output_dir / n).exists()]
+    if held:  # the tokenizer datasets were built with, replaced without a word
+        raise UserError(f"--output {output_dir} already holds a tokenizer ({', '.join(held)}); "
+                        f"choose a new directory, or remove it first")
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -68,6 +68,13 @@ def _options(args) -> dict:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     if args.log_samples and not args.output:
         raise UserError("--log-samples writes beside the results file: give --output FILE")
+    if args.output:  # found out after the whole evaluation, the results had nowhere to go
+        out = Path(args.output)
+        if out.is_dir() or str(args.output).endswith(os.sep):
+            raise UserError(f"--output {args.output} is a directory; give the results file, "
+                            f"e.g. {out / 'results.json'}")
+        if not out.parent.is_dir() and out.parent.exists():
+            raise UserError(f"--output {args.output}: {out.parent} is not a directory")
     sizes = _layout_from_overrides(args.overrides)
     nproc = args.nproc
     if nproc is not None and nproc < 1:

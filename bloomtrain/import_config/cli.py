@@ -80,6 +80,11 @@ def _main(args) -> int:
               f"written; pass --allow-unsupported to write {args.output} anyway",
               file=sys.stderr)
         return 2
+    out = Path(args.output).resolve()
+    inputs = [Path(p).resolve() for p in (args.megatron_args, args.deepspeed_config) if p]
+    if out in inputs:  # the launch script or ds_config replaced by the YAML
+        raise UserError(f"--output {args.output} is one of the inputs; write the config to a "
+                        f"new file")
     with atomic_output(args.output) as f:
         f.write(render_yaml(config, report, header).encode("utf-8"))
     print(f"wrote {args.output}")

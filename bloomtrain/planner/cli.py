@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from bloomtrain.errors import UserError
 from bloomtrain.planner import make_inputs
 from bloomtrain.planner.evaluate import SYSTEMS, Plan, evaluate
 from bloomtrain.planner.hardware import GPUS
@@ -91,6 +92,11 @@ def format_breakdown(p: Plan) -> str:
 
 
 def cmd_plan(args) -> int:
+    if args.top < 1:  # 0 had no best layout to show (IndexError), -2 dropped the last two
+        raise UserError(f"--top must be >= 1, got {args.top}")
+    if args.layout and args.only:
+        raise UserError("--only pins values for the search; with --layout there is none: "
+                        "give the values in --layout")
     cfg, work, cluster = make_inputs(
         model=args.model, config=args.config, overrides=args.overrides, gpus=args.gpus,
         gpu_name=args.gpu, gpus_per_node=args.gpus_per_node,

@@ -260,6 +260,22 @@ def test_an_existing_checkpoint_root_is_not_overwritten(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+def test_the_deepspeed_checkpoints_own_directory_is_refused_as_output(tmp_path):
+    """Its `latest` (global_step3) was replaced by the import's (step_00000003): DeepSpeed could
+    no longer resume there, nor the import run again."""
+    src = _copy(tmp_path, "hf_zero2_fp32")
+    latest = (src / "latest").read_text()
+    for given, out in ((src / "global_step3", src), (src, src), (src / "global_step3", src)):
+        with pytest.raises(InteropError, match="own directory"):
+            import_deepspeed(given, out, log=lambda *a: None)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "latest").write_text("global_step9")
+    with pytest.raises(InteropError, match="holds its `latest`"):
+        import_deepspeed(src, other, log=lambda *a: None)
+    assert (src / "latest").read_text() == latest and not list(src.glob("step_*"))
+
+
 # ---- continuation ----------------------------------------------------------------------------------
 
 # (fixture, what, layout overrides): one process, and another layout than the run's.

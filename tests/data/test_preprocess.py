@@ -196,6 +196,25 @@ def test_merge_rejects_mixed_dtypes(tmp_path):
     assert not list(tmp_path.glob("m*"))
 
 
+def test_merge_refuses_an_input_through_a_symlink_and_a_bare_directory(tmp_path):
+    """The output compared by real path: an input reached through a symlinked directory was
+    replaced by the merge. `outdir/` wrote the hidden outdir/.bin and .idx."""
+    from bloomtrain.data.indexed import write_dataset
+    from bloomtrain.data.inspect import merge_datasets
+
+    (tmp_path / "d").mkdir()
+    write_dataset(tmp_path / "d" / "a", [[[1, 2]]], np.uint16)
+    write_dataset(tmp_path / "d" / "b", [[[3]]], np.uint16)
+    (tmp_path / "link").symlink_to(tmp_path / "d")
+    before = (tmp_path / "d" / "a.bin").read_bytes()
+    with pytest.raises(UserError, match="is also an input"):
+        merge_datasets([str(tmp_path / "d" / "a"), str(tmp_path / "d" / "b")],
+                       str(tmp_path / "link" / "a"))
+    assert (tmp_path / "d" / "a.bin").read_bytes() == before
+    with pytest.raises(UserError, match="names a directory"):
+        merge_datasets([str(tmp_path / "d" / "a")], str(tmp_path / "out") + os.sep)
+
+
 def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_path):
     from concurrent.futures.process import BrokenProcessPool
 

@@ -83,6 +83,11 @@ def test_train_from_jsonl_and_cli(tmp_path):
     tok = load_tokenizer(tmp_path / "tok")
     assert tok.vocab_size == 300
     assert tok.decode(tok.encode(MULTILINGUAL_TEXT)) == MULTILINGUAL_TEXT
+    # Again into the same directory: the tokenizer datasets were built with stays.
+    before = (tmp_path / "tok" / "tokenizer.json").read_bytes()
+    assert main(["tokenizer", "train", "--input", str(data), "--vocab-size", "400",
+                 "--output", str(tmp_path / "tok"), "--min-frequency", "1"]) == 2
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == before
 
 
 def test_json_key_and_failures_named_by_file_line_and_key(tmp_path, capsys):

@@ -731,6 +731,10 @@ def test_command_errors_say_what_to_change(model_dirs, tmp_path, capsys, monkeyp
     rc, err = run_cli(["eval", "--checkpoint", str(tmp_path / "missing"), "--tasks", "x"],
                       capsys)
     assert rc == 2 and "does not exist" in err
+    # Refused before the model loads: a directory failed after the whole evaluation.
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", "choice_tiny", "--output",
+                       str(tmp_path)], capsys)
+    assert rc == 2 and "is a directory; give the results file" in err
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

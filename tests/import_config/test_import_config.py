@@ -501,3 +501,14 @@ def test_zero_eval_iters_and_save_interval_turn_them_off():
         assert config["train"]["eval_interval"] is None
         assert config["checkpoint"]["save_interval"] is None
         Config.from_dict(config).check()
+
+
+def test_the_output_is_never_one_of_the_inputs(tmp_path, capsys):
+    """--output naming the launch script replaced it with the YAML, exit code 0."""
+    script = tmp_path / "run.args"
+    script.write_text(SMALL + "--tokenizer-type PretrainedFromHF --tokenizer-name-or-path /t\\n")
+    before = script.read_text()
+    rc, _, err = _run(capsys, "--megatron-args", str(script), "--world-size", "8",
+                      "--output", str(script))
+    assert rc == 2 and "is one of the inputs" in err
+    assert script.read_text() == before

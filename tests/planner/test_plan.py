@@ -784,3 +784,15 @@ def test_the_communication_report_prices_what_the_step_time_does():
                              False)[1]
     sent = comm_bytes(BLOOM_LAYOUT, fp16, 0, 128)
     assert sent["reduce_scatter/dp"] == 2 * states["flat_numel"]
+
+
+def test_plan_refuses_a_top_below_one_and_only_with_a_layout(capsys):
+    """--top 0 had no best layout to show (an IndexError), -2 listed all but the last two;
+    --only with --layout was ignored."""
+    from bloomtrain.cli import main
+
+    base = ["plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--seq", "32"]
+    assert main(base + ["--top", "0"]) == 2
+    assert "--top must be >= 1, got 0" in capsys.readouterr().err
+    assert main(base + ["--layout", "tp=2", "--only", "recompute=full"]) == 2
+    assert "give the values in --layout" in capsys.readouterr().err

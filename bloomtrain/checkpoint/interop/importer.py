@@ -131,6 +131,14 @@ def import_deepspeed(input_path: str | Path, output: str | Path, tokenizer: str 
     output = Path(output)
     if checkpoint.list_checkpoints(output):
         raise InteropError(f"{output} already holds checkpoints; import into a new directory")
+    # A DeepSpeed save directory (its `latest` names a global_stepN) or the input itself: the
+    # import's `latest` would replace DeepSpeed's, which could then no longer resume from it.
+    inp = Path(input_path).resolve()
+    if output.resolve() in (inp, *inp.parents) or any(
+            (output / name).is_file() for name in ("latest", "latest_universal")):
+        raise InteropError(f"--output {output} is the DeepSpeed checkpoint's own directory (or "
+                           f"holds its `latest`): the import would replace DeepSpeed's "
+                           f"`latest`; import into a new directory")
     src = read_source(input_path, weights_only, model_config)
     report = [f"found: {src.label}, {src.shape.num_layers} layers, hidden {src.shape.hidden_size},"
               f" {src.shape.num_heads} heads, vocabulary {src.shape.vocab_size}"]
