@@ -531,3 +531,40 @@ def test_fp32_reduction_is_the_exact_fp32_sum():
     for name in g0:
         want = (g0[name] + g1[name]) / 2
         assert torch.equal(r0[name], want) and torch.equal(r1[name], want), name
+
+
+def _vetoed_rank(rank, world, dataset, tmp):
+    """dp2, int8 with error feedback, the loss x50 at step 10 (a spike the monitor skips): the
+    residual before and after that step, and whether it was skipped."""
+    from bloomtrain.train import Trainer
+    from tests.helpers import make_cfg
+    cfg = make_cfg(dataset, Path(tmp), parallel={"zero_stage": 1, "grad_reduce_dtype": "int8",
+                                                 "grad_error_feedback": True},
+                   train__precision="bf16", train__micro_batch_size=1, train__train_iters=11,
+                   train__on_loss_spike="skip", train__loss_spike_window=5,
+                   train__loss_spike_zscore=6.0)
+    t = Trainer(cfg, log=lambda *a: None)
+    chunk = t.parts.chunks[-1]
+    chunk.register_forward_hook(
+        lambda m, a, out: out * 50 if m.training and t.state.step + 1 == 10 else None)
+    seen, step = {}, t.train_step
+
+    def train_step(mbs):
+        before = t.engine.bufs.grad_residual.clone()
+        out = step(mbs)
+        if t.state.step + 1 == 10:
+            seen.update(skipped=out[1].skipped, before=float(before.abs().max()),
+                        after=float(t.engine.bufs.grad_residual.abs().max()))
+        return out
+    t.train_step = train_step
+    t.run()
+    return seen
+
+
+def test_a_vetoed_step_leaves_nothing_in_the_residual(dataset, tmp_path):
+    """The reductions charge the residual with the step's rounding before the loss-spike
+    monitor vetoes it: kept, that (here 35-60x a normal residual) went out with the next step's
+    reduction, part of the vetoed gradient applied after all. It goes, as an overflow's."""
+    for seen in run_ranks(2, _vetoed_rank, dataset, str(tmp_path)):
+        assert seen["skipped"] and seen["before"] > 0
+        assert seen["after"] == 0.0

@@ -154,9 +154,13 @@ class ZeroAdamW:
     def discard(self) -> StepResult:
         """The step not taken, as a skip (the loss-spike monitor's veto, after the reductions):
         the norm is reported, and unlike an overflow the loss scale stays as it is, since these
-        gradients are finite."""
-        return StepResult(grad_norm=float(self.engine.grad_norm()) / self.loss_scale,
-                          skipped=True, loss_scale=self.scaler.scale if self.scaler else None)
+        gradients are finite. The error-feedback residual, which the reductions have just
+        charged with this gradient's rounding, goes as an overflow's does: kept, it would carry
+        part of the vetoed gradient into the next update."""
+        norm = float(self.engine.grad_norm()) / self.loss_scale
+        feedback.after_step(self.engine.bufs, True, None, None)
+        return StepResult(grad_norm=norm, skipped=True,
+                          loss_scale=self.scaler.scale if self.scaler else None)
 
     def _analyse(self, loss_scale: float | None) -> grad_stats.StepStats:
         if self._analyser is None:
