@@ -568,3 +568,45 @@ def test_a_vetoed_step_leaves_nothing_in_the_residual(dataset, tmp_path):
     for seen in run_ranks(2, _vetoed_rank, dataset, str(tmp_path)):
         assert seen["skipped"] and seen["before"] > 0
         assert seen["after"] == 0.0
+
+
+def _ef_copies_rank(rank, world, dataset, tmp):
+    """pp2.dp2 with error feedback, saved at step 3: per piece of this rank, whether it is the
+    counted copy, and its residual at the save and right after a resume from it."""
+    from bloomtrain.train import Trainer
+    cfg = _ef_cfg(dataset, f"{tmp}/full", pp=2, pp_partition="uniform", zero_stage=1)
+    full = Trainer(cfg, log=lambda *a: None)
+    at_save, save = {}, full.checkpoints.save
+
+    def saving(state):
+        at_save[state.step] = full.engine.bufs.grad_residual.clone()
+        return save(state)
+    full.checkpoints.save = saving
+    full.run()
+    at3 = ckpt.list_checkpoints(Path(tmp) / "full" / "ck")[0][1]
+    resumed = Trainer(_ef_cfg(dataset, f"{tmp}/resumed", resume=str(at3), pp=2,
+                              pp_partition="uniform", zero_stage=1), log=lambda *a: None)
+    bufs, out = resumed.engine.bufs, []
+    for seg in bufs.layout.segments:
+        for piece in seg.pieces:
+            lo = seg.full_off + piece.seg_start
+            out.append((piece.slot.name, piece.counted, at_save[3][lo:lo + piece.numel],
+                        bufs.grad_residual[lo:lo + piece.numel].clone()))
+    return out
+
+
+def test_a_resumed_residual_on_an_uncounted_copy_starts_at_zero(dataset, tmp_path):
+    """Only a parameter's counted copy writes its residual, and the last stage's tied embedding
+    took the first stage's on resume: that copy's own is another (its reduction is another dp
+    group's), so the amount was owed twice. Now it starts at zero; every counted piece is
+    restored bitwise."""
+    outs = run_ranks(4, _ef_copies_rank, dataset, str(tmp_path))
+    uncounted = [(name, saved, loaded) for out in outs for name, counted, saved, loaded in out
+                 if not counted]
+    assert uncounted and all(n == "lm_head.weight" for n, _, _ in uncounted)
+    for name, saved, loaded in uncounted:
+        assert saved.abs().max() > 0 and not loaded.any(), name
+    for out in outs:
+        for name, counted, saved, loaded in out:
+            if counted:
+                assert torch.equal(loaded, saved), name

@@ -95,6 +95,13 @@ def load(bufs: FlatBuffers, pieces: dict, optim: Mapping) -> None:
         if len(ranks) > 1:
             flat.div_(bufs.dp_size)
         for seg, piece in pieces[id(slot)]:
+            if not piece.counted:
+                # Another copy's (a tp rank's replica of a sequence-parallel LayerNorm, the
+                # last stage's tied embedding): its own residual is not in the checkpoint (only
+                # the counted copy's is written), and the counted copy's is not its own. It
+                # starts at zero, what it owed lost as at an overflow; taking the other copy's
+                # counted that amount twice. Not bitwise, unlike every counted piece.
+                continue
             base = seg.full_off + piece.seg_start
             bufs.grad_residual[base:base + piece.numel].copy_(
                 flat[piece.param_start:piece.param_start + piece.numel])

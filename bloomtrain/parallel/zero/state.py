@@ -17,7 +17,10 @@ fragments as the moments (rank r writes every rank's residual on its own partiti
 with one all-to-all at save time).
 The rule on resume:
 - the same dp size: dp rank r takes `grad_residual_dp{r}` (bitwise, as the masters; tp and pp
-  may change, the residual follows its parameter like any state);
+  may change, the residual follows its parameter like any state), except on a parameter's
+  uncounted copies (a tp rank's replica of a sequence-parallel LayerNorm or bias, the last
+  stage's tied embedding): their residuals differ from the counted copy's, only that one is
+  written, and they start at zero (feedback.load);
 - another dp size: every rank takes the sum of the saved residuals over its new dp size, so the
   total still owed, the sum over ranks, is kept;
 - a checkpoint without residuals (saved without error feedback, or imported): zeros.
