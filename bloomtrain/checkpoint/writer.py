@@ -279,8 +279,9 @@ class CheckpointWriter:
             latest = "there is no earlier checkpoint"
         size = "" if needed is None else f"; its tensors take {_fmt_mib(needed)}"
         return (f"saving checkpoint {final} failed ({error}); {disk_space(final.parent)}{size}. "
-                f"Its partial files were removed and {latest}. Free disk space, or set "
-                f"checkpoint.dir to a writable filesystem with room for it")
+                f"Its partial files were removed and {latest}. Free disk space, or write "
+                f"to a writable filesystem with room for it (training: checkpoint.dir; an "
+                f"import: its --output)")
 
     def _commit(self, step, tmp, final, reports, shape, meta, tokenizer, keep_last,
                 needed) -> str | None:
