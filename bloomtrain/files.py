@@ -92,6 +92,18 @@ def disk_full_error(what: str, err: OSError, where: str | os.PathLike, fix: str)
     return UserError(f"{what} failed: {err.strerror or err} ({disk_space(where)}); {fix}")
 
 
+@contextlib.contextmanager
+def disk_full_as(what: str, where: str | os.PathLike, fix: str):
+    """Within: an out-of-space error becomes disk_full_error's one line (what, the free space
+    at `where`, `fix`); any other error passes as it is."""
+    try:
+        yield
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full_error(what, e, where, fix) from None
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside `path` durable."""
     with contextlib.suppress(OSError):

@@ -10,6 +10,7 @@ import numpy as np
 
 from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset, strip_suffix
 from bloomtrain.errors import UserError
+from bloomtrain.files import disk_full_as
 
 _BAR_WIDTH = 40
 _SAMPLE_CHARS = 200
@@ -87,7 +88,11 @@ def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:
         listing = ", ".join(f"{ds.prefix} ({ds.dtype.name})" for ds in datasets)
         raise UserError(f"inputs have different dtypes: {listing}; re-run preprocess with one "
                         f"tokenizer so they share one")
-    with IndexedDatasetBuilder(output_prefix, datasets[0].dtype) as builder:
+    with disk_full_as(f"merging into {output_prefix}.bin/.idx",
+                      os.path.dirname(os.path.abspath(output_prefix)),
+                      "nothing was written under those names; free disk space or choose "
+                      "another --output-prefix"), \
+            IndexedDatasetBuilder(output_prefix, datasets[0].dtype) as builder:
         for ds in datasets:
             builder.add_index(ds.prefix)
     return MMapIndexedDataset(output_prefix)

@@ -17,7 +17,7 @@ from pathlib import Path
 from bloomtrain.data import gpt2_bpe
 from bloomtrain.data.sources import SkipReport, expand_inputs, iter_texts
 from bloomtrain.errors import UserError
-from bloomtrain.files import atomic_output
+from bloomtrain.files import atomic_output, disk_full_as
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 _SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -82,7 +82,9 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
             f"the corpus ({docs:,} document(s)) ran out of pairs seen at least --min-frequency "
             f"{min_frequency} times; train on more text for a larger vocabulary")
 
-    _write_tokenizer_dir(tok, output_dir)
+    with disk_full_as(f"writing the tokenizer to {output_dir}", output_dir,
+                      "free disk space or choose another --output"):
+        _write_tokenizer_dir(tok, output_dir)
     return output_dir / "tokenizer.json"
 
 

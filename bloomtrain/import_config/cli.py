@@ -17,7 +17,7 @@ import yaml
 
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
-from bloomtrain.files import atomic_output
+from bloomtrain.files import atomic_output, disk_full_as
 
 _SECTIONS = ("model", "parallel", "data", "optim", "train", "checkpoint", "run")
 
@@ -85,7 +85,9 @@ def _main(args) -> int:
     if out in inputs:  # the launch script or ds_config replaced by the YAML
         raise UserError(f"--output {args.output} is one of the inputs; write the config to a "
                         f"new file")
-    with atomic_output(args.output) as f:
+    with disk_full_as(f"writing {args.output}", out.parent,
+                      "nothing was written; free disk space or choose another --output"), \
+            atomic_output(args.output) as f:
         f.write(render_yaml(config, report, header).encode("utf-8"))
     print(f"wrote {args.output}")
     return 0

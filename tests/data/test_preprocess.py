@@ -302,3 +302,34 @@ def test_a_vocabulary_with_gaps_between_ids_sizes_the_dtype_by_its_largest_id(tm
     ds = MMapIndexedDataset(str(tmp_path / "out_text_document"))
     assert ds[0].tolist() == [70000, 70000, 2]
     assert ds[0].dtype.itemsize >= 4
+
+
+def test_merge_and_tokenizer_train_on_a_full_disk_say_so_in_one_line(tmp_path, monkeypatch):
+    """Out of space: one line that says so and what to do (an OSError traceback before), and
+    nothing left under the output's name. Other errors pass as they are."""
+    import errno
+
+    from bloomtrain.data import indexed
+    from bloomtrain.data.indexed import write_dataset
+    from bloomtrain.data.inspect import merge_datasets
+    from bloomtrain.data.tokenizer import train_tokenizer
+
+    write_dataset(tmp_path / "a", [[[1, 2]]], np.uint16)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(indexed.IndexedDatasetBuilder, "add_index", full)
+    with pytest.raises(UserError, match=r"merging into .*m\.bin/\.idx failed: No space left on "
+                                        r"device .*choose another --output-prefix"):
+        merge_datasets([str(tmp_path / "a")], str(tmp_path / "m"))
+    assert not list(tmp_path.glob("m*"))
+    monkeypatch.setattr(indexed.IndexedDatasetBuilder, "add_index",
+                        lambda *a: (_ for _ in ()).throw(OSError(errno.EACCES, "denied")))
+    with pytest.raises(PermissionError):
+        merge_datasets([str(tmp_path / "a")], str(tmp_path / "m"))
+
+    from bloomtrain.data import tokenizer as tok_module
+    (tmp_path / "c.txt").write_text("hello world " * 50)
+    monkeypatch.setattr(tok_module, "_write_tokenizer_dir", full)
+    with pytest.raises(UserError, match="writing the tokenizer to .* failed: No space left"):
+        train_tokenizer([tmp_path / "c.txt"], 300, tmp_path / "tok", log=lambda *a: None)
