@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from bloomtrain.errors import UserError
+
 # The embedded default run. Sized so that a 2-core CPU finishes in a few minutes with the loss
 # falling visibly; every key can be overridden on the command line (section.key=value).
 DEMO_CONFIG = """
@@ -176,6 +178,9 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
 
     t_start = time.time()
     root = Path(run_dir).resolve()
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--run-dir {run_dir} is a file; give a directory (new, or a demo's "
+                        f"earlier run)")
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus, tok_dir, dataset = _prepare_data(data_dir, max_docs, log)
@@ -213,7 +218,6 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
 def _report(run_dir: str, log) -> Path | None:
     """The run's plots and report.html (bloomtrain plot), when matplotlib is installed."""
     from bloomtrain.report import write_report
-    from bloomtrain.errors import UserError
     try:
         html = write_report([run_dir])
     except UserError as e:  # matplotlib missing: the demo itself has succeeded

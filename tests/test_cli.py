@@ -172,3 +172,10 @@ def test_config_errors_come_before_torch(tmp_path):
                      "parallel.tp * parallel.pp (2 * 1 = 2); change --nproc or the tp/pp "
                      "sizes\n")
     assert lr.startswith("bloomtrain train: error: optim.lr must be ")
+
+
+def test_a_demo_run_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    """It was a NotADirectoryError traceback."""
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["demo", "--run-dir", str(tmp_path / "f")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err

@@ -138,6 +138,8 @@ def write_plots(runs: list[Run], out_dir: Path) -> list[Panel]:
     """Draw every panel that has data in at least one run into out_dir; returns what was
     written, in display order."""
     Figure, FigureCanvasAgg = _load_matplotlib()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--output {out_dir} is a file; the plots go into a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for spec in PANELS + harness_panels(runs):

@@ -118,6 +118,9 @@ def test_plot_cli_on_a_real_run(tiny_run, capsys):
     last_loss = [r for r in recs if "loss" in r][-1]["loss"]
     assert f"{last_loss:.4f}" in page
     assert not [p for p in out_dir.iterdir() if p.name.startswith(".")]  # no temporaries left
+    # A file where the plots' directory would go: one line, not a FileExistsError traceback.
+    assert main(["plot", str(tiny_run), "--output", str(tiny_run / "metrics.jsonl")]) == 2
+    assert "is a file; the plots go into a directory" in capsys.readouterr().err
 
 
 def test_report_images_load_in_chromium(tiny_run, tmp_path):
