@@ -61,8 +61,10 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
                       local_addr=args.local_addr)
     # A worker of torchrun (WORLD_SIZE), or a task of a plain srun of several (whose variables
     # env_from_slurm translates later): each task starting a launch of its own would make as
-    # many independent jobs writing the same run directory.
-    srun = "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    # many independent jobs writing the same run directory. srun's tasks carry a step id; the
+    # batch script itself, where bloomtrain's launcher may run, does not.
+    srun = ("SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+            and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
     if "WORLD_SIZE" in os.environ or srun:
         given = [f"--{k.replace('_', '-')}" for k, v in LAUNCH_DEFAULTS.items()
                  if getattr(args, k) != v]

@@ -8,7 +8,7 @@ from bloomtrain.errors import UserError
 from bloomtrain.train.cli import launch_spec
 
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-              "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+              "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_ID")
 
 
 def _args(**over):
@@ -28,8 +28,12 @@ def test_a_task_of_srun_or_torchrun_launches_nothing_of_its_own(cfg, monkeypatch
     per task. Under torchrun, --nproc was ignored without a word."""
     for key in LAUNCH_ENV:
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "16")
+    # The batch script of a 16-task allocation (no step id) may run bloomtrain's launcher.
+    assert launch_spec(_args(nproc=2), cfg).nproc == 2
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task srun started
+    monkeypatch.setenv("SLURM_PROCID", "3")
     assert launch_spec(_args(), cfg) is None  # a worker of srun's job
     for given, flag in (({"max_restarts": 1}, "--max-restarts"), ({"nproc": 8}, "--nproc")):
         with pytest.raises(UserError, match=f"{flag} are bloomtrain's launcher options.*"
