@@ -38,12 +38,7 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
         raise UserError(f"--vocab-size {vocab_size} is too small: the byte alphabet and special "
                         f"tokens alone take {minimum}")
     paths = expand_inputs(list(files))
-    output_dir = Path(output_dir)
-    held = [n for n in ("tokenizer.json", "vocab.json", "merges.txt")
-            if (output_dir / n).exists()]
-    if held:  # the tokenizer datasets were built with, replaced without a word
-        raise UserError(f"--output {output_dir} already holds a tokenizer ({', '.join(held)}); "
-                        f"choose a new directory, or remove it first")
+    output_dir = _new_output(Path(output_dir))
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -86,6 +81,17 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
                       "free disk space or choose another --output"):
         _write_tokenizer_dir(tok, output_dir)
     return output_dir / "tokenizer.json"
+
+
+def _new_output(output_dir: Path) -> Path:
+    """`output_dir`, refused when it already holds a tokenizer: the one datasets were built with
+    would be replaced without a word."""
+    held = [n for n in ("tokenizer.json", "vocab.json", "merges.txt")
+            if (output_dir / n).exists()]
+    if held:
+        raise UserError(f"--output {output_dir} already holds a tokenizer ({', '.join(held)}); "
+                        f"choose a new directory, or remove it first")
+    return output_dir
 
 
 def _write_tokenizer_dir(tok, output_dir: Path) -> None:
