@@ -310,6 +310,7 @@ class TrainCheckpoints:
         start = 0
         if path is not None:
             start = (ckpt.read_manifest(path).get("train_state") or {}).get("step", 0)
+            start = start if isinstance(start, int) else 0  # check_train_manifest names it
         names = [p.name for s, p in ckpt.list_checkpoints(c.dir) if s > start]
         shared = job_check()
         names = shared.common(names) if shared is not None else names
