@@ -513,14 +513,6 @@ class Config:
         if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
             problems.append(f"optim.decay_samples ({o.decay_samples}) must exceed "
                             f"optim.warmup_samples ({o.warmup_samples})")
-        run_samples = (t.train_samples if t.train_samples is not None else
-                       None if t.train_iters is None else t.train_iters * t.global_batch_size)
-        if (o.decay_samples is None and run_samples is not None
-                and run_samples <= o.warmup_samples):
-            # Unset, the decay runs over the whole run: the run would end inside the warmup.
-            problems.append(f"optim.warmup_samples ({o.warmup_samples}) must be less than the "
-                            f"run's {run_samples} samples (optim.decay_samples unset: the decay "
-                            f"runs over the run); lower it or train longer")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             problems.append("checkpoint.save_interval needs checkpoint.dir")
         if p.hang_timeout_minutes is not None and p.hang_timeout_minutes >= p.timeout_minutes:

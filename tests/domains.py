@@ -85,8 +85,6 @@ def assert_in_domains(cfg: Config) -> None:
     assert (t.train_iters is None) != (t.train_samples is None)
     assert o.min_lr <= o.lr
     assert o.decay_samples is None or o.decay_samples > o.warmup_samples
-    run = t.train_samples if t.train_samples is not None else t.train_iters * t.global_batch_size
-    assert o.decay_samples is not None or o.warmup_samples < run
     assert not (c.save_interval or c.save_interval_minutes) or c.dir
 
 
@@ -99,8 +97,6 @@ def companions(key: str, value) -> dict:
         return {"optim.min_lr": 0.0}
     if key == "train.train_samples":
         return {"train.train_iters": None}
-    if key == "optim.warmup_samples":  # a decay past it: else the run must outlast it
-        return {"optim.decay_samples": value + 1}
     if key == "parallel.weight_gather_dtype":
         return {"parallel.zero_stage": 3}
     if key == "parallel.grad_error_feedback":

@@ -139,9 +139,7 @@ class Trainer:
         self.parts = parallelize(model, self.topo, cfg, attention=self.attention,
                                  device=self.device)
         self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
-        o = cfg.optim
-        self.lr_schedule = LRSchedule(o.lr, o.min_lr, o.warmup_samples,
-                                      o.decay_samples or self.data.train_samples, o.decay_style)
+        self.lr_schedule = lr_schedule(cfg.optim, self.data.train_samples, self.print)
         self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print)
         resumed = self.checkpoints.resume()
         self.resumed = resumed is not None
@@ -345,6 +343,19 @@ class Trainer:
         if loss is not None:
             result.eval_loss = loss
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
+
+
+def lr_schedule(o, train_samples: int, log) -> LRSchedule:
+    """The run's LR schedule; the decay over the whole run where optim.decay_samples is unset.
+    A run that ends inside its warmup (a shortened demo, a smoke test) is said, not refused:
+    its learning rate never reaches optim.lr."""
+    if o.decay_samples is None and o.warmup_samples >= train_samples:
+        log(f"[train] WARNING the run's {train_samples} samples end inside the warmup "
+            f"(optim.warmup_samples {o.warmup_samples}): the learning rate reaches only "
+            f"{o.lr * train_samples / o.warmup_samples:.3g} (optim.lr {o.lr:g}); lower the "
+            f"warmup or train longer")
+    return LRSchedule(o.lr, o.min_lr, o.warmup_samples, o.decay_samples or train_samples,
+                      o.decay_style)
 
 
 def mean_over_dp(value: float, topo: Topology, device) -> float:

@@ -144,6 +144,19 @@ def test_exit_duration_counts_from_the_jobs_start(dataset, tmp_path, monkeypatch
             "checkpoint.dir)") in lines
 
 
+def test_a_run_that_ends_inside_its_warmup_says_so(dataset, tmp_path):
+    """optim.decay_samples unset: the decay spans the run, and a run shorter than its warmup
+    never reaches optim.lr (a shortened demo: 2.4e-5 of 3e-4). Said at the start; it trains."""
+    lines = []
+    res = train(make_cfg(dataset, tmp_path, train__train_iters=2, optim__warmup_samples=64,
+                         optim__decay_samples=None),
+                log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert res.state.step == 2
+    assert any("[train] WARNING the run's 16 samples end inside the warmup "
+               "(optim.warmup_samples 64): the learning rate reaches only 0.00025" in line
+               for line in lines), lines
+
+
 def test_an_eval_interval_without_a_validation_split_is_refused(dataset, tmp_path):
     """No evaluation would ever run: that was silent."""
     from bloomtrain.errors import UserError
