@@ -21,11 +21,12 @@ __all__ = ["EngineClient", "EngineClosed", "QueueFull", "RequestError", "SeqOutp
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (the HTTP layer answers 400); `code` is
-    OpenAI's error code, where it has one."""
+    OpenAI's error code, where it has one; `param` the request field at fault (None: the
+    prompt or messages, as the endpoint names them)."""
 
-    def __init__(self, message: str, code: str | None = None):
+    def __init__(self, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 class QueueFull(RuntimeError):
@@ -93,7 +94,8 @@ def check_request(cfg: EngineConfig, prompt_ids: list[int], params: SamplingPara
         raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary "
                            f"[0, {vocab_limit})")
     if params.max_tokens < 0:
-        raise RequestError(f"max_tokens must be >= 0, got {params.max_tokens}")
+        raise RequestError(f"max_tokens must be >= 0, got {params.max_tokens}",
+                           param="max_tokens")
     total = len(prompt_ids) + params.max_tokens
     if total > cfg.max_model_len:
         raise RequestError(
@@ -102,14 +104,14 @@ def check_request(cfg: EngineConfig, prompt_ids: list[int], params: SamplingPara
             f"more ({total}); shorten the prompt or lower max_tokens",
             "context_length_exceeded")
     if params.stop and not has_tokenizer:
-        raise RequestError("stop strings need a tokenizer")
+        raise RequestError("stop strings need a tokenizer", param="stop")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_CHAT_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_CHAT_LOGPROBS}], got "
-                           f"{params.logprobs}")
+                           f"{params.logprobs}", param="logprobs")
     if params.min_tokens > params.max_tokens:
         raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
-                           f"({params.max_tokens})")
+                           f"({params.max_tokens})", param="min_tokens")
     bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab_limit]
     if bad:
         raise RequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
-                           f"[0, {vocab_limit})")
+                           f"[0, {vocab_limit})", param="logit_bias")

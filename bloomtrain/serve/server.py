@@ -114,7 +114,7 @@ class Generation:
             return _retry_later(str(e))
         except RequestError as e:  # checked before; kept for one the engine still refuses
             self.close()
-            return error_response(400, str(e), "prompt", e.code)
+            return error_response(400, str(e), e.param or "prompt", e.code)
         self.state.cancels.add(self.cancel)
         return None
 
@@ -286,7 +286,7 @@ async def completions(request: web.Request, state: ServerState) -> web.StreamRes
     except BadRequest as e:
         return error_response(e.status, e.message, e.param, e.code)
     except RequestError as e:
-        return error_response(400, str(e), "prompt", e.code)
+        return error_response(400, str(e), e.param or "prompt", e.code)
     s = req.sampling
     seqs = [(ids, s.sample_params(j)) for ids, _ in req.prompts for j in range(s.best_of)]
     choices = [proto.CompletionChoice(ids, text, req.echo, state.tokenizer, s.want_logprobs)
@@ -336,7 +336,7 @@ async def chat_completions(request: web.Request, state: ServerState) -> web.Stre
     except BadRequest as e:
         return error_response(e.status, e.message, e.param, e.code)
     except RequestError as e:
-        return error_response(400, str(e), "messages", e.code)
+        return error_response(400, str(e), e.param or "messages", e.code)
     seqs = [(ids, s.sample_params(j)) for j in range(s.best_of)]
     choices = [proto.ChatChoice(state.tokenizer, req.top_logprobs) for _ in range(s.best_of)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

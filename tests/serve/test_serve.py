@@ -402,6 +402,12 @@ def test_bad_requests_get_4xx_and_server_survives(model_dir, tokenizer):
                     err = (await resp.json())["error"]
                     assert (resp.status, words in err["message"]) == (status, True), \
                         (body if isinstance(body, dict) else body[:40], err)
+                    # The field at fault, also where the engine refuses it (it said "prompt"
+                    # for every one).
+                    for field in ("logit_bias", "min_tokens"):
+                        if isinstance(body, dict) and words.startswith(("`" + field, "outside")) \
+                                and field in body:
+                            assert err["param"] == field, (body, err)
                     # OpenAI's shape: `code` is a string or null, never a number.
                     assert set(err) == {"message", "type", "param", "code"}
                     assert err["code"] is None or isinstance(err["code"], str)
