@@ -39,8 +39,9 @@ def full_records(n: int = 30, mem_gib: float = 3.0) -> list[dict]:
         if s == 11:
             rec["skipped"], rec["grad_norm"] = True, float("inf")
         if s == 20:
-            rec["loss"] = 9.0
-            rec["loss_spike"] = {"zscore": 8.5, "action": "log"}
+            # The record's loss is the interval's mean; the spike's own is in loss_spike.
+            rec["loss"] = 6.0
+            rec["loss_spike"] = {"loss": 9.0, "zscore": 8.5, "action": "log"}
             rec["alerts"] = ["loss spike at step 20: z=8.5"]
         if s == 25:
             rec["straggler_rank"], rec["straggler_ratio"] = 3, 1.5

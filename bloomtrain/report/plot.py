@@ -192,7 +192,10 @@ def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> lis
         ax.plot(xs, ys, color=f"C{i}", label=runs[i].label + line.suffix, **style)
     if axis.spikes:
         first = axis.lines[0]
-        pts = [(r["step"], number(r, first.key)) for run in runs
+        # At the spike's own loss: the record's is the interval's mean (with a skipped spike,
+        # of the steps before it), which would put the marker at the curve's lowest point.
+        pts = [(r["step"], number(r["loss_spike"], "loss") if number(r["loss_spike"], "loss")
+                is not None else number(r, first.key)) for run in runs
                for r in getattr(run, first.source) if isinstance(r.get("loss_spike"), dict)]
         pts = [(x, y) for x, y in pts if y is not None and math.isfinite(y)]
         if pts:  # every run's spikes in one marker set, one legend entry

@@ -177,11 +177,24 @@ def planned_steps(train: dict, step: int, consumed: int) -> int | None:
     return step
 
 
+def planned_samples(train: dict) -> int | None:
+    """The samples the run consumes in all: train_samples, or train_iters global batches (a
+    ramp-up needs train_samples)."""
+    samples, iters, gbs = (train.get(k) for k in ("train_samples", "train_iters",
+                                                    "global_batch_size"))
+    if isinstance(samples, int) and samples > 0:
+        return samples
+    if isinstance(iters, int) and isinstance(gbs, int) and gbs > 0:
+        return iters * gbs
+    return None
+
+
 @dataclass
 class Summary:
     step: int | None = None
     total_steps: int | None = None
     consumed_samples: int | None = None
+    total_samples: int | None = None  # train_samples, or train_iters x the global batch
     loss: float | None = None
     eval_loss: float | None = None
     eval_ppl: float | None = None
@@ -235,8 +248,14 @@ def summarize(run: Run) -> Summary:
     train = (run.config or {}).get("train") or {}
     if s.step is not None and isinstance(train, dict):
         s.total_steps = planned_steps(train, s.step, s.consumed_samples or 0)
-    if s.total_steps is not None and s.step_time_s is not None:
-        s.eta_s = max(s.total_steps - s.step, 0) * s.step_time_s
+        s.total_samples = planned_samples(train)
+    # By samples, not steps: under a batch-size ramp-up the steps left are larger than the
+    # recent ones (a ramp from 16 to 1024 would put the ETA 20x too early).
+    per_sample = recent_median([{"s": number(r, "step_time_s") / number(r, "global_batch_size")}
+                                for r in steps if number(r, "step_time_s") is not None
+                                and number(r, "global_batch_size")], "s")
+    if s.total_samples is not None and per_sample is not None and s.consumed_samples is not None:
+        s.eta_s = max(s.total_samples - s.consumed_samples, 0) * per_sample
     elif steps and number(steps[-1], "eta_s") is not None:
         s.eta_s = number(steps[-1], "eta_s")  # no config to count steps from: the run's own
     for r in steps:
@@ -322,7 +341,10 @@ def fmt_steps(s: Summary) -> str:
     if s.step is None:
         return "no step logged yet"
     if s.total_steps:
-        return f"{s.step:,} / {s.total_steps:,} ({100 * s.step / s.total_steps:.1f}%)"
+        # Done by samples where known: under a ramp-up early steps are small ones.
+        done = (s.consumed_samples / s.total_samples
+                if s.total_samples and s.consumed_samples is not None else s.step / s.total_steps)
+        return f"{s.step:,} / {s.total_steps:,} ({100 * min(done, 1.0):.1f}%)"
     return f"{s.step:,}"
 
 

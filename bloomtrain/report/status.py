@@ -127,9 +127,11 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     # No ETA row once the run finished, or before its first step (nothing to estimate from).
     running = not s.finished and s.step is not None
     if running and s.eta_s is not None:
-        basis = (f" at {s.step_time_s:.3g} s/step (recent median)"
-                 if s.step_time_s is not None and s.total_steps is not None else
-                 " (the run's own estimate)")
+        gbs = ((run.config or {}).get("train") or {}).get("global_batch_size")
+        ramping = run.steps and run.steps[-1].get("global_batch_size") != gbs
+        basis = (" (the run's own estimate)" if s.total_samples is None or not run.steps else
+                 f" at the recent time per sample, the batch ramping up to {gbs}" if ramping else
+                 f" at {s.step_time_s:.3g} s/step (recent median)")
         rows.append(_row("ETA", fmt_duration(s.eta_s) + basis))
     elif running and s.total_steps is None:
         why = ("no config.yaml in the run dir" if run.config is None else

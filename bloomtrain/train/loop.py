@@ -141,9 +141,8 @@ class Trainer:
         self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
         self.lr_schedule = lr_schedule(cfg.optim, self.data.train_samples, self.print)
         self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print)
-        resumed = self.checkpoints.resume()
+        self.state = (resumed := self.checkpoints.resume()) or TrainState()
         self.resumed = resumed is not None
-        self.state = resumed or TrainState()
         self.data.stream.load_state_dict({"consumed_samples": self.state.consumed_samples})
         self.run_dir = Path(cfg.run_dir)
         self.metrics = MetricsLog(self.run_dir, self.is_logger,
@@ -239,8 +238,7 @@ class Trainer:
         for mbs in self.data.eval_batches():
             loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks, mbs,
                                       self.topo, **self._schedule_kwargs(mbs))
-            total += loss * len(mbs)
-            count += len(mbs)
+            total, count = total + loss * len(mbs), count + len(mbs)
         return mean_over_dp(total / count, self.topo, self.device) if count else None
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -271,8 +269,10 @@ class Trainer:
                 self._step(meter, result, stats)
                 stop = self._stop_or_save(result)
                 if stop:
+                    self.steplog.flush(meter, state)  # the steps since the last record
                     result.exit_reason, result.stop_signal = stop, self.control.signal
                     return result
+            self.steplog.flush(meter, state)
             self._finish(result)
         return result
 
@@ -300,8 +300,8 @@ class Trainer:
                 self.print(spike.line())
         elif res.skipped:
             self.steplog.warn_skipped(state, res)
-        if state.step % t.log_interval == 0 or res.skipped or spike is not None:
-            self.steplog.record(meter, state, loss, lr, res, gbs, stats)
+        self.steplog.step(meter, state, (loss, lr, res, gbs, stats),
+                          due=state.step % t.log_interval == 0 or res.skipped or spike is not None)
         if t.eval_interval and state.step % t.eval_interval == 0:
             self._eval_and_log(result)
         if self.harness is not None and self.harness.due(state.step):

@@ -24,6 +24,7 @@ class StepLog:
         """`layout`: layout_text's; `metrics`: the MetricsLog; `print`: rank 0's lines."""
         self.layout, self.metrics, self.monitors = layout, metrics, monitors
         self.optimizer, self.print = optimizer, print
+        self.last: tuple | None = None  # the last step's (loss, lr, result, batch, stats)
 
     def announce(self, shape, train_samples: int, run_dir, plan_text: str) -> None:
         self.print(f"[train] model {shape.num_parameters():,} parameters (L={shape.num_layers}, "
@@ -39,6 +40,19 @@ class StepLog:
         self.print(f"[train] WARNING step {state.step}: non-finite gradient norm "
                    f"({res.grad_norm}), step skipped{scale} ({state.skipped_steps} skipped "
                    f"so far)")
+
+    def step(self, meter, state, args: tuple, due: bool) -> None:
+        """After every step: its record when `due` (`args`: record's from `loss` on)."""
+        self.last = args
+        if due:
+            self.record(meter, state, *args)
+
+    def flush(self, meter, state) -> None:
+        """The record of the steps since the last one, if any: at the end of the run and at a
+        stop, where the last interval is usually partial (train_samples, a ramp-up, a signal);
+        without it the run's last steps, and its final loss, would be in no record."""
+        if meter.steps and self.last is not None:
+            self.record(meter, state, *self.last)
 
     def record(self, meter, state, loss: float, lr: float, res, gbs: int, stats) -> None:
         """The record of the steps since the last one (a collective: every rank calls it)."""
@@ -60,6 +74,9 @@ class StepLog:
             rec["comm"] = {f"{k}/{g}": v for (k, g), v in stats.snapshot().items()}
             stats.reset()
         if res.skipped:
+            # The record's loss is the mean of the interval's applied steps (Megatron's); the
+            # step that was not applied (a NaN, an overflow, a skipped spike) shows its own.
             rec["skipped"] = True
+            rec["step_loss"] = loss
         self.metrics.record(rec)
         self.metrics.progress(progress_line(rec))

@@ -210,7 +210,9 @@ def expected_panels(runs: dict[str, Path]) -> dict[str, dict]:
                                                  [y if math.isfinite(y) else math.nan
                                                   for _, y in pts])
             if ylabel == "loss":
-                spikes = [(float(r["step"]), float(r["loss"])) for recs in records.values()
+                # Marked at the spike's own loss, not the interval's mean.
+                spikes = [(float(r["step"]), float(r["loss_spike"]["loss"]))
+                          for recs in records.values()
                           for r in recs if isinstance(r.get("loss_spike"), dict)]
                 if spikes:
                     shown["loss spike"] = ([x for x, _ in spikes], [y for _, y in spikes])
@@ -341,8 +343,8 @@ def test_memory_from_zero_captions_add_facts_and_several_runs_get_a_config_diff(
     assert not set(captions) & {p.title for p in panels.values()}  # no title repeated
     assert ("learning rate: a/run 0.001 at step 1 -&gt; 0.001 at step 30; b/run 0.001 at step 1 "
             "-&gt; 0.001 at step 24.") in captions
-    assert ("loss: a/run 4.98 at step 1 -&gt; 4.4 at step 30 (max 9 at step 20); a/run eval 4.8 "
-            "at step 10 -&gt; 4.6 at step 30; b/run 4.98 at step 1 -&gt; 4.52 at step 24 (max 9 "
+    assert ("loss: a/run 4.98 at step 1 -&gt; 4.4 at step 30 (max 6 at step 20); a/run eval 4.8 "
+            "at step 10 -&gt; 4.6 at step 30; b/run 4.98 at step 1 -&gt; 4.52 at step 24 (max 6 "
             "at step 20); b/run eval 4.8 at step 10 -&gt; 4.7 at step 20; 2 loss spike(s), at "
             "step(s) 20, 20.") in captions
     (memory,) = [c for c in captions if c.startswith("GiB:")]

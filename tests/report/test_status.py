@@ -211,3 +211,30 @@ def test_just_started_no_config_and_bad_input(tmp_path, capsys):
     os.remove(bad / "metrics.jsonl")
     with pytest.raises(UserError, match="has no metrics.jsonl"):
         status_text(bad)
+
+
+def test_eta_and_done_during_a_batch_size_rampup_go_by_samples(tmp_path):
+    # Ramp 16 -> 1024 over 100k of 200k samples, a step's time proportional to its batch
+    # (10 ms per sample). 40 steps of 16 in, the steps left are mostly of 1024: the ETA is the
+    # samples left at the recent time per sample, and 640 of 200k samples is 0.3% done, not
+    # the 7% of the planned steps that 40 small ones are.
+    from bloomtrain.layout import BatchSchedule
+    gbs, samples, ramp = 1024, 200_000, [16, 16, 100_000]
+    schedule = BatchSchedule(gbs, 1, None, tuple(ramp))
+    recs, consumed = [], 0
+    for step in range(1, 41):
+        b = schedule.global_batch_size_at(consumed)
+        consumed += b
+        recs.append(step_record(step, consumed_samples=consumed, global_batch_size=b,
+                                step_time_s=0.01 * b))
+    true_left, c = 0.0, consumed  # every step left at its own batch
+    while c < samples:
+        b = schedule.global_batch_size_at(c)
+        c, true_left = c + b, true_left + 0.01 * b
+    run = write_run(tmp_path / "ramp", recs, {"train": {
+        "train_samples": samples, "global_batch_size": gbs, "micro_batch_size": 1,
+        "rampup_batch_size": ramp, "train_iters": None}})
+    r = rows(status_text(run))
+    assert r["step"].startswith("40 / ") and "(0.3%)" in r["step"]
+    assert r["ETA"] == f"{fmt_duration(true_left)} at the recent time per sample, the batch " \
+                       f"ramping up to {gbs}"

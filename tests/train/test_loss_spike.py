@@ -132,7 +132,7 @@ def test_log_writes_the_line_the_record_and_the_alert(dataset, tmp_path):
                            f"{robust_zscore(res.losses[:11], res.losses[11])[0]:.1f} over the "
                            f"last 11 steps (median {statistics.median(res.losses[:11]):.4f})"]
     recs = steps_of(tmp_path / "run")
-    assert sorted(recs) == [5, 10, 12]  # 12 is no log step: the spike wrote it
+    assert sorted(recs) == [5, 10, 12, 14]  # 12: the spike wrote it; 14: the last steps
     spike = recs[12]["loss_spike"]
     assert spike["action"] == "log" and spike["loss"] == res.losses[11]
     assert spike["median"] == statistics.median(res.losses[:11]) and spike["zscore"] > 100

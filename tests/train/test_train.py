@@ -55,12 +55,40 @@ def test_nonfinite_gradient_skips_step(dataset, tmp_path):
         # The second step has two micro-batches; poison its first.
         return grad * float("nan") if calls["n"] == 3 else grad
     emb.register_hook(poison)
-    trainer.run()
+    res = trainer.run()
     assert any("WARNING step 2" in l and "skipped" in l for l in lines)
     recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in recs] == [0, 1, 1, 1]
     assert recs[1].get("skipped") is True
+    # The step not applied shows its own loss (a record's `loss` is its applied steps' mean).
+    assert recs[1]["step_loss"] == res.losses[1] and "step_loss" not in recs[0]
     assert trainer.state.skipped_steps == 1 and trainer.optimizer.step_count == 3
+
+
+def test_the_steps_after_the_last_logged_one_get_a_record(dataset, tmp_path):
+    # 5 steps at log_interval 2: records at 2 and 4, then one for step 5 alone at the end, so
+    # the run's last loss is in metrics.jsonl. A stop (here the kill switch, present from
+    # step 3 on) records its partial interval too.
+    cfg = make_cfg(dataset, tmp_path / "end", train__train_iters=5, train__log_interval=2)
+    res = Trainer(cfg, log=lambda *a: None).run()
+    recs = [r for r in metrics(tmp_path / "end" / "run") if "loss" in r]
+    assert [r["step"] for r in recs] == [2, 4, 5]
+    assert recs[-1]["loss"] == res.losses[4]
+    switch = tmp_path / "kill"
+    cfg = make_cfg(dataset, tmp_path / "stop", train__train_iters=8, train__log_interval=2,
+                   train__kill_switch_path=str(switch))
+    trainer = Trainer(cfg, log=lambda *a: None)
+    real_step = trainer._step
+
+    def step(*args):
+        real_step(*args)
+        if trainer.state.step == 3:
+            switch.touch()
+    trainer._step = step
+    res = trainer.run()
+    recs = [r for r in metrics(tmp_path / "stop" / "run") if "loss" in r]
+    assert res.exit_reason and [r["step"] for r in recs] == [2, 3]
+    assert recs[-1]["loss"] == res.losses[2]
 
 
 def test_gradient_accumulation_parity(dataset, tmp_path):
