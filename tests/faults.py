@@ -11,6 +11,8 @@ as soon as its training thread is inside an op (or at the step's end, should eve
 between two polls); entry i applies to restart i of the elastic launcher
 (TORCHELASTIC_RESTART_COUNT, which torch counts per node), so each kill fires once and a
 restarted job runs into the next.
+BLOOMTRAIN_TEST_RAISE="RANK:STEP": global rank RANK raises a ValueError as step STEP begins (a
+bug or bad input on one rank, while its peers go on into the step's communication).
 BLOOMTRAIN_TEST_SAVE_SLEEP="RANK:STEP:SECONDS": global rank RANK sleeps SECONDS in its first save
 of a step >= STEP, once it has written its files into the save's temporary directory: a save
 still in progress when a test cuts it short (a kill, a second Ctrl-C).
@@ -29,6 +31,7 @@ from pathlib import Path
 SLEEP_ENV = "BLOOMTRAIN_TEST_SLEEP"
 KILL_ENV = "BLOOMTRAIN_TEST_KILL"
 SAVE_SLEEP_ENV = "BLOOMTRAIN_TEST_SAVE_SLEEP"
+RAISE_ENV = "BLOOMTRAIN_TEST_RAISE"
 SITE = Path(__file__).resolve().parent / "fault_site"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +62,7 @@ def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
 
 
 def env(sleep: str | None = None, kill: str | None = None,
-        save_sleep: str | None = None) -> dict[str, str]:
+        save_sleep: str | None = None, raise_at: str | None = None) -> dict[str, str]:
     """The variables that make a job's interpreters inject these faults."""
     path = [str(SITE), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
                                      else [])
@@ -70,19 +73,23 @@ def env(sleep: str | None = None, kill: str | None = None,
         out[KILL_ENV] = kill
     if save_sleep is not None:
         out[SAVE_SLEEP_ENV] = save_sleep
+    if raise_at is not None:
+        out[RAISE_ENV] = raise_at
     return out
 
 
 class Faults:
-    def __init__(self, sleep: tuple[int, int, float] | None, kill: tuple[int, int] | None):
-        self.sleep, self.kill = sleep, kill
+    def __init__(self, sleep: tuple[int, int, float] | None, kill: tuple[int, int] | None,
+                 raise_at: tuple[int, int] | None = None):
+        self.sleep, self.kill, self.raise_at = sleep, kill, raise_at
         self.step: int | None = None  # the step the training thread is in
 
     @classmethod
     def from_env(cls) -> "Faults":
         return cls(parse_sleep(os.environ.get(SLEEP_ENV)),
                    parse_kill(os.environ.get(KILL_ENV),
-                              int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+                              int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))),
+                   parse_kill(os.environ.get(RAISE_ENV), 0))
 
     @contextlib.contextmanager
     def fault_in_step(self, rank: int, step: int):
@@ -92,6 +99,9 @@ class Faults:
             print(f"[bloomtrain] {SLEEP_ENV}: rank {rank} sleeps {self.sleep[2]:g} s in step "
                   f"{step} (fault injection for tests)", file=sys.stderr, flush=True)
             time.sleep(self.sleep[2])
+        if self.raise_at == (rank, step):
+            raise ValueError(f"{RAISE_ENV}: rank {rank} raises in step {step} (fault injection "
+                             f"for tests)")
         if self.kill == (rank, step):
             threading.Thread(target=self._kill_in_step, args=(threading.get_ident(), rank, step),
                              name="bloomtrain-test-kill", daemon=True).start()
@@ -117,7 +127,7 @@ def install() -> None:
     save_sleep = parse_sleep(os.environ.get(SAVE_SLEEP_ENV), SAVE_SLEEP_ENV)
     if save_sleep is not None:
         _sleep_in_save(*save_sleep)
-    if not (os.environ.get(SLEEP_ENV) or os.environ.get(KILL_ENV)):
+    if not (os.environ.get(SLEEP_ENV) or os.environ.get(KILL_ENV) or os.environ.get(RAISE_ENV)):
         return
     from bloomtrain.train.loop import Trainer
 

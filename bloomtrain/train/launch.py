@@ -59,13 +59,18 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
             lost = failure.exitcode < 0  # killed by a signal: not a hang, a rank gone
             found = watchdog.read_pointers(reports)
             lines = watchdog.summarize(found, spec.world_size, spec.nnodes)
-            if lines and lost:  # what the others were doing when the rank went
-                lines[0] = (f"bloomtrain: rank {rank} was lost; {len(found)} rank(s) of this "
-                            f"node reported the op they were in:")
+            # A rank that raised, whose peers' ops then failed (a closed connection), not
+            # timed out: its error is the story, not a hang.
+            raised = failure.exitcode != watchdog.HANG_EXIT_CODE and all(
+                r.get("state") == "failed" for r in found.values())
+            if lines and (lost or raised):  # what the others were doing when the rank went
+                lines[0] = (f"bloomtrain: rank {rank} {'was lost' if lost else 'failed'}; "
+                            f"{len(found)} rank(s) of this node reported the op they were in:")
             if lines:
                 print("\n".join(lines), file=sys.stderr, flush=True)
             restarts = f" (after {spec.max_restarts} restart(s))" if spec.max_restarts else ""
-            hung = "; the job hung (see the reports above)" if lines and not lost else ""
+            hung = ("; the job hung (see the reports above)" if lines and not (lost or raised)
+                    else "")
             return f"{failure_text(rank, failure)}{restarts}{hung}"
 
         return launcher.launch_local(nproc, entry, *args, spec=spec,

@@ -377,9 +377,17 @@ def global_loss(loss: float, topo: Topology, device) -> float:
 
 def train(cfg: Config, log=print, run: RunLayout | None = None) -> TrainResult:
     trainer = Trainer(cfg, log=log, run=run)
+    ended = False
     try:
-        return trainer.run()
+        result = trainer.run()
+        ended = True
+        return result
     finally:
         trainer.checkpoints.wait()  # an async save must be committed before the process ends
-        comm.barrier(comm.world_group(), "end")
+        if ended:
+            # Every rank leaves together. Not after a failure on this rank: its peers are
+            # likely waiting on it (a pipeline receive, a collective), so a barrier would hold
+            # its traceback until the hang watchdog fired and the job would be called a hang;
+            # once this process exits with the error, the launcher ends the others.
+            comm.barrier(comm.world_group(), "end")
         trainer.watchdog.stop()

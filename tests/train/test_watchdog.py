@@ -404,3 +404,18 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_report(dataset, tm
     assert "rank 3 (pp 1, dp 1, tp 0) was in step 2 for" in out
     print(f"job exited {after_hang:.1f} s after the injected hang (timeout "
           f"{TIMEOUT_MINUTES * 60:g} s)")
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_error_not_as_a_hang(dataset, tmp_path):
+    # pp=2: rank 1 raises as step 2 begins, while rank 0 sends it activations. Rank 1 must not
+    # wait for its peers at the end (they are waiting on it): the job ends on its error, named
+    # as such, instead of hanging until the watchdog calls it a hang with the error lost.
+    env = dict(os.environ, OMP_NUM_THREADS="1", **faults.env(raise_at="1:2"))
+    proc = subprocess.run([sys.executable, "-m", "bloomtrain", "train", "--config",
+                           str(_config(tmp_path, dataset)), "--nproc", "2"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=TIMEOUT_MINUTES * 60 + 300)
+    out = proc.stdout
+    assert proc.returncode != 0, out[-6000:]
+    assert f"ValueError: {faults.RAISE_ENV}: rank 1 raises in step 2" in out, out[-6000:]
+    assert "hung" not in out and "exit code 124" not in out, out[-6000:]
