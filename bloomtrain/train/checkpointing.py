@@ -19,6 +19,7 @@ from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.parallel import comm
+from bloomtrain.parallel.tensor.rng import stage_seed
 from bloomtrain.checkpoint.load import job_check
 
 
@@ -413,7 +414,9 @@ class TrainCheckpoints:
 
     def _restore_rng(self, manifest: dict) -> None:
         """Each rank's default generators (which tensor parallelism's dropout streams fork
-        from), when the rank grid is unchanged, so dropout continues exactly; else rank 0's."""
+        from), when the rank grid is unchanged, so dropout continues exactly. Else rank 0's,
+        from which each stage then seeds its own (rng.stage_seed of one draw, the same on every
+        rank): with rank 0's state on every stage, they would all drop the same elements."""
         ranks = manifest.get("ranks", {})
         saved = manifest.get("topology") or {}
         here = self.topology_meta()
@@ -421,6 +424,9 @@ class TrainCheckpoints:
         own = ranks.get(str(self.parts.topo.rank) if same else "0", {})
         if "rng" in own:
             set_rng_state(own["rng"])
+            if not same:
+                draw = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+                torch.manual_seed(stage_seed(draw, self.parts.topo.pp_rank))
 
 
 def _listed(names: list[str], most: int = 4) -> str:

@@ -25,6 +25,7 @@ from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
 from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
+from bloomtrain.parallel.tensor.rng import stage_seed
 from bloomtrain.planner import plan_for_run
 from bloomtrain.planner.host import check_host, node_ranks, resident_bytes
 from bloomtrain.topology import Topology
@@ -133,7 +134,7 @@ class Trainer:
         self.is_logger = self.topo.rank == 0
         self._log = log
         self.shape, self.batches = run.shape, run.batches
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(stage_seed(cfg.train.seed, self.topo.pp_rank))
         with torch.device("meta"):
             model = BloomForCausalLM(self.shape)
         self.parts = parallelize(model, self.topo, cfg, attention=self.attention,

@@ -91,6 +91,46 @@ def test_the_steps_after_the_last_logged_one_get_a_record(dataset, tmp_path):
     assert recs[-1]["loss"] == res.losses[2]
 
 
+def _dropout_masks_worker(rank, world, dataset, tmp):
+    """Every hidden-dropout mask this rank's blocks draw in one training step, by block."""
+    import torch.nn.functional as F
+    cfg = make_cfg(dataset, __import__("pathlib").Path(tmp), train__micro_batch_size=1,
+                   parallel={"pp": 2, "pp_partition": "uniform"}, model__hidden_dropout=0.1)
+    trainer = Trainer(cfg, log=lambda *a: None)
+    masks, block = {}, [None]
+    for chunk in trainer.parts.chunks:
+        for index, layer in chunk.transformer.h.items():
+            layer.register_forward_pre_hook(lambda m, a, i=int(index): block.__setitem__(0, i))
+    dropout = F.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = dropout(x, p, training, inplace)
+        masks.setdefault(block[0], []).append(out == 0)
+        return out
+    F.dropout = recording
+    try:
+        trainer.train_step(trainer.data.next_batch())
+    finally:
+        F.dropout = dropout
+        trainer.watchdog.stop()
+    return masks
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks(dataset, tmp_path):
+    # pp=2, two blocks per stage, 8 micro-batches. In one process blocks 0 and 2 draw different
+    # masks; so must they on two stages (Megatron seeds stage p with seed + 100 p). With one
+    # seed on every stage, block 2 repeated block 0's masks exactly, every micro-batch.
+    stage0, stage1 = run_ranks(2, _dropout_masks_worker, dataset, str(tmp_path))
+    assert sorted(stage0) == [0, 1] and sorted(stage1) == [2, 3]
+    for a, b in ((0, 2), (1, 3)):
+        pairs = list(zip(stage0[a], stage1[b]))
+        assert len(pairs) == 16  # 8 micro-batches x (after attention, after the MLP)
+        assert not any(torch.equal(x, y) for x, y in pairs), (a, b)
+        # Each drops about 10%, independently: about 1% of elements dropped by both.
+        both = sum(int((x & y).sum()) for x, y in pairs) / sum(x.numel() for x, _ in pairs)
+        assert 0.005 < both < 0.02, both
+
+
 def test_gradient_accumulation_parity(dataset, tmp_path):
     # micro-batch 1 x 8 accumulation steps == micro-batch 8 x 1 step (fp32: same math, different
     # summation order, so 1e-5).

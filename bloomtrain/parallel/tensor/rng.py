@@ -11,6 +11,15 @@ from torch import nn
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd, so distinct tp ranks always map to distinct seeds
 
 
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The default generators' seed on pipeline stage `pp_rank`, as Megatron's
+    `_set_random_seed` (seed + 100 x pp rank): the stages hold different blocks, which in one
+    process draw different dropout masks; with one seed everywhere, block k of every stage
+    would drop exactly the elements block k of stage 0 drops. The same on every tp and dp rank
+    of a stage (tp's replicated regions need it; dp ranks see different data, as in Megatron)."""
+    return seed + 100 * pp_rank
+
+
 class TensorParallelRNG:
     """The dropout RNG of tensor-parallel regions, after Megatron's
     `model_parallel_cuda_manual_seed` (per-rank seed = seed + 2718 + tp_rank).
