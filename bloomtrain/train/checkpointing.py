@@ -379,7 +379,7 @@ class TrainCheckpoints:
         state = TrainState()
         if manifest.get("train_state"):  # an imported HF checkpoint starts from step 0
             state = TrainState.from_manifest(manifest)
-            self._restore_rng(manifest)
+            restore_rng(manifest, self.topology_meta(), self.parts.topo)
             self.committed = (state.step, Path(path))
         return state, manifest
 
@@ -412,21 +412,22 @@ class TrainCheckpoints:
         keys = [f"{k}.{n}" for k in kinds for n in names]
         return master, ckpt.LazyState(keys, whole, part)
 
-    def _restore_rng(self, manifest: dict) -> None:
-        """Each rank's default generators (which tensor parallelism's dropout streams fork
-        from), when the rank grid is unchanged, so dropout continues exactly. Else rank 0's,
-        from which each stage then seeds its own (rng.stage_seed of one draw, the same on every
-        rank): with rank 0's state on every stage, they would all drop the same elements."""
-        ranks = manifest.get("ranks", {})
-        saved = manifest.get("topology") or {}
-        here = self.topology_meta()
-        same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
-        own = ranks.get(str(self.parts.topo.rank) if same else "0", {})
-        if "rng" in own:
-            set_rng_state(own["rng"])
-            if not same:
-                draw = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
-                torch.manual_seed(stage_seed(draw, self.parts.topo.pp_rank))
+
+def restore_rng(manifest: dict, here: dict, topo) -> None:
+    """Each rank's default generators (which tensor parallelism's dropout streams fork from),
+    when the rank grid (`here`: this job's topology meta) is unchanged, so dropout continues
+    exactly. Else rank 0's, from which each stage then seeds its own (rng.stage_seed of one
+    draw, the same on every rank): with rank 0's state on every stage, they would all drop the
+    same elements."""
+    ranks = manifest.get("ranks", {})
+    saved = manifest.get("topology") or {}
+    same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
+    own = ranks.get(str(topo.rank) if same else "0", {})
+    if "rng" in own:
+        set_rng_state(own["rng"])
+        if not same:
+            draw = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+            torch.manual_seed(stage_seed(draw, topo.pp_rank))
 
 
 def _listed(names: list[str], most: int = 4) -> str:

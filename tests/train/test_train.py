@@ -299,3 +299,26 @@ def test_training_without_compile_never_imports_dynamo(dataset, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "dynamo imported: False", out.stdout
     assert (tmp_path / "ck").is_dir()
+
+
+def test_a_resume_onto_another_grid_gives_each_stage_its_own_dropout_stream():
+    # Saved at pp=1 (rank 0's generator state), resumed at pp=2: both stages start from rank
+    # 0's state, then each seeds its own from one draw of it. Same stage: the same stream (tp
+    # ranks stay in step); other stage: another.
+    from types import SimpleNamespace
+    from bloomtrain.train.checkpointing import restore_rng, rng_state
+    torch.manual_seed(7)
+    manifest = {"topology": {"tp": 1, "pp": 1, "dp": 1}, "ranks": {"0": {"rng": rng_state()}}}
+    here = {"tp": 2, "pp": 2, "dp": 1}
+
+    def draws(rank, pp_rank):
+        torch.manual_seed(rank + 1000)  # whatever the rank's generator held before
+        restore_rng(manifest, here, SimpleNamespace(rank=rank, pp_rank=pp_rank))
+        return torch.rand(64)
+    first, first_tp1, second = draws(0, 0), draws(1, 0), draws(2, 1)
+    assert torch.equal(first, first_tp1) and not torch.equal(first, second)
+    # An unchanged grid takes each rank's own state as saved.
+    manifest["topology"] = here
+    torch.manual_seed(7)
+    expected = torch.rand(64)
+    assert torch.equal(draws(0, 0), expected)
