@@ -39,12 +39,28 @@ def env_from_slurm(env=os.environ) -> None:
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    # Tasks per node ("8", or "8(x2)" for two nodes of 8), which torchrun gives as
-    # LOCAL_WORLD_SIZE: the node-local groups (ZeRO's hpZ) and each node's host memory use it.
-    per_node = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE")
-                        or env.get("SLURM_TASKS_PER_NODE", ""))
-    if per_node and "LOCAL_WORLD_SIZE" not in env:
-        env["LOCAL_WORLD_SIZE"] = per_node.group()
+    # This node's tasks, which torchrun gives as LOCAL_WORLD_SIZE: the node-local groups
+    # (ZeRO's hpZ) and each node's host memory use it.
+    per_node = slurm_tasks_on_node(env)
+    if per_node is not None and "LOCAL_WORLD_SIZE" not in env:
+        env["LOCAL_WORLD_SIZE"] = str(per_node)
+
+
+def slurm_tasks_on_node(env=os.environ) -> int | None:
+    """The tasks SLURM runs on this node (SLURM_NODEID): SLURM_NTASKS_PER_NODE where the job
+    asked for a fixed count, else this node's entry of SLURM_TASKS_PER_NODE ("8", "8(x2)" for
+    two nodes of 8, "2,3" or "4(x2),1" when the nodes differ); None when neither says."""
+    fixed = env.get("SLURM_NTASKS_PER_NODE", "")
+    if fixed.isdigit():
+        return int(fixed)
+    counts = []
+    for item in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = env.get("SLURM_NODEID", "0")
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
 
 
 def world_size_from_env() -> int:

@@ -97,7 +97,8 @@ def evaluate(cand: Candidate, work: Workload, cluster: Cluster, tokens: float | 
 
 def host_of(cand: Candidate, work: Workload, cluster: Cluster) -> host.NodeHost:
     return host.worst_node(work.shape, cand.layout, cluster.node_size, work.precision,
-                           work.bucket_size_mb, work.offload_pin_memory, cluster.gpu.kind)
+                           work.bucket_size_mb, work.offload_pin_memory, cluster.gpu.kind,
+                           cand.error_feedback)
 
 
 def host_reason(total: float, limit: float) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from bloomtrain.errors import UserError
+from bloomtrain.launch import slurm_tasks_on_node
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.zero.memory import pinned_bytes, pinned_size
@@ -57,9 +58,11 @@ class NodeHost:
 
 @lru_cache(maxsize=65536)
 def rank_host(shape: BloomShape, layout: ParallelLayout, pp_rank: int, precision: str,
-              bucket_size_mb: float, pin_states: bool, device_kind: str) -> tuple[dict, int]:
+              bucket_size_mb: float, pin_states: bool, device_kind: str,
+              error_feedback: bool = False) -> tuple[dict, int]:
     """(host bytes by item, page-locked bytes) of one offloading rank of pipeline stage
-    `pp_rank`, less its process."""
+    `pp_rank`, less its process. `error_feedback`: parallel.grad_error_feedback, whose residual
+    (4 bytes per local parameter, at dp > 1) is on the device that reduces."""
     _, states = mem.rank_states(shape, layout, pp_rank, "bloomtrain", precision, True,
                                 bucket_size_mb)
     host = states["host"]
@@ -69,12 +72,14 @@ def rank_host(shape: BloomShape, layout: ParallelLayout, pp_rank: int, precision
         items["optimizer_states"] = 3 * pinned_size(host["fp32_master"])
     if device_kind == "cpu":
         items["device_model_states"] = sum(states["device"].values())
+        if error_feedback and layout.dp > 1:
+            items["device_model_states"] += 4 * states["flat_numel"]
     return items, pinned_bytes(states["own_numel"], states["chunk"], pin_states)
 
 
 def node_host(shape: BloomShape, layout: ParallelLayout, ranks, precision: str,
               bucket_size_mb: float, pin_states: bool, device_kind: str,
-              process_bytes: float | None = None) -> NodeHost:
+              process_bytes: float | None = None, error_feedback: bool = False) -> NodeHost:
     """The host bytes of the node that runs global `ranks`, each with `process_bytes` of its
     own (default PROCESS_HOST_BYTES of the device kind)."""
     ranks = list(ranks)
@@ -82,7 +87,7 @@ def node_host(shape: BloomShape, layout: ParallelLayout, ranks, precision: str,
     pinned = 0
     for r in ranks:
         mine, pin = rank_host(shape, layout, layout.coords(r).pp, precision, bucket_size_mb,
-                              pin_states, device_kind)
+                              pin_states, device_kind, error_feedback)
         for k, v in mine.items():
             items[k] = items.get(k, 0) + v
         pinned = max(pinned, pin)
@@ -93,11 +98,12 @@ def node_host(shape: BloomShape, layout: ParallelLayout, ranks, precision: str,
 
 @lru_cache(maxsize=4096)
 def worst_node(shape: BloomShape, layout: ParallelLayout, node_size: int, precision: str,
-               bucket_size_mb: float, pin_states: bool, device_kind: str) -> NodeHost:
+               bucket_size_mb: float, pin_states: bool, device_kind: str,
+               error_feedback: bool = False) -> NodeHost:
     """The node of `layout` (nodes of `node_size` consecutive ranks) that needs the most."""
     world = layout.world_size
     nodes = [node_host(shape, layout, range(n, min(n + node_size, world)), precision,
-                       bucket_size_mb, pin_states, device_kind)
+                       bucket_size_mb, pin_states, device_kind, error_feedback=error_feedback)
              for n in range(0, world, node_size)]
     return max(nodes, key=lambda n: n.total)
 
@@ -229,9 +235,8 @@ def node_ranks(world: int, env=os.environ) -> range:
     distribution); the whole job where nothing says (one process alone: itself)."""
     rank = int(env.get("RANK", 0))
     local = int(env.get("LOCAL_RANK", 0))
-    slurm = re.match(r"\d+", env.get("SLURM_NTASKS_PER_NODE")
-                     or env.get("SLURM_TASKS_PER_NODE", ""))
-    size = int(env.get("LOCAL_WORLD_SIZE") or (slurm.group() if slurm else world))
+    slurm = slurm_tasks_on_node(env)
+    size = int(env.get("LOCAL_WORLD_SIZE") or (slurm if slurm is not None else world))
     start = rank - local
     return range(start, min(start + size, world))
 
@@ -248,14 +253,15 @@ def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str,
     if not p.offload_optimizer:
         return None
     node = node_host(shape, layout, ranks, cfg.train.precision, p.bucket_size_mb,
-                     p.offload_pin_memory, device_kind)
+                     p.offload_pin_memory, device_kind, error_feedback=p.grad_error_feedback)
     overhead = node.items["process_overhead"]
     still = max(0.0, overhead - resident * node.ranks)
     needed = node.total - overhead + still
     avail, source = available_host_memory()
     problems = []
     if needed > avail:
-        problems.append(host_message(node, needed, avail, source, layout, still, device_kind))
+        problems.append(host_message(node, needed, avail, source, layout, still, device_kind,
+                                     p.offload_pin_memory))
     limit = memlock_limit()
     if (device_kind == "cuda" and limit is not None and node.pinned > limit
             and not pins_past_the_limit(min(node.pinned, limit + MEMLOCK_PROBE_EXTRA))):
@@ -273,8 +279,11 @@ def check_host(cfg, shape: BloomShape, layout: ParallelLayout, device_kind: str,
 
 
 def host_message(node: NodeHost, needed: float, avail: float, source: str,
-                 layout: ParallelLayout, overhead: float, device_kind: str = "cuda") -> str:
-    """The one line that says how much, how much there is, and what to change."""
+                 layout: ParallelLayout, overhead: float, device_kind: str = "cuda",
+                 pin_states: bool = False) -> str:
+    """The one line that says how much, how much there is, and what to change: only changes
+    that make the node need less (no ZeRO-1 at dp 1, where it shards nothing; no fewer
+    processes on a node of one)."""
     i = node.items
     parts = [f"optimizer states {size(i['optimizer_states'])}",
              f"staging ring {size(i['staging_ring'])}"]
@@ -283,13 +292,16 @@ def host_message(node: NodeHost, needed: float, avail: float, source: str,
     if overhead:
         parts.append(f"process overhead {size(overhead)}")
     fixes = []
-    if layout.zero_stage == 0:
+    if pin_states and device_kind == "cuda":
+        fixes.append("parallel.offload_pin_memory=false (pinned states are rounded up to "
+                     "powers of two)")
+    if layout.zero_stage == 0 and layout.dp > 1:
         fixes.append("parallel.zero_stage=1 (shards the states over dp)")
     fixes.append("more nodes (a larger dp gives each rank a smaller shard"
                  + (" at zero_stage >= 1)" if layout.zero_stage == 0 else ")"))
     if device_kind == "cuda":
         fixes.append("parallel.offload_optimizer=false (the states on the device)")
-    else:  # the device is this host: offload moves nothing off it
+    elif node.ranks > 1:  # the device is this host: offload moves nothing off it
         fixes.append("fewer processes per node")
     return (f"ZeRO-Offload needs {size(needed, True)} of host memory on this node "
             f"({node.ranks} rank{'s' if node.ranks != 1 else ''}: {' + '.join(parts)}), "

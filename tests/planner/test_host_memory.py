@@ -152,7 +152,7 @@ def test_train_refuses_a_small_host_before_allocating_anything(dataset, tmp_path
         raise AssertionError("the flat buffers were allocated")
     monkeypatch.setattr(buffers.FlatBuffers, "__init__", never)
     monkeypatch.setenv(HOST_MEMORY_ENV, "2MiB")
-    for stage, fix in ((0, "parallel.zero_stage=1"), (1, "more nodes")):
+    for stage in (0, 1):
         cfg = Config.from_dict(_config(dataset, tmp_path, zero_stage=stage))
         with pytest.raises(UserError) as e:
             Trainer(cfg, log=lambda *a: None)
@@ -163,9 +163,11 @@ def test_train_refuses_a_small_host_before_allocating_anything(dataset, tmp_path
         assert needed > 2 * MIB
         assert f"more than the 2.00 MiB ({2 * MIB:,} bytes) available ({HOST_MEMORY_ENV})" \
             in msg
-        # On a CPU device offload moves nothing off the host: no use asking to turn it off.
-        assert fix in msg and "fewer processes per node" in msg
-        assert "offload_optimizer=false" not in msg
+        # One process (dp 1): only more nodes help. ZeRO-1 shards nothing at dp 1, there are
+        # no fewer processes than one, and on a CPU device offload moves nothing off the host.
+        assert msg.endswith("; use more nodes (a larger dp gives each rank a smaller shard"
+                            + (" at zero_stage >= 1)" if stage == 0 else ")")
+                            + " (train.ignore_plan=true starts anyway)"), msg
         assert not dist.is_initialized()
     # The same run on a host that holds it gets past the check (to the buffers).
     monkeypatch.setenv(HOST_MEMORY_ENV, "64GiB")
@@ -290,6 +292,59 @@ def test_the_node_is_torchruns_or_slurms():
     assert node_ranks(16, {"RANK": "5", "LOCAL_RANK": "1", "SLURM_TASKS_PER_NODE": "4(x4)"}) \
         == range(4, 8)
     assert node_ranks(4, {}) == range(0, 4)
+    # Nodes of different sizes (srun -n 5 over 2 nodes: "2,3"; "4(x2),1"): each node its own.
+    slurm = {"SLURM_TASKS_PER_NODE": "2,3", "SLURM_NODEID": "1"}
+    assert node_ranks(5, {"RANK": "4", "LOCAL_RANK": "2", **slurm}) == range(2, 5)
+    assert node_ranks(9, {"RANK": "8", "LOCAL_RANK": "0", "SLURM_TASKS_PER_NODE": "4(x2),1",
+                          "SLURM_NODEID": "2"}) == range(8, 9)
+    # The srun translation gives the same LOCAL_WORLD_SIZE, which node_ranks then reads.
+    from bloomtrain.launch import env_from_slurm
+    env = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "2", "MASTER_ADDR": "a",
+           "MASTER_PORT": "1", **slurm}
+    env_from_slurm(env)
+    assert env["LOCAL_WORLD_SIZE"] == "3" and node_ranks(5, env) == range(2, 5)
+
+
+def test_the_line_offers_only_what_makes_the_node_need_less(monkeypatch):
+    """Two CPU processes at dp 2, stage 0: ZeRO-1 and fewer processes both help. Pinned states
+    on CUDA (rounded up to powers of two): unpinning them is offered first."""
+    cfg = Config.from_dict({"model": {"preset": "tiny", "vocab_size": 256},
+                            "parallel": {"zero_stage": 0, "offload_optimizer": True},
+                            "train": {"train_iters": 1}})
+    shape, layout = resolve_model_config(cfg.model), ParallelLayout.from_config(cfg.parallel, 2)
+    monkeypatch.setenv(HOST_MEMORY_ENV, "1MiB")
+    with pytest.raises(UserError) as e:
+        check_host(cfg, shape, layout, "cpu", [0, 1])
+    assert "use parallel.zero_stage=1 (shards the states over dp), or more nodes" in str(e.value)
+    assert str(e.value).endswith(", or fewer processes per node (train.ignore_plan=true starts "
+                                 "anyway)")
+    cfg.parallel.offload_pin_memory = True
+    monkeypatch.setattr(host_mod, "memlock_limit", lambda: None)  # ulimit -l unlimited
+    with pytest.raises(UserError) as e:
+        check_host(cfg, shape, ParallelLayout.from_config(cfg.parallel, 1), "cuda", [0])
+    assert "; use parallel.offload_pin_memory=false (pinned states are rounded up to powers " \
+           "of two), or more nodes" in str(e.value)
+
+
+def test_error_feedbacks_residual_counts_on_a_cpu_device():
+    """parallel.grad_error_feedback keeps a residual as large as the rank's gradients (4 bytes
+    per local parameter) on the device that reduces: on a CPU device that is host memory, which
+    the node's figure must hold, as the engine allocates it (FlatBuffers, built on meta)."""
+    from bloomtrain.topology import Topology
+    from tests import helpers
+    for ef in (False, True):
+        par = {"zero_stage": 1, "offload_optimizer": True, "grad_reduce_dtype": "bf16",
+               "grad_error_feedback": ef}
+        cfg = helpers.config(None, parallel=par, precision="bf16")
+        layout = ParallelLayout.from_config(cfg.parallel, 2)
+        shape = resolve_model_config(cfg.model)
+        node = node_host(shape, layout, [0, 1], "bf16", cfg.parallel.bucket_size_mb, False,
+                         "cpu", error_feedback=ef)
+        allocated = 0
+        for r in (0, 1):
+            bufs = helpers.build(cfg, Topology.describe_rank(layout, r), device="meta").engine.bufs
+            allocated += sum(bufs.nbytes().values()) + sum(bufs.host_nbytes().values())
+        assert node.total - node.items["process_overhead"] == allocated, ef
 
 
 def test_on_cuda_the_line_offers_the_device(monkeypatch):
