@@ -81,6 +81,23 @@ GPUS: dict[str, GPU] = {
 }
 
 
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s) by what torch.cuda.get_device_name says, first
+# match wins: what a run's MFU is measured against. The H100's PCIe and NVL boards run slower
+# clocks than the SXM one the planner's "h100" is.
+DEVICE_PEAKS = (("H100 PCIE", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0), ("H200", 989.0),
+                ("H100", 989.0), ("H800", 989.0), ("A100", 312.0), ("A800", 312.0))
+
+
+def device_peak_tflops(device) -> float | None:
+    """The dense bf16 peak of a torch device, None where it is not a GPU listed above (a CPU
+    has no such peak: no MFU is reported there)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+    name = torch.cuda.get_device_name(device).upper().replace("-", " ")
+    return next((peak for key, peak in DEVICE_PEAKS if key in name), None)
+
+
 def gpu(name: str) -> GPU:
     if name not in GPUS:
         raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)}")

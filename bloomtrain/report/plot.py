@@ -181,6 +181,13 @@ def _shown(ax) -> dict[str, tuple[list[float], list[float]]]:
     return out
 
 
+def legend_text(label: str) -> str:
+    """A run's label as matplotlib shows it literally: `$` would start mathtext (and a bad
+    expression fails the whole figure), and a leading `_` hides the entry from the legend."""
+    label = label.replace("$", r"\$")
+    return "\u200b" + label if label.startswith("_") else label
+
+
 def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> list:
     """Draw one sub-plot; returns its legend labels. The legend is left off when the sub-plot
     above shows the same one."""
@@ -189,7 +196,7 @@ def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> lis
         if len(_finite(ys)) == 1:  # a line through one point draws nothing
             style.setdefault("marker", "o")
         # One colour per run across every panel, so runs can be followed from image to image.
-        ax.plot(xs, ys, color=f"C{i}", label=runs[i].label + line.suffix, **style)
+        ax.plot(xs, ys, color=f"C{i}", label=legend_text(runs[i].label + line.suffix), **style)
     if axis.spikes:
         first = axis.lines[0]
         # At the spike's own loss: the record's is the interval's mean (with a skipped spike,

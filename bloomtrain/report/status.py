@@ -82,10 +82,19 @@ def _checkpoint_rows(run: Run, now: float) -> list[str]:
     return rows
 
 
+# A run's start (indices built, the model built, the first log_interval steps) takes minutes,
+# up to tens of minutes at scale; an hour without a record is worth the question.
+FIRST_RECORD_WAIT_S = 3600.0
+
+
 def _state(run: Run, s: Summary, now: float) -> str:
-    if s.step is None:
-        return "started, no step logged yet"
     age = max(now - run.updated, 0.0)
+    if s.step is None:
+        # metrics.jsonl is created as the run starts: its age is the time since. A hang in the
+        # first step (a rendezvous, a collective) would otherwise read as a healthy start.
+        if age > FIRST_RECORD_WAIT_S:
+            return f"no step logged {fmt_duration(age)} after the start: stalled?"
+        return f"started {fmt_duration(age)} ago, no step logged yet"
     if s.finished:
         return f"finished (last record {fmt_duration(age)} ago)"
     train = (run.config or {}).get("train")

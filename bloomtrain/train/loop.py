@@ -27,6 +27,7 @@ from bloomtrain.parallel.parallelize import parallelize
 from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
 from bloomtrain.parallel.tensor.rng import stage_seed
 from bloomtrain.planner import plan_for_run
+from bloomtrain.planner.hardware import device_peak_tflops
 from bloomtrain.planner.host import check_host, node_ranks, resident_bytes
 from bloomtrain.topology import Topology
 from bloomtrain.train.checkpointing import TrainCheckpoints, TrainState
@@ -259,7 +260,7 @@ class Trainer:
             return result
         self.spikes.load(state, self.resumed)
         meter = SpikeMeter(cfg.data.seq_length, self.shape, self.topo.world_size,
-                           t.activation_checkpointing == "full")
+                           t.activation_checkpointing == "full", peak_tflops(self.device, t))
         with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats, \
                 contextlib.closing(self.data.stream), contextlib.closing(self.metrics):
             while state.consumed_samples < self.data.train_samples:
@@ -344,6 +345,11 @@ class Trainer:
         if loss is not None:
             result.eval_loss = loss
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
+
+
+def peak_tflops(device, t) -> float | None:
+    """What a record's MFU is against: the device's dense bf16 peak, in a 16-bit run."""
+    return device_peak_tflops(device) if t.precision in ("bf16", "fp16") else None
 
 
 def lr_schedule(o, train_samples: int, log) -> LRSchedule:

@@ -129,7 +129,9 @@ class MetricsLog:
             sink.write(rec)
 
     def eval(self, step: int, consumed: int, loss: float) -> None:
-        ppl = math.exp(min(loss, 50.0))
+        # exp overflows past ~709: inf, as a diverged run's perplexity is (a cap would write a
+        # finite, wrong one); a NaN loss stays NaN.
+        ppl = math.exp(loss) if loss < 700 else (loss if math.isnan(loss) else math.inf)
         self.record({"step": step, "consumed_samples": consumed, "eval_loss": loss,
                      "eval_ppl": ppl})
         self.print(f"[eval] step {step} | loss {loss:.4f} | ppl {ppl:.2f}")
@@ -150,6 +152,9 @@ class IntervalMeter:
     shape: object
     num_devices: int
     recompute: bool
+    # The device's dense bf16 peak (hardware.device_peak_tflops) where known and the run is
+    # in bf16/fp16: each record's MFU is its TFLOP/s over it.
+    peak_tflops: float | None = None
     loss: float = 0.0
     applied: int = 0
     steps: int = 0
@@ -182,6 +187,8 @@ class IntervalMeter:
                                                  self.num_devices, self.recompute),
             "skipped_steps": state.skipped_steps,
         }
+        if self.peak_tflops:
+            rec["mfu"] = rec["tflops_per_device"] / self.peak_tflops
         self.loss, self.applied, self.steps, self.time, self.tokens = 0.0, 0, 0, 0.0, 0
         return rec
 

@@ -263,6 +263,21 @@ def test_panels_without_data_are_left_out(tmp_path):
     assert "has no config.yaml" in page.read_text()
 
 
+def test_run_names_are_shown_literally_in_the_legend(tmp_path):
+    # Directory names as labels: `$` would start matplotlib's mathtext (a bad expression failed
+    # the whole report) and a leading `_` hid the run from the legend.
+    names = ["_under", "a$b$c", r"x$\frac$y"]
+    runs = [load_run(write_run(tmp_path / "runs" / n, [step_record(s) for s in range(1, 4)]))
+            for n in names]
+    for run, name in zip(runs, names):
+        run.label = name
+    panels = write_plots(runs, tmp_path / "out")
+    loss = {p.file: p for p in panels}["loss.png"]
+    legend = [t for t in loss.shown["loss"]]
+    assert [t.replace("\u200b", "").replace("\\$", "$") for t in legend] == names
+    assert_png(tmp_path / "out" / "loss.png")
+
+
 def test_run_labels():
     assert run_labels(["/x/runs/a", "/x/runs/b"]) == ["a", "b"]
     assert run_labels(["/x/a/run", "/x/b/run"]) == ["a/run", "b/run"]

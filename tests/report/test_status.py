@@ -188,8 +188,13 @@ def test_everything_fits_80x24(tmp_path):
 
 def test_just_started_no_config_and_bad_input(tmp_path, capsys):
     started = write_run(tmp_path / "started", [], {"train": {"train_iters": 10}})
-    r = rows(status_text(started))
-    assert r["state"] == "started, no step logged yet" and r["step"] == "no step logged yet"
+    created = (started / "metrics.jsonl").stat().st_mtime
+    r = rows(status_text(started, now=created + 125))
+    assert r["state"] == "started 2m 05s ago, no step logged yet"
+    assert r["step"] == "no step logged yet"
+    # Stuck before its first record (a rendezvous, a first collective): asked, not healthy.
+    assert rows(status_text(started, now=created + 3 * 3600))["state"] == \
+        "no step logged 3h 00m after the start: stalled?"
 
     no_cfg = write_run(tmp_path / "no_cfg", [step_record(5)])
     r = rows(status_text(no_cfg))

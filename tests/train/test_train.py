@@ -322,3 +322,40 @@ def test_a_resume_onto_another_grid_gives_each_stage_its_own_dropout_stream():
     torch.manual_seed(7)
     expected = torch.rand(64)
     assert torch.equal(draws(0, 0), expected)
+
+
+def test_an_eval_perplexity_past_exps_range_is_inf_not_capped(tmp_path):
+    import json
+    import math
+    from bloomtrain.train.metrics import MetricsLog
+    log = MetricsLog(tmp_path, True, None, log=lambda *a: None)
+    for step, loss in enumerate((2.0, 60.0, 800.0, math.inf, math.nan), 1):
+        log.eval(step, 8 * step, loss)
+    got = [json.loads(line)["eval_ppl"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert got[:2] == [math.exp(2.0), math.exp(60.0)]  # no cap at e^50
+    assert got[2:4] == [math.inf, math.inf] and math.isnan(got[4])
+
+
+def test_records_carry_mfu_against_the_devices_peak(dataset, tmp_path, monkeypatch):
+    # The peak by the CUDA device's name (torchtitan's get_peak_flops does the same); a CPU,
+    # an unknown GPU or an fp32 run have none, and their records no `mfu`.
+    from types import SimpleNamespace
+    from bloomtrain.planner.hardware import device_peak_tflops
+    from bloomtrain.train.loop import peak_tflops
+    cuda = SimpleNamespace(type="cuda")
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                       ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                       ("NVIDIA GeForce RTX 4090", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, n=name: n)
+        assert device_peak_tflops(cuda) == peak, name
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA H200")
+    assert peak_tflops(cuda, SimpleNamespace(precision="bf16")) == 989.0
+    assert peak_tflops(cuda, SimpleNamespace(precision="fp32")) is None
+    assert device_peak_tflops(torch.device("cpu")) is None
+    # A record's MFU is its TFLOP/s per device over the peak.
+    from bloomtrain.train import loop
+    monkeypatch.setattr(loop, "device_peak_tflops", lambda device: 1e-3)
+    cfg = make_cfg(dataset, tmp_path, train__precision="bf16", train__train_iters=2)
+    Trainer(cfg, log=lambda *a: None).run()
+    recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert recs and all(r["mfu"] == r["tflops_per_device"] / 1e-3 for r in recs)
