@@ -25,22 +25,12 @@ from bloomtrain.errors import UserError
 from bloomtrain.planner.evaluate import Plan, evaluate
 from bloomtrain.planner.hardware import GPUS, Cluster, gpu
 from bloomtrain.planner.search import (SearchResult, candidate_from_config, config_compression,
-                                       plan_or_explain, workload_from_config)
+                                       config_shape, plan_or_explain, workload_from_config)
 from bloomtrain.planner.workload import Candidate, Workload, parse_layout
 
 __all__ = ["plan", "Plan", "Candidate", "Workload", "Cluster", "GPUS", "evaluate",
            "make_inputs", "SearchResult"]
 GIB = 2 ** 30
-
-
-def config_shape(cfg: Config):
-    """The model a config trains: its shape with the tokenizer's vocabulary when it names one
-    (as training resolves it), else model.vocab_size."""
-    from bloomtrain.model.presets import resolve_model_config
-    if cfg.data.tokenizer:
-        from bloomtrain.data.tokenizer import load_tokenizer
-        return resolve_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
-    return resolve_model_config(cfg.model, cfg.model.vocab_size or None)
 
 
 def make_inputs(*, model: str | None = None, config: str | None = None, overrides=(),

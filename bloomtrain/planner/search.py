@@ -41,12 +41,22 @@ class SearchResult:
         return self.plans[0]
 
 
+def config_shape(cfg: Config):
+    """The model a config trains: its shape with the tokenizer's vocabulary when it names one
+    (as training resolves it; a run directory's config.yaml leaves model.vocab_size to it),
+    else model.vocab_size."""
+    if cfg.data.tokenizer:
+        from bloomtrain.data.tokenizer import load_tokenizer
+        return resolve_model_config(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size)
+    return resolve_model_config(cfg.model, cfg.model.vocab_size or None)
+
+
 def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int | None = None,
                          system: str = "bloomtrain", device: str = "cuda",
                          shape=None) -> Workload:
     """The workload of a config (its model, batch, precision, kernels) on `device`; `shape`
     when the run already resolved it (its vocabulary from the tokenizer)."""
-    shape = shape or resolve_model_config(cfg.model, cfg.model.vocab_size or None)
+    shape = shape or config_shape(cfg)
     t = cfg.train
     if system == "megatron-deepspeed":
         attention = "unfused"

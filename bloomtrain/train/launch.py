@@ -35,9 +35,11 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     communicator is created on this rank's own GPU; `device_id` binds the group to it (eager
     NCCL init, and barriers and object collectives know the device instead of guessing it from
     the rank)."""
+    # The backend against the device first: one process builds no group, and would otherwise
+    # run under a parallel.backend its layout can never use (nccl on a CPU).
+    backend = process_group_backend(cfg.parallel.backend, device)
     if world_size_from_env() == 1 or dist.is_initialized():
         return
-    backend = process_group_backend(cfg.parallel.backend, device)
     kw = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes), **kw)
 

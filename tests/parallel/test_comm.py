@@ -96,6 +96,14 @@ def test_cuda_jobs_get_per_device_backends_bound_to_their_device(monkeypatch):
         launch.process_group_backend("gloo", cuda)
     with pytest.raises(UserError, match="needs CUDA"):
         launch.process_group_backend("nccl", torch.device("cpu"))
+    # One process builds no group: the setting is still refused, not ignored.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    calls.clear()
+    with pytest.raises(UserError, match="needs CUDA"):
+        launch.init_distributed(Config.from_dict({"parallel": {"backend": "nccl"}}),
+                                torch.device("cpu"))
+    launch.init_distributed(Config(), torch.device("cpu"))
+    assert not calls
 
 
 def test_barriers_on_cuda_groups_name_the_device(monkeypatch):

@@ -415,6 +415,9 @@ def test_secondary_shard_refusals():
         cfg.check()
     outs = run_ranks(2, _hpz_one_per_node)
     assert all("at least 2 ranks of every dp group on each node" in o for o in outs)
+    # One process (dp 1: no dp group at all): refused too, not a setting that does nothing.
+    with pytest.raises(UserError, match="at least 2 ranks of every dp group on each node"):
+        _train(3, "bf16", 1, zero_secondary_shard=True)
 
 
 def _hpz_one_per_node(rank, world):

@@ -664,6 +664,26 @@ def test_calibrate_recovers_the_efficiency_of_a_run(tmp_path):
         calibrate_efficiency(str(tmp_path), cluster)
 
 
+def test_calibrate_reads_a_runs_vocabulary_from_its_tokenizer(tmp_path, tiny_tokenizer_dir):
+    # A run dir's config.yaml leaves model.vocab_size to data.tokenizer (the demo's does):
+    # --calibrate planned it as training resolved it, not "vocabulary size is unknown".
+    from bloomtrain.config import Config
+    cfg = Config.from_dict({"model": {"preset": "tiny"},
+                            "data": {"tokenizer": str(tiny_tokenizer_dir), "seq_length": 64},
+                            "parallel": {"tp": 2},
+                            "train": {"global_batch_size": 16, "micro_batch_size": 2,
+                                      "precision": "fp32", "device": "cpu"}})
+    assert cfg.model.vocab_size is None
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+    cluster = Cluster(GPUS["cpu"], 4, 4)
+    work = workload_from_config(cfg)
+    assert work.shape.vocab_size != 256 and work.shape.vocab_size % 128 == 0
+    truth = evaluate(candidate_from_config(cfg, 4), work, cluster.with_efficiency(2.0),
+                     memory_limit=float("inf")).step_time_s
+    _write_records(tmp_path, [3 * truth, truth, truth])
+    assert calibrate_efficiency(str(tmp_path), cluster).efficiency == pytest.approx(2.0, rel=1e-4)
+
+
 def _write_records(run_dir: Path, step_times: list[float]) -> None:
     recs = [{"step": i, "step_time_s": t, "layout": "tp=2 pp=1 dp=2 zero=1 precision=bf16"}
             for i, t in enumerate(step_times, 1)]

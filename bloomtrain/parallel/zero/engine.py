@@ -111,8 +111,9 @@ class ZeroEngine:
         self.gatherer = (Stage3Gatherer(self.bufs, topo, self.counters, units, prefetch,
                                         on_backward=self.reducer.queue_end_of_backward,
                                         waits=self.waits, wire=weight_gather_dtype,
+                                        # At dp 1 too, where it refuses (nothing to hold).
                                         secondary=secondary_group(topo, secondary_per_node)
-                                        if secondary_per_node and topo.dp_group else None)
+                                        if secondary_per_node else None)
                          if self.rules.shard_params else None)
         if self.gatherer is not None:
             self.reducer.on_group_done = self.gatherer.free
