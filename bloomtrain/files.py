@@ -104,6 +104,28 @@ def disk_full_as(what: str, where: str | os.PathLike, fix: str):
         raise disk_full_error(what, e, where, fix) from None
 
 
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why a directory at `path` could not be written (created where missing), or None: the
+    nearest existing part of it is a file, or is not writable (a read-only filesystem, another
+    user's directory). Checked before a job starts, not found at its first save."""
+    probe = Path(os.path.abspath(path))
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only filesystem" if _read_only(probe) else "not writable by this user"
+        return f"{probe} is {why}"
+    return None
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside `path` durable."""
     with contextlib.suppress(OSError):

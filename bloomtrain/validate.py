@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from bloomtrain.config import Config, parse_tasks
 from bloomtrain.errors import UserError, each_problem, raise_all
+from bloomtrain.files import unwritable
 from bloomtrain.layout import BatchSchedule, ParallelLayout
 from bloomtrain.model.kernel_choice import check_attention
 from bloomtrain.model.presets import BloomShape, resolve_model_config
@@ -48,6 +49,11 @@ def run_problems(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> list[st
     if t.on_loss_spike == "rollback" and not c.dir:
         out.append("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the last "
                    "checkpoint)")
+    if c.dir and (why := unwritable(c.dir)):
+        # Found here, not at the first save: with on_save_error=continue a run would train to
+        # its end and keep nothing.
+        out.append(f"checkpoint.dir {c.dir} cannot be written: {why}; point checkpoint.dir at "
+                   f"a writable filesystem")
     if parse_tasks(t.eval_harness_tasks) and not cfg.data.tokenizer:
         out.append("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
     if max_restarts and (c.resume != "auto" or not c.dir):

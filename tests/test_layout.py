@@ -3,6 +3,8 @@ micro-batches and schedules, the attention kernel, the run's settings across sec
 checked against its message."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bloomtrain.errors import UserError
@@ -173,6 +175,29 @@ def test_rules_across_sections(over, kw, message):
     if not over:
         cfg.checkpoint.dir = "ck"
     validate(cfg, 1, **kw)
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path, monkeypatch):
+    # Found at the first save, it let a run with on_save_error=continue train to its end and keep
+    # nothing. A read-only filesystem (os.access says no; root ignores permission bits, so the
+    # test says it for it) and a file in the way are both refused, naming the part at fault.
+    from bloomtrain import files
+    cfg = helpers.config()
+    cfg.checkpoint.dir = str(tmp_path / "new" / "ck")
+    validate(cfg, 1)  # missing parts are created at the first save
+    (tmp_path / "f").write_text("")
+    cfg.checkpoint.dir = str(tmp_path / "f" / "ck")
+    with pytest.raises(UserError, match=f"checkpoint.dir {tmp_path}/f/ck cannot be written: "
+                                        f"{tmp_path}/f is a file, not a directory"):
+        validate(cfg, 1)
+    cfg.checkpoint.dir = str(tmp_path / "ro" / "ck")
+    (tmp_path / "ro").mkdir()
+    real = os.access
+    monkeypatch.setattr(files.os, "access",
+                        lambda p, mode: False if str(p) == str(tmp_path / "ro") else real(p, mode))
+    with pytest.raises(UserError, match=f"cannot be written: {tmp_path}/ro is not writable by "
+                                        f"this user; point checkpoint.dir at a writable"):
+        validate(cfg, 1)
 
 
 def test_restarts_over_nodes_need_a_rendezvous_longer_than_the_hang_timeout():

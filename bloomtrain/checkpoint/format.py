@@ -247,6 +247,8 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(mf.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
         raise CheckpointError(f"{mf} is corrupt: {e}") from None
+    except OSError as e:  # a bad sector, permissions: this checkpoint is unusable, not the job
+        raise CheckpointError(f"cannot read {mf}: {e.strerror or e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mf} is not a bloomtrain checkpoint manifest")
     version = manifest.get("format_version", 0)
@@ -277,10 +279,15 @@ def verify(path: str | os.PathLike, manifest: dict | None = None, check_sums: bo
         f = member_path(path, name)
         if info is None or not f.is_file():
             raise CheckpointError(f"{path}: file {name} is missing")
-        if f.stat().st_size != info["bytes"]:
+        try:
+            size, ok = f.stat().st_size, not check_sums or sha256_file(f) == info["sha256"]
+        except OSError as e:  # unreadable (a bad sector, permissions): skipped like a corrupt one
+            raise CheckpointError(f"{path}: file {name} cannot be read: {e.strerror or e}") \
+                from None
+        if size != info["bytes"]:
             raise CheckpointError(f"{path}: file {name} is truncated or altered "
-                                  f"({f.stat().st_size} bytes, manifest says {info['bytes']})")
-        if check_sums and sha256_file(f) != info["sha256"]:
+                                  f"({size} bytes, manifest says {info['bytes']})")
+        if not ok:
             raise CheckpointError(f"{path}: file {name} fails its checksum")
     return manifest
 

@@ -46,12 +46,13 @@ class TrainState:
 
     def manifest(self) -> dict:
         """The manifest's entries: `train_state` (without an empty `skipped_samples`, so the
-        manifest of a run that never rolled back reads as it always did) and `loss_window`."""
+        manifest of a run that never rolled back reads as it always did) and `loss_window`.
+        Copies, taken now: an async save writes them after training has gone on appending."""
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
                  "skipped_steps": self.skipped_steps}
         if self.skipped_samples:
-            state["skipped_samples"] = self.skipped_samples
-        return {"train_state": state, "loss_window": self.loss_window}
+            state["skipped_samples"] = [dict(r) for r in self.skipped_samples]
+        return {"train_state": state, "loss_window": list(self.loss_window)}
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> "TrainState":

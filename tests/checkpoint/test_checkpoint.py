@@ -166,6 +166,59 @@ def test_corrupt_and_truncated_checkpoints_fall_back(dataset, tmp_path, monkeypa
     assert "skipping step_00000004" in text and "truncated" in text
 
 
+def test_an_unreadable_checkpoint_is_skipped_like_a_corrupt_one(dataset, tmp_path, monkeypatch):
+    # A bad sector (EIO) in a shard or a manifest the job may not read (EACCES) made resume=auto
+    # (and `bloomtrain status`) die on an OSError traceback instead of taking the older one.
+    import errno
+    from bloomtrain.report import status_text
+    root = tmp_path / "ck"
+    train(make_cfg(dataset, tmp_path, train__train_iters=4,
+                   checkpoint={"dir": str(root), "save_interval": 2}), **QUIET)
+    newest = root / ckpt.step_dir_name(4)
+    real_sha, real_read = ckpt.format.sha256_file, Path.read_text
+
+    def sha(f, *a):
+        if f.parent == newest:
+            raise OSError(errno.EIO, "Input/output error", str(f))
+        return real_sha(f, *a)
+
+    def read_text(self, *a, **k):
+        if self == newest / "manifest.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read(self, *a, **k)
+    for name, fake in (("sha256_file", sha), ("read_text", read_text)):
+        with monkeypatch.context() as m:
+            if name == "sha256_file":
+                m.setattr(ckpt.format, "sha256_file", fake)
+            else:
+                m.setattr(Path, "read_text", fake)
+            lines = []
+            resumed = Trainer(make_cfg(dataset, tmp_path / name, train__train_iters=6,
+                                       checkpoint={"dir": str(root)}),
+                              log=lambda *a: lines.append(" ".join(map(str, a))))
+            resumed.watchdog.stop()
+            assert resumed.state.step == 2, name
+            text = "\n".join(lines)
+            assert "skipping step_00000004" in text, text
+            assert ("Input/output error" if name == "sha256_file" else "Permission denied") \
+                in text
+            if name == "read_text":
+                status_text(tmp_path / "run")  # reads the checkpoints too: no traceback
+
+
+def test_a_manifest_is_the_state_when_it_was_taken():
+    # An async save writes the manifest after the shards, while training goes on appending to
+    # the loss window: the manifest's lists are copies taken at the save.
+    from bloomtrain.train.checkpointing import TrainState
+    state = TrainState(step=4, consumed_samples=32, loss_window=[1.0, 2.0],
+                       skipped_samples=[{"start": 8, "end": 16, "loss": 9.0}])
+    meta = state.manifest()
+    state.loss_window.append(3.0)
+    state.skipped_samples[0]["end"] = 24
+    assert meta["loss_window"] == [1.0, 2.0]
+    assert meta["train_state"]["skipped_samples"] == [{"start": 8, "end": 16, "loss": 9.0}]
+
+
 def test_a_runs_saves_are_never_pruned_for_another_runs_checkpoints(dataset, tmp_path):
     """keep_last counts this run's history only. A fresh run (resume=none) into a directory
     holding another run's checkpoints is refused before it trains (its first saves were the
