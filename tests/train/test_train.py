@@ -113,6 +113,7 @@ def _dropout_masks_worker(rank, world, dataset, tmp):
     finally:
         F.dropout = dropout
         trainer.watchdog.stop()
+        trainer.data.stream.close()
     return masks
 
 
