@@ -210,8 +210,9 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
                                            "served_names": names,
                                            "chat_template": opts["chat_template_source"],
                                            "strict_fields": opts["strict_fields"]})
+    signals: list[int] = []
     try:
-        serve_engine(engine, conn, frontend)
+        signals = serve_engine(engine, conn, frontend)
     finally:
         engine.close()
         conn.close()
@@ -219,7 +220,8 @@ def _serve(opts: dict, executor, runner, tokenizer) -> None:
         if frontend.is_alive():
             frontend.kill()
             frontend.join()
-    failure = frontend_failure(frontend.exitcode)
+    # Stopped by a signal: the front end's end was asked for (one still starting up dies of it).
+    failure = None if signals else frontend_failure(frontend.exitcode)
     if failure is not None:
         raise UserError(failure)
     print("[serve] stopped", flush=True)

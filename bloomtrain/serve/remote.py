@@ -43,11 +43,13 @@ def _gauges(engine) -> tuple[int, int, int]:
 # ---- the engine process ---------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _forwarded_signals(frontend):
-    """The SIGTERM and SIGINT this process receives go to `frontend` (a Process) as well."""
+def _forwarded_signals(frontend, received: list):
+    """The SIGTERM and SIGINT this process receives go to `frontend` (a Process) as well, and
+    into `received`."""
     previous = {}
     if frontend is not None:
         def forward(signum, frame):
+            received.append(signum)
             if frontend.pid is not None and frontend.is_alive():
                 os.kill(frontend.pid, signum)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,14 +83,17 @@ def _handle(engine, msg, ids: dict[int, int], send) -> bool:
     return kind == "bye"
 
 
-def serve_engine(engine, conn, frontend=None, log=print) -> None:
+def serve_engine(engine, conn, frontend=None, log=print) -> list[int]:
     """Run `engine` for the front end at the other end of `conn` until it says bye or goes
     away. `frontend` (a multiprocessing Process) gets the SIGTERM/SIGINT this process
     receives: it drains (stops listening, lets the requests in flight finish, the engine still
     stepping), says "bye" and exits, and this process then stops. If either process dies, the
     other sees the pipe close: this one stops, the front end fails what is in flight and drains
-    out. Call on the main thread (signal handlers); `engine` must not be started."""
+    out. Call on the main thread (signal handlers); `engine` must not be started. Returns the
+    stop signals received (the front end's end is then what was asked for, however it went:
+    one still starting has no handlers yet and dies of the signal)."""
     ids: dict[int, int] = {}  # front-end id -> engine sequence id
+    received: list[int] = []
 
     def send(msg) -> None:
         try:
@@ -104,7 +109,7 @@ def serve_engine(engine, conn, frontend=None, log=print) -> None:
 
     engine.dispatch = dispatch
     try:
-        with _forwarded_signals(frontend):
+        with _forwarded_signals(frontend, received):
             while True:
                 timeout = 0 if engine.num_live > 0 else None
                 while conn.poll(timeout):
@@ -112,10 +117,12 @@ def serve_engine(engine, conn, frontend=None, log=print) -> None:
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError):
-                        log("[serve] the HTTP front end exited; stopping the engine", flush=True)
-                        return
+                        if not received:
+                            log("[serve] the HTTP front end exited; stopping the engine",
+                                flush=True)
+                        return received
                     if _handle(engine, msg, ids, send):
-                        return
+                        return received
                 if engine.num_live > 0 and engine.error is None:
                     try:
                         engine.step()

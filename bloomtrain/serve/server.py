@@ -170,8 +170,22 @@ async def _respond(request, gen: Generation, choices: list, head: dict, chunk_ob
         gen.close()
 
 
+def _failed_status(out) -> int:
+    """An output that ends a sequence early: 500 for an engine error, else 503 (the engine
+    turned it away, or the drain ended it): retry later."""
+    return 500 if out is not _DRAINED and out.finish_reason == "error" else 503
+
+
 async def _stream(request, gen: Generation, choices, head, prompt_lengths, include_usage,
                   headers):
+    # The headers wait for the first output: an engine that turns the request away (its exact
+    # --max-queue, past the front end's estimate) is then a 503 with Retry-After like the front
+    # end's own refusal, not a 200 whose only event is an error.
+    first = await gen.next()
+    if first[1] is _DRAINED or first[1].finish_reason not in (None, "stop", "length"):
+        if _failed_status(first[1]) == 503:
+            return _retry_later(_ended_early(first[1]))
+        return error_response(500, _ended_early(first[1]))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
@@ -179,14 +193,13 @@ async def _stream(request, gen: Generation, choices, head, prompt_lengths, inclu
     async def send(obj) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-    while gen.open:
-        k, out = await gen.next()
+    while first is not None or gen.open:
+        (k, out), first = first or await gen.next(), None
         if out is not _DRAINED:
             piece = choices[k].update(out)
         if out is _DRAINED or out.finish_reason not in (None, "stop", "length"):
             # OpenAI's clients raise on an event holding "error".
-            await send(proto.error_body(500 if out is not _DRAINED else 503,
-                                        _ended_early(out)))
+            await send(proto.error_body(_failed_status(out), _ended_early(out)))
             if out is _DRAINED:
                 break
             continue

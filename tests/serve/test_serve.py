@@ -293,10 +293,15 @@ async def serving(engine, tokenizer, metrics, start=True, split=False, **app_opt
 
     front, loop_thread = engine, None
     if split:
+        import dataclasses
         import multiprocessing
 
         here, there = multiprocessing.Pipe()
-        front = RemoteEngine(there, engine.config, vocab_limit=engine.vocab_limit,
+        # `front_max_queue`: the front end's queue limit, to let through what the engine's
+        # exact one then refuses (the front end's count is an estimate between gauges).
+        limit = app_options.pop("front_max_queue", engine.config.max_queue)
+        front = RemoteEngine(there, dataclasses.replace(engine.config, max_queue=limit),
+                             vocab_limit=engine.vocab_limit,
                              has_tokenizer=engine.tokenizer is not None)
         metrics = ServeMetrics()
         metrics.engine = front
@@ -774,6 +779,43 @@ def test_overload_is_503_with_retry_after(model_dir, tokenizer):
     assert accepted == [(200, "length")] * 2
 
 
+def test_a_stream_the_engine_turns_away_is_503_with_retry_after(model_dir, tokenizer):
+    """Split as `bloomtrain serve` runs: the front end's queue count is an estimate, so a
+    request can pass it and still be refused by the engine's exact --max-queue. A stream then
+    gets the front end's answer, a 503 with Retry-After, not a 200 whose event is an error."""
+    _, path = model_dir
+    cfg = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=1024, max_num_seqs=1,
+                       max_batched_tokens=40, prefill_chunk=16, max_queue=1)
+    engine = make_engine(path, cfg, tokenizer=tokenizer, metrics=ServeMetrics())
+    gate = engine.execute = Gate(engine.execute)
+    req = {"prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0,
+           "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with serving(engine, tokenizer, ServeMetrics(), split=True,
+                           front_max_queue=100) as (_, session):
+            first = asyncio.ensure_future(session.post("/v1/completions", json=req))
+            await wait_for(lambda: engine.num_running == 1)  # it holds the one seq slot
+            gate.open.clear()  # the engine stops before its next step
+            later = [asyncio.ensure_future(session.post("/v1/completions", json=req))
+                     for _ in range(2)]
+            await asyncio.sleep(0.5)  # both reach the engine's pipe
+            gate.open.set()
+            results = []
+            for task in [first, *later]:
+                resp = await task
+                results.append((resp.status, resp.headers.get("Retry-After"),
+                                await resp.text()))
+            return results
+
+    (s0, _, t0), *later = asyncio.run(main())
+    assert s0 == 200 and t0.rstrip().endswith("data: [DONE]")
+    statuses = sorted(s for s, _, _ in later)
+    assert statuses == [200, 503], later  # one waits its turn, one is over the queue
+    status, retry, body = next(r for r in later if r[0] == 503)
+    assert int(retry) >= 1 and "--max-queue 1" in body and "overloaded" in body
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["thread", "process"])
 def test_metrics_parse(model_dir, tokenizer, split):
     from prometheus_client.parser import text_string_to_metric_families
@@ -1224,6 +1266,39 @@ def test_both_engines_implement_the_engine_client_protocol(model_dir):
         here.close()
         engine.close()
     assert "getattr(" not in (ROOT / "bloomtrain/serve/server.py").read_text()
+
+
+def test_a_sigterm_while_the_front_end_starts_is_a_clean_stop(model_dir):
+    """SIGTERM just after the engine spawned the HTTP front end, before that process has its
+    handlers (it is still importing): the front end dies of the forwarded signal, and the
+    server exits 0 as a stop that was asked for, not 2 blaming the front end."""
+    _, path = model_dir
+    server = ServerProcess(["--checkpoint", str(path)])
+    try:
+        server.wait_line(r"matmuls padded to")  # printed just before the front end starts
+        deadline = time.monotonic() + 60
+        while not _children(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(timeout=60)
+        out = "".join(server.log) + "".join(iter_lines(server))
+    finally:
+        server.stop()
+    assert rc == 0, out
+    assert "bloomtrain serve: error" not in out, out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def iter_lines(server):
+    while not server.lines.empty():
+        yield server.lines.get()
 
 
 def test_cli_drain_timeout_ends_the_stream_with_an_error_event(model_dir):
