@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from bloomtrain.errors import UserError
 
@@ -239,20 +241,38 @@ def _generate(args) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, as Ctrl-C raises KeyboardInterrupt: the same
+    cleanup runs (temporary outputs removed, worker pools ended), where the default action
+    killed the process and left them. Commands that handle SIGTERM themselves (training's
+    save-and-stop, the launcher, the server's drain) install their own handler over this one."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    here = threading.current_thread() is threading.main_thread()  # handlers: main thread only
+    previous = signal.signal(signal.SIGTERM, _terminated) if here else None
     try:
         rc = args.func(args)
     except UserError as e:
         print(f"{args.command_prog}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # On a line of its own: a progress bar may have the cursor.
+        terminated = isinstance(e, Terminated)
+        print(f"\n{'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:  # output piped into `head` and friends: not an error
         sys.stdout = open(os.devnull, "w")
         return 0
+    finally:
+        if here:
+            signal.signal(signal.SIGTERM, previous)
     return int(rc or 0)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bloomtrain.devices import DTYPE_NAMES
 from bloomtrain.errors import UserError
+from bloomtrain.files import unwritable
 
 _OVERRIDE = re.compile(r"parallel\.(tp|pp)=(\d+)")
 # Exit code of rank 0 after a UserError it has printed (argparse's, and main()'s).
@@ -73,8 +74,14 @@ def _options(args) -> dict:
         if out.is_dir() or str(args.output).endswith(os.sep):
             raise UserError(f"--output {args.output} is a directory; give the results file, "
                             f"e.g. {out / 'results.json'}")
-        if not out.parent.is_dir() and out.parent.exists():
-            raise UserError(f"--output {args.output}: {out.parent} is not a directory")
+        why = unwritable(out.parent)  # any part of the path: a file in it, read-only
+        if why is None:
+            try:  # made now, as the results' write would make it, so that it surely can be
+                out.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                why = f"{out.parent} cannot be created ({e.strerror or e})"
+        if why:
+            raise UserError(f"--output {args.output} cannot be written: {why}")
     sizes = _layout_from_overrides(args.overrides)
     nproc = args.nproc
     if nproc is not None and nproc < 1:

@@ -160,6 +160,28 @@ def test_user_errors(tiny_tokenizer_dir, tmp_path):
     assert not list(tmp_path.glob("o_*"))
 
 
+def test_sigterm_cleans_up_as_ctrl_c_does(tiny_tokenizer_dir, tmp_path, monkeypatch, capsys):
+    # SIGTERM (a scheduler's, `kill`) mid-write: the command ends as at Ctrl-C, its temporaries
+    # removed, one line, exit 143. The default action killed it and left `.bin.tmp.PID` files
+    # (named per process, so no later run removed them) and, with --workers, orphaned workers.
+    import signal
+    from bloomtrain.cli import main
+    (tmp_path / "a.jsonl").write_bytes(_jsonl(TEXTS))
+    real = IndexedDatasetBuilder.add_item
+
+    def add_then_sigterm(self, *a, **k):
+        real(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)  # while the .bin is being written
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_item", add_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["preprocess", "--input", str(tmp_path / "a.jsonl"), "--tokenizer",
+                 str(tiny_tokenizer_dir), "--output-prefix", str(tmp_path / "a"),
+                 "--no-progress"]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "terminated"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # no output, no temporary
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_cli_preprocess_inspect_merge(tiny_tokenizer_dir, tmp_path, capsys):
     from bloomtrain.cli import main
 
