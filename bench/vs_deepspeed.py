@@ -5,8 +5,10 @@ rank and their ratios, and the largest difference between the two sides' losses 
 checks that the two setups are the same).
 
 DeepSpeed: `deepspeed.initialize` on the HF model with `{"optimizer": {"type": "AdamW", "params":
-{..., "torch_adam": true}}, "zero_optimization": {"stage": S}, "gradient_clipping": 1.0}` and
-weight decay on matrices only (Megatron's and HF Trainer's groups); its CPU accelerator
+{...}}, "zero_optimization": {"stage": S}, "gradient_clipping": 1.0}` and weight decay on
+matrices only (Megatron's and HF Trainer's groups): its default optimizer for that config, the
+FusedAdam op (on the CPU accelerator a C++ op, built on first use: g++ and ninja), as its users
+get it (`torch_adam: true` would give torch's single-tensor loop, about 4x slower); its CPU accelerator
 (`DS_ACCELERATOR=cpu`), gloo, shared-memory collectives off (they JIT-build a C++ extension).
 bloomtrain: the HF model's weights copied into bloomtrain's model, `parallelize` at the same
 stage, the ZeroAdamW step (reduce, clip, AdamW, refresh) as the Trainer calls it.
@@ -121,7 +123,7 @@ def deepspeed_side(stage: int, batches, args):
               "train_batch_size": args.micro_batch * args.gas * dp,
               "gradient_clipping": CLIP, "steps_per_print": 10 ** 9,
               "optimizer": {"type": "AdamW",
-                            "params": {**OPT, "betas": list(OPT["betas"]), "torch_adam": True}},
+                            "params": {**OPT, "betas": list(OPT["betas"])}},
               "zero_optimization": {"stage": stage},
               "bf16": {"enabled": args.precision == "bf16"}}
     if args.precision == "bf16":
