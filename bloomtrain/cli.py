@@ -270,6 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and friends: not an error
         sys.stdout = open(os.devnull, "w")
         return 0
+    except OSError as e:
+        if e.filename is None or isinstance(e, ConnectionError):
+            raise  # not about a path the user gave: a bug, with its traceback
+        # A path the command could not read or write (a directory where a file goes, a file
+        # where a directory goes, a read-only or missing place): one line, as a UserError.
+        where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+        print(f"{args.command_prog}: error: {e.strerror or e}: {where}", file=sys.stderr)
+        return 2
     finally:
         if here:
             signal.signal(signal.SIGTERM, previous)

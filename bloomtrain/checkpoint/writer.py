@@ -10,6 +10,7 @@ is removed, and `latest` keeps naming the previous checkpoint. What the trainer 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -109,6 +110,22 @@ def _write_shard(tmp: Path, rank: int, fragments: list[Fragment]) -> tuple[dict,
     return files, index
 
 
+@contextlib.contextmanager
+def _left_clean(root: Path, final: Path, alone: bool):
+    """Alone (one process: an import), a Ctrl-C'd save leaves nothing behind: its temporary
+    directory, and the root if the save made it. A job's ranks leave theirs to the next save."""
+    existed = root.exists()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if alone:
+            shutil.rmtree(root / f".{final.name}.tmp", ignore_errors=True)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    root.rmdir()  # only if empty
+        raise
+
+
 class CheckpointWriter:
     """Writes checkpoints from every rank of a job. Collective: all ranks call `save` together.
 
@@ -180,7 +197,8 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=run, name="bloomtrain-ckpt", daemon=True)
             self._thread.start()
         else:
-            with comm.INFLIGHT.long_phase("checkpoint write"):
+            with _left_clean(self.root, final, self.world == 1), \
+                    comm.INFLIGHT.long_phase("checkpoint write"):
                 self._save(*args)
         return final
 

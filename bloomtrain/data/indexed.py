@@ -378,6 +378,12 @@ class IndexedDatasetBuilder:
                 f.write(doc_idx.tobytes(order="C"))
                 f.flush()
                 os.fsync(f.fileno())
+            # Neither name may be a directory: os.replace would fail on the second after
+            # replacing the first, and leave a new .bin beside the old .idx.
+            for final in (self._bin_final, self._idx_final):
+                if final.is_dir():
+                    raise UserError(f"{final} is a directory; remove it or choose another "
+                                    f"output prefix")
             # .bin first: an old .idx next to a new .bin fails the reader's size check, while a
             # new .idx never appears before the data it describes.
             os.replace(self._bin_tmp, self._bin_final)

@@ -206,6 +206,28 @@ def test_an_unreadable_checkpoint_is_skipped_like_a_corrupt_one(dataset, tmp_pat
                 status_text(tmp_path / "run")  # reads the checkpoints too: no traceback
 
 
+def test_a_ctrl_c_during_a_one_process_save_leaves_nothing(tmp_path, monkeypatch):
+    # An import (one process, one save) interrupted mid-write left `.step_00000000.tmp/` and
+    # the new output directory behind, for good when the user then chose another output.
+    from bloomtrain.model.presets import BloomShape
+    shape = BloomShape(num_layers=1, hidden_size=8, num_heads=2, vocab_size=16,
+                       ffn_hidden_size=32)
+    state = {"transformer.ln_f.weight": torch.ones(8)}
+    real = ckpt.writer._write_shard
+
+    def interrupted(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ckpt.writer, "_write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path / "new", 0, state, shape)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path / "old", 0, state, shape)
+    assert list((tmp_path / "old").iterdir()) == []
+
+
 def test_a_manifest_is_the_state_when_it_was_taken():
     # An async save writes the manifest after the shards, while training goes on appending to
     # the loss window: the manifest's lists are copies taken at the save.

@@ -370,3 +370,14 @@ def test_memory_from_zero_captions_add_facts_and_several_runs_get_a_config_diff(
     assert "<tr><th>run_dir</th><td>&quot;runs/x&quot;</td><td>&quot;runs/y&quot;</td></tr>" in page
     assert "<tr><th>train.train_iters</th><td>30</td><td>24</td></tr>" in page
     assert "micro_batch_size" not in page and "<pre>" not in page
+
+
+def test_an_output_path_through_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    # plot --output FILE/p: NotADirectoryError's traceback before; any command's OSError on a
+    # path the user gave is now one line naming it, exit 2.
+    run = write_run(tmp_path / "run", [step_record(s) for s in range(1, 4)])
+    (tmp_path / "f").write_text("")
+    assert main(["plot", str(run), "--output", str(tmp_path / "f" / "p")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bloomtrain plot: error: ") \
+        and str(tmp_path / "f") in err[0], err
