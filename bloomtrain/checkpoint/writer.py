@@ -30,7 +30,7 @@ from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.zero.memory import pinned_size
 from bloomtrain.safetensors_io import write_safetensors_streaming
-from bloomtrain.files import atomic_output, disk_space, fsync_dir
+from bloomtrain.files import atomic_output, disk_space, fsync_dir, is_disk_full
 from bloomtrain.planner.host import available_host_memory
 
 
@@ -264,7 +264,13 @@ class CheckpointWriter:
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
             except OSError as e:
-                status = self._failure(final, tmp, f"rank 0: creating {tmp}: {e}")
+                # Not a full disk (a file in the way, a read-only or missing place): no advice
+                # to free space.
+                status = (self._failure(final, tmp, f"rank 0: creating {tmp}: {e}")
+                          if is_disk_full(e) else
+                          f"saving checkpoint {final} failed: cannot create {tmp} "
+                          f"({e.strerror or e}); write to a directory that can be created "
+                          f"(training: checkpoint.dir; an import: its --output)")
         # Also the barrier: no rank writes before the directory exists.
         status = self._broadcast(status)
         if status is None:
