@@ -394,6 +394,10 @@ MUTABLE_GLOBALS = {
     "bloomtrain.parallel.comm._GROUP_DEVICES":
         "the device types each process group serves, read from its backend once (it never "
         "changes); comm.keeps_guard drops Dynamo's guards on it (train.compile)",
+    "bloomtrain.train.runlock._HELD":
+        "the run directories this process has flock'ed: a lock is per open file, so a second "
+        "trainer of the same process (a notebook's rerun, a test's resume) must share the first "
+        "one's descriptor rather than be refused by it",
     "bloomtrain.train.watchdog.Watchdog._active":
         "one hang watchdog per process: a second trainer's start stops the first one's thread",
     "bloomtrain.launch._ARRIVALS":

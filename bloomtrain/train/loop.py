@@ -35,6 +35,7 @@ from bloomtrain.train.control import RunControl
 from bloomtrain.train.launch import (env_from_slurm, init_distributed, resolve_device,
                                      world_size_from_env)
 from bloomtrain.train.metrics import MetricsLog
+from bloomtrain.train.runlock import lock_run
 from bloomtrain.train.monitors import Monitors
 from bloomtrain.train.sinks import open_sinks
 from bloomtrain.train.spikes import LossSpikes, Spike, SpikeMeter
@@ -131,6 +132,8 @@ class Trainer:
         self.harness = HarnessHook.from_config(cfg, self.tokenizer, self.print)
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
+        # One job per run directory and checkpoint.dir, before either is written.
+        self.run_lock = lock_run(cfg.run_dir, cfg.checkpoint.dir, self.topo, log, owner=self)
         self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.hang_timeout_s)
         self.is_logger = self.topo.rank == 0
         self._log = log
@@ -398,3 +401,4 @@ def train(cfg: Config, log=print, run: RunLayout | None = None) -> TrainResult:
             # once this process exits with the error, the launcher ends the others.
             comm.barrier(comm.world_group(), "end")
         trainer.watchdog.stop()
+        trainer.run_lock.release()
