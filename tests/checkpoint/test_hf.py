@@ -267,6 +267,10 @@ def test_an_imported_model_fine_tunes_with_its_own_dropout_and_init_std(tmp_path
 def test_import_rejects_bad_inputs(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         hf.import_hf(tmp_path / "nope", tmp_path / "out")
+    # A weights file given for the directory: said so, not "does not exist".
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(UserError, match="model.safetensors is a file; an HF model is a directory"):
+        hf.import_hf(tmp_path / "model.safetensors", tmp_path / "out")
     ref = make_hf_model(CONFIGS["h48_6heads"][0])
     ref.save_pretrained(tmp_path / "hf")
     cfg_path = tmp_path / "hf" / "config.json"

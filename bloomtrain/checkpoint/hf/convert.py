@@ -120,6 +120,9 @@ def hf_config_from_shape(shape: BloomShape, extra: dict | None = None) -> dict:
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     hf_dir = Path(hf_dir)
+    if hf_dir.exists() and not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} is a file; an HF model is a directory (config.json plus "
+                        f"{' or '.join(WEIGHT_FILES)}): give its directory")
     if not hf_dir.is_dir():
         raise UserError(f"HF model directory {hf_dir} does not exist")
     path = hf_dir / "config.json"
