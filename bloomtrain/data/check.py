@@ -135,6 +135,13 @@ def check_token_ids(datasets: list[MMapIndexedDataset], vocab_size: int, vocab_s
     """Every id of every dataset in [0, vocab_size): the model's embedding has `vocab_size`
     rows (`vocab_source` says where that number comes from). All offenders in one error."""
     too_large, negative = [], []
+    floats = [f"{ds.prefix} ({ds.dtype})" for ds in datasets
+              if not np.issubdtype(ds.dtype, np.integer)]
+    if floats:
+        # MMIDIDX has float codes (Megatron's table), but token ids are integers: a float
+        # dataset's ids would be truncated on the way to the embedding.
+        raise UserError(f"data.paths: {', '.join(floats)}: floating-point values, not integer "
+                        f"token ids; preprocess the text with `bloomtrain preprocess`")
     for ds in datasets:
         if _fits_by_dtype(ds, vocab_size):
             continue

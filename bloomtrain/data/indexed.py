@@ -198,6 +198,15 @@ class MMapIndexedDataset:
         self._open()
 
     @staticmethod
+    def is_index(path: str | os.PathLike) -> bool:
+        """Whether the file at `path` begins as an MMIDIDX index does."""
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(_MAGIC)) == _MAGIC
+        except OSError:
+            return False
+
+    @staticmethod
     def exists(prefix: str | os.PathLike) -> bool:
         return idx_path(prefix).is_file() and bin_path(prefix).is_file()
 
@@ -384,8 +393,12 @@ class IndexedDatasetBuilder:
                 if final.is_dir():
                     raise UserError(f"{final} is a directory; remove it or choose another "
                                     f"output prefix")
-            # .bin first: an old .idx next to a new .bin fails the reader's size check, while a
-            # new .idx never appears before the data it describes.
+            # The old .idx goes first, then the .bin, then the new .idx: a kill between any two
+            # steps leaves no pair that opens (an old .idx over a new .bin of the same size
+            # would: its documents over the new tokens), and a new .idx never appears before
+            # the data it describes.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._idx_final)
             os.replace(self._bin_tmp, self._bin_final)
             os.replace(self._idx_tmp, self._idx_final)
             fsync_dir(self._bin_final.parent)

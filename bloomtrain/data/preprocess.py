@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from bloomtrain.data.indexed import IndexedDatasetBuilder, best_fitting_dtype
+from bloomtrain.data.indexed import IndexedDatasetBuilder, MMapIndexedDataset, best_fitting_dtype
 from bloomtrain.data.sources import (
     SkipReport,
     expand_inputs,
@@ -165,6 +165,21 @@ def _check_output_dir(prefix: str) -> None:
         raise UserError(f"output directory {parent} is not writable; choose another --output-prefix")
 
 
+def _check_inputs_are_text(paths: list[Path], prefix: str) -> None:
+    """No input is this run's own output, nor any tokenized dataset (a .bin/.idx pair, from a
+    run into the input directory): read as text, its index would become a document of the new
+    dataset, and its .bin be replaced while read."""
+    outputs = {os.path.realpath(prefix + ext) for ext in (".bin", ".idx")}
+    for path in paths:
+        if os.path.realpath(path) in outputs:
+            raise UserError(f"input {path} is also this run's output (--output-prefix "
+                            f"{prefix}); write the dataset outside its inputs")
+        if path.suffix in (".bin", ".idx") and MMapIndexedDataset.is_index(path.with_suffix(".idx")):
+            raise UserError(f"input {path} is a tokenized dataset (.bin/.idx), not text: "
+                            f"leave it out of --input (a directory input takes every file in "
+                            f"it), or merge datasets with `bloomtrain data merge`")
+
+
 def preprocess(
     inputs: list[str | os.PathLike],
     tokenizer,
@@ -190,6 +205,7 @@ def preprocess(
     paths = expand_inputs(inputs)
     prefix = dataset_prefix(output_prefix, json_key)
     _check_output_dir(prefix)
+    _check_inputs_are_text(paths, prefix)
     dtype = np.dtype(best_fitting_dtype(tok.vocab_size))
     stats = PreprocessStats(output_prefix=prefix, files=len(paths),
                             skips=SkipReport(json_key, _MAX_REPORTS))

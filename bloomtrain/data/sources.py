@@ -16,6 +16,7 @@ import gzip
 import io
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -37,9 +38,14 @@ _REASON_TEXT = {
 
 def _walk(directory: Path) -> list[Path]:
     # Hidden entries are skipped: they hold editor swap files and bloomtrain's own temporaries.
-    found = []
-    for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    # Linked directories are followed, as a glob (`dir/**`) follows them, so that the two ways
+    # of naming one corpus give one dataset; a link back to a directory already walked (a
+    # loop) is not entered twice.
+    found, seen = [], set()
+    for root, dirs, files in os.walk(directory, followlinks=True):
+        seen.add(os.path.realpath(root))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".")
+                         and os.path.realpath(os.path.join(root, d)) not in seen)
         found.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
     return sorted(found)
 
@@ -52,7 +58,10 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
     paths: list[Path] = []
     for item in inputs:
         item = os.fspath(item)
-        if glob.has_magic(item):
+        _check_readable_kind(item)
+        # A path that exists is taken as named, even when its name holds glob characters
+        # (`shard[0].jsonl` would otherwise match `shard0.jsonl`).
+        if glob.has_magic(item) and not os.path.exists(item):
             matches = sorted(glob.glob(item, recursive=True))
             if not matches:
                 raise UserError(f"no files matched {item!r}")
@@ -67,6 +76,8 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
             paths.append(Path(item))
         else:
             raise UserError(f"input {item} does not exist")
+    for path in paths:
+        _check_compression(path)
     seen, unique = set(), []
     for path in paths:
         key = os.path.abspath(path)
@@ -74,6 +85,29 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
             seen.add(key)
             unique.append(path)
     return unique
+
+
+# Compressions a corpus may come in that no reader here decodes: named, not read as text.
+UNSUPPORTED_COMPRESSION = {".xz": "xz", ".lzma": "lzma", ".bz2": "bzip2", ".lz4": "lz4",
+                           ".zip": "zip", ".7z": "7z", ".tgz": "tar.gz", ".tar": "tar"}
+
+
+def _check_compression(path: Path) -> None:
+    kind = UNSUPPORTED_COMPRESSION.get(path.suffix.lower())
+    if kind is not None:
+        raise UserError(f"{path}: {kind} files are not read here; decompress it, or recompress "
+                        f"it as .gz or .zst")
+
+
+def _check_readable_kind(item: str) -> None:
+    """A pipe or a device (`<(cat x)`, /dev/stdin) is refused by name, not called missing: an
+    input's format comes from its file name's extension, which a pipe does not have."""
+    with contextlib.suppress(OSError):
+        mode = os.stat(item).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UserError(f"input {item} is a pipe or a device, not a file: write it to a "
+                            f"file first (its extension names the format: .jsonl, .parquet, "
+                            f"text otherwise) and pass that")
 
 
 def input_format(path: str | os.PathLike) -> tuple[str, str | None]:
@@ -117,19 +151,47 @@ def iter_records(path: str | os.PathLike, json_key: str = "text") -> Iterator[tu
     try:
         if fmt == "jsonl":
             with _open_binary(path, compression) as f:
-                for lineno, line in enumerate(f, 1):
+                for lineno, line in enumerate(_universal_lines(f), 1):
                     if line.strip():
                         yield lineno, _JSON, line
         elif fmt == "parquet":
             yield from _iter_parquet(path, json_key)
         else:
             with _open_binary(path, compression) as f:
-                yield 1, _BYTES, f.read()
+                yield 1, _BYTES, _without_bom(f.read())
     except UserError:
         raise
     except Exception as e:
         # gzip, zstandard and the OS each raise their own types for a truncated or mislabeled file.
         raise UserError(f"cannot read {path} as {compression or fmt}: {e}") from e
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _without_bom(data: bytes) -> bytes:
+    """A UTF-8 byte-order mark at a file's start marks the encoding; it is not text."""
+    return data[len(_BOM):] if data.startswith(_BOM) else data
+
+
+def _universal_lines(f) -> Iterator[bytes]:
+    """A binary file's lines as Megatron's `open(input, encoding="utf-8")` splits them: at
+    "\n", "\r\n" and a lone "\r" (universal newlines; a CR-only file is many lines, not one),
+    the file's leading byte-order mark dropped."""
+    first = True
+    for line in f:
+        if first:
+            line, first = _without_bom(line), False
+        if b"\r" not in line:
+            yield line
+            continue
+        body, end = (line[:-2], b"\n") if line.endswith(b"\r\n") else (
+            (line[:-1], b"\n") if line.endswith(b"\n") else (line, b""))
+        parts = body.split(b"\r")
+        for part in parts[:-1]:
+            yield part + b"\n"
+        if parts[-1] or end:
+            yield parts[-1] + end
 
 
 def _iter_parquet(path: Path, json_key: str):
@@ -179,7 +241,7 @@ def parse_record(kind: str, payload, json_key: str) -> tuple[str | None, str | N
         else:
             try:
                 obj = json.loads(decoded)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: valid but nested too deep
                 return None, "invalid_json"
             if not isinstance(obj, dict) or json_key not in obj:
                 return None, "missing_key"

@@ -37,8 +37,13 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
     if vocab_size < minimum:
         raise UserError(f"--vocab-size {vocab_size} is too small: the byte alphabet and special "
                         f"tokens alone take {minimum}")
-    paths = expand_inputs(list(files))
+    if min_frequency < 0:
+        raise UserError(f"--min-frequency {min_frequency} must be 0 or more")
+    if vocab_size > MAX_VOCAB:
+        raise UserError(f"--vocab-size {vocab_size} is over {MAX_VOCAB:,}: token ids are "
+                        f"stored as 32-bit integers")
     output_dir = _new_output(Path(output_dir))
+    paths = expand_inputs(list(files))
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -83,11 +88,20 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
     return output_dir / "tokenizer.json"
 
 
+# Any tokenizer's files (ours, a GPT-2 style pair, sentencepiece, WordPiece): a directory
+# holding one is not ours to mix a new tokenizer into.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "special_tokens_map.json", "tokenizer.model", "spiece.model", "vocab.txt")
+MAX_VOCAB = 2 ** 31 - 1
+
+
 def _new_output(output_dir: Path) -> Path:
     """`output_dir`, refused when it already holds a tokenizer: the one datasets were built with
     would be replaced without a word."""
-    held = [n for n in ("tokenizer.json", "vocab.json", "merges.txt")
-            if (output_dir / n).exists()]
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output {output_dir} is a file; give a directory to write the "
+                        f"tokenizer into")
+    held = [n for n in TOKENIZER_FILES if (output_dir / n).exists()]
     if held:
         raise UserError(f"--output {output_dir} already holds a tokenizer ({', '.join(held)}); "
                         f"choose a new directory, or remove it first")
@@ -114,6 +128,19 @@ def _write_tokenizer_dir(tok, output_dir: Path) -> None:
     # tokenizer.json last: its presence marks a finished directory.
     with atomic_output(output_dir / "tokenizer.json") as f:
         f.write(tok.to_str(pretty=True).encode("utf-8"))
+
+
+def _json_object(path: Path) -> dict:
+    """A tokenizer directory's side file as a dict ({} where there is none)."""
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UserError(f"cannot read {path}: {e}") from e
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} must hold a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def _write_json(path: Path, obj) -> None:
@@ -184,24 +211,19 @@ class Tokenizer:
         # Megatron's vocab.json + merges.txt found beside the tokenizer.json and checked to be
         # the same tokenizer (load_tokenizer); save() keeps them.
         self.megatron_files: tuple[Path, Path] | None = None
-        self.config: dict = {}
-        config_file = file.parent / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError, RecursionError) as e:
-                raise UserError(f"cannot read {config_file}: {e}") from e
-            if not isinstance(config, dict):
-                raise UserError(f"{config_file} must hold a JSON object, got "
-                                f"{type(config).__name__}")
-            self.config = config
+        self.config = _json_object(file.parent / "tokenizer_config.json")
+        self.special_map = _json_object(file.parent / "special_tokens_map.json")
 
     def _special_id(self, default: str, config_key: str) -> int | None:
-        # tokenizer_config.json's token first, as transformers resolves it (a GPT-2 directory
-        # names <|endoftext|>); the conventional name when it names none the vocabulary has.
-        token = _token_content(self.config.get(config_key))
-        token_id = self._tok.token_to_id(token) if token else None
-        return token_id if token_id is not None else self._tok.token_to_id(default)
+        # As transformers resolves it (Megatron's PretrainedFromHF reads the ids through it):
+        # special_tokens_map.json's token over tokenizer_config.json's (a GPT-2 directory names
+        # <|endoftext|>); the conventional name when neither names one the vocabulary has.
+        for source in (self.special_map, self.config):
+            token = _token_content(source.get(config_key))
+            token_id = self._tok.token_to_id(token) if token else None
+            if token_id is not None:
+                return token_id
+        return self._tok.token_to_id(default)
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -215,7 +237,8 @@ class Tokenizer:
         token_id = self._special_id("</s>", "eos_token")
         if token_id is None:
             raise UserError(f"tokenizer {self.path} has no end-of-document token: neither '</s>' "
-                            f"nor an eos_token in tokenizer_config.json")
+                            f"nor an eos_token in special_tokens_map.json or "
+                            f"tokenizer_config.json")
         return token_id
 
     @property
@@ -306,6 +329,7 @@ class GPT2BPETokenizer(Tokenizer):
         self.path, self.merges_path = vocab_file, merges_file
         self.megatron_files = (vocab_file, merges_file)
         self.config: dict = {}
+        self.special_map: dict = {}
         self._eod_id = vocab[gpt2_bpe.EOD_TOKEN]
 
     @property

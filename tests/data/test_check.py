@@ -86,6 +86,14 @@ def test_ids_past_the_vocabulary_name_the_dataset_its_largest_id_and_the_vocabul
         check_token_ids([fits, wide], 128, "", tmp_path / "c")
 
 
+def test_a_float_dataset_is_not_token_ids(tmp_path):
+    # MMIDIDX has float codes; their values would be truncated into ids on the way to the model.
+    frac = _write(tmp_path / "frac_text_document", [1.5, 299.9, 7.25], np.float64)
+    with pytest.raises(UserError, match=r"frac_text_document \(float64\): floating-point "
+                                        r"values, not integer token ids"):
+        check_token_ids([frac], 300, "", tmp_path / "c")
+
+
 def test_negative_ids_are_refused_and_a_dtype_that_cannot_overflow_is_not_read(tmp_path,
                                                                              monkeypatch):
     neg = _write(tmp_path / "neg_text_document", [4, -3, 9], np.int32)

@@ -143,3 +143,23 @@ def test_empty_dataset(tmp_path):
     write_dataset(tmp_path / "e", [], np.int32)
     ds = MMapIndexedDataset(tmp_path / "e")
     assert len(ds) == 0 and ds.num_docs == 0 and ds.num_tokens == 0
+
+
+def test_a_rewrite_killed_between_its_renames_leaves_no_dataset_that_opens(tmp_path, monkeypatch):
+    # The same token count, other document boundaries: an old .idx over the new .bin would open
+    # and cut the new tokens at the old boundaries.
+    prefix = tmp_path / "d"
+    write_dataset(prefix, [[[1, 2, 3]], [[4, 5, 6]]], np.uint16)
+    import bloomtrain.data.indexed as indexed
+    real = os.replace
+
+    def replace_then_interrupt(src, dst):
+        real(src, dst)
+        raise KeyboardInterrupt  # Ctrl-C right after the first rename
+    monkeypatch.setattr(indexed.os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(prefix, [[[7]], [[8, 9, 10, 11, 12]]], np.uint16)
+    monkeypatch.setattr(indexed.os, "replace", real)
+    assert not MMapIndexedDataset.exists(prefix)
+    with pytest.raises((UserError, FileNotFoundError, OSError)):
+        MMapIndexedDataset(prefix)

@@ -355,3 +355,90 @@ def test_merge_and_tokenizer_train_on_a_full_disk_say_so_in_one_line(tmp_path, m
     monkeypatch.setattr(tok_module, "_write_tokenizer_dir", full)
     with pytest.raises(UserError, match="writing the tokenizer to .* failed: No space left"):
         train_tokenizer([tmp_path / "c.txt"], 300, tmp_path / "tok", log=lambda *a: None)
+
+
+# ---- inputs named, linked, encoded and compressed as users have them ---------------------------
+def test_a_path_with_glob_characters_is_read_as_named(tiny_tokenizer_dir, tmp_path):
+    # `shard[0].jsonl` exists: it is that file, not the pattern (which matches shard0.jsonl).
+    (tmp_path / "shard[0].jsonl").write_bytes(_jsonl(["the named one"]))
+    (tmp_path / "shard0.jsonl").write_bytes(_jsonl(["another file"]))
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    preprocess([tmp_path / "shard[0].jsonl"], tok, tmp_path / "o", **_quiet())
+    assert _read(tmp_path / "o_text_document")[0] == [tok.encode("the named one")]
+
+
+def test_a_linked_directory_is_walked_as_a_glob_walks_it(tiny_tokenizer_dir, tmp_path):
+    corpus, shards = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    shards.mkdir()
+    (corpus / "a.jsonl").write_bytes(_jsonl(["here"]))
+    (shards / "b.jsonl").write_bytes(_jsonl(["linked"]))
+    (corpus / "more").symlink_to(shards)
+    by_dir = [p.name for p in expand_inputs([corpus])]
+    by_glob = [p.name for p in expand_inputs([str(corpus / "**")])]
+    assert by_dir == by_glob == ["a.jsonl", "b.jsonl"]
+    (shards / "loop").symlink_to(corpus)  # a cycle: each directory walked once
+    assert [p.name for p in expand_inputs([corpus])] == ["a.jsonl", "b.jsonl"]
+
+
+def test_byte_order_marks_and_cr_line_ends_split_as_megatron_reads_them(tiny_tokenizer_dir,
+                                                                         tmp_path):
+    # Megatron's preprocess_data.py reads lines with open(..., encoding="utf-8"): universal
+    # newlines. A BOM is the encoding's mark, not the first record's text.
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    rows = _jsonl(["one", "two", "three"])
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + rows)
+    (tmp_path / "cr.jsonl").write_bytes(rows.replace(b"\n", b"\r"))
+    (tmp_path / "crlf.jsonl").write_bytes(rows.replace(b"\n", b"\r\n"))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfplain text")
+    for name in ("bom.jsonl", "cr.jsonl", "crlf.jsonl"):
+        stats = preprocess([tmp_path / name], tok, tmp_path / name, **_quiet())
+        assert stats.num_skipped == 0, name
+        assert _read(f"{tmp_path / name}_text_document")[0] == [tok.encode(t) for t in
+                                                                ("one", "two", "three")], name
+    preprocess([tmp_path / "bom.txt"], tok, tmp_path / "t", **_quiet())
+    assert _read(tmp_path / "t_text_document")[0] == [tok.encode("plain text")]
+
+
+def test_inputs_that_cannot_be_text_are_refused_by_name(tiny_tokenizer_dir, tmp_path):
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(_jsonl(TEXTS))
+    # A second run whose output went into its input directory: the dataset is not text, and
+    # the run's own output is not its input.
+    preprocess([src], tok, src / "out", **_quiet())
+    with pytest.raises(UserError, match="out_text_document.(bin|idx) is also this run's output"):
+        preprocess([src], tok, src / "out", **_quiet())
+    with pytest.raises(UserError, match="is a tokenized dataset .*not text"):
+        preprocess([src], tok, tmp_path / "elsewhere", **_quiet())
+    assert _read(src / "out_text_document")[0] == [tok.encode(t) for t in TEXTS]  # kept whole
+    (tmp_path / "b.jsonl.xz").write_bytes(b"\xfd7zXZ\x00")
+    with pytest.raises(UserError, match="xz files are not read here; decompress it"):
+        preprocess([tmp_path / "b.jsonl.xz"], tok, tmp_path / "x", **_quiet())
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="is a pipe or a device, not a file"):
+        preprocess([fifo], tok, tmp_path / "p", **_quiet())
+    # Valid JSON nested past the parser's depth: skipped as invalid, like any line it cannot read.
+    (tmp_path / "deep.jsonl").write_bytes(b"[" * 100000 + b"]" * 100000 + b"\n" + _jsonl(["ok"]))
+    stats = preprocess([tmp_path / "deep.jsonl"], tok, tmp_path / "d", **_quiet())
+    assert stats.docs == 1 and stats.num_skipped == 1
+
+
+def test_append_eod_takes_the_eos_transformers_takes(tiny_tokenizer_dir, tmp_path):
+    # Megatron's PretrainedFromHF appends tokenizer.eos_token_id, which transformers resolves
+    # from special_tokens_map.json over tokenizer_config.json.
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer_dir, d)
+    from tokenizers import Tokenizer as HFTokenizer
+    raw = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    raw.add_special_tokens(["<|endoftext|>"])
+    raw.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    ours = load_tokenizer(d)
+    assert ours.eod_id == hf.eos_token_id == raw.token_to_id("<|endoftext|>")

@@ -70,6 +70,22 @@ def test_errors(tmp_path):
     corpus.write_text("abc")
     with pytest.raises(UserError, match="too small"):
         train_tokenizer([corpus], 100, tmp_path / "t")
+    # Arguments the trainer would stop on with a bare OverflowError, refused in one line.
+    with pytest.raises(UserError, match="--min-frequency -1 must be 0 or more"):
+        train_tokenizer([corpus], 300, tmp_path / "t", min_frequency=-1)
+    with pytest.raises(UserError, match="is over 2,147,483,647"):
+        train_tokenizer([corpus], 10 ** 20, tmp_path / "t")
+    with pytest.raises(UserError, match="c.txt is a file; give a directory"):
+        train_tokenizer([corpus], 300, corpus)
+    # Another tokenizer's directory (sentencepiece here) is not mixed into.
+    other = tmp_path / "llama"
+    other.mkdir()
+    config = '{"tokenizer_class": "LlamaTokenizer"}'
+    (other / "tokenizer_config.json").write_text(config)
+    (other / "tokenizer.model").write_bytes(b"spm")
+    with pytest.raises(UserError, match="already holds a tokenizer .*tokenizer_config.json"):
+        train_tokenizer([corpus], 300, other)
+    assert (other / "tokenizer_config.json").read_text() == config
 
 
 def test_train_from_jsonl_and_cli(tmp_path):
