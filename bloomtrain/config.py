@@ -513,6 +513,9 @@ class Config:
         if o.decay_samples is not None and o.decay_samples <= o.warmup_samples:
             problems.append(f"optim.decay_samples ({o.decay_samples}) must exceed "
                             f"optim.warmup_samples ({o.warmup_samples})")
+        if o.min_loss_scale > o.initial_loss_scale:  # Megatron's DynamicGradScaler asserts it
+            problems.append(f"optim.min_loss_scale ({o.min_loss_scale:g}) must not exceed "
+                            f"optim.initial_loss_scale ({o.initial_loss_scale:g})")
         if (c.save_interval or c.save_interval_minutes) and not c.dir:
             problems.append("checkpoint.save_interval needs checkpoint.dir")
         if p.hang_timeout_minutes is not None and p.hang_timeout_minutes >= p.timeout_minutes:

@@ -152,6 +152,12 @@ class ParallelLayout:
         out = self.tensor_parallel_problems(shape, cfg.data.seq_length,
                                             cfg.model.make_vocab_size_divisible_by)
         out += self.pipeline_problems(shape.num_layers)
+        p = cfg.parallel
+        if self.dp == 1 and (p.grad_reduce_dtype != "fp32" or p.weight_gather_dtype != "auto"):
+            # Accepted, they would change nothing and say nothing.
+            out.append("parallel.grad_reduce_dtype / weight_gather_dtype compress the data-"
+                       "parallel traffic, and at dp 1 there is none: leave them at their "
+                       "defaults, or run with more data-parallel ranks")
         if self.schedule == "zb-h1" and cfg.train.compile:
             out.append("parallel.pp_schedule=zb-h1 with train.compile=true would defer "
                        "nothing: the compiled blocks compute their weight gradients inside "

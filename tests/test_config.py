@@ -261,3 +261,13 @@ def test_each_key_accepts_and_refuses_what_it_means(key):
         else:
             with pytest.raises(UserError, match=re.escape(key)):
                 cfg.check()
+
+
+def test_a_minimum_loss_scale_above_the_initial_is_refused():
+    # Megatron's DynamicGradScaler asserts min_scale <= initial_scale; accepted, an overflow
+    # raised the scale to the minimum.
+    cfg = Config.from_dict({"train": {"train_iters": 1},
+                            "optim": {"initial_loss_scale": 2.0, "min_loss_scale": 64.0}})
+    with pytest.raises(UserError, match=r"optim.min_loss_scale \(64\) must not exceed "
+                                        r"optim.initial_loss_scale \(2\)"):
+        cfg.check()

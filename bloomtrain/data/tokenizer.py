@@ -33,15 +33,7 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    minimum = len(SPECIAL_TOKENS) + len(alphabet)
-    if vocab_size < minimum:
-        raise UserError(f"--vocab-size {vocab_size} is too small: the byte alphabet and special "
-                        f"tokens alone take {minimum}")
-    if min_frequency < 0:
-        raise UserError(f"--min-frequency {min_frequency} must be 0 or more")
-    if vocab_size > MAX_VOCAB:
-        raise UserError(f"--vocab-size {vocab_size} is over {MAX_VOCAB:,}: token ids are "
-                        f"stored as 32-bit integers")
+    _check_train_args(vocab_size, min_frequency, len(SPECIAL_TOKENS) + len(alphabet))
     output_dir = _new_output(Path(output_dir))
     paths = expand_inputs(list(files))
 
@@ -86,6 +78,18 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
                       "free disk space or choose another --output"):
         _write_tokenizer_dir(tok, output_dir)
     return output_dir / "tokenizer.json"
+
+
+def _check_train_args(vocab_size: int, min_frequency: int, minimum: int) -> None:
+    """What the trainer would stop on with a bare OverflowError, or after training."""
+    if vocab_size < minimum:
+        raise UserError(f"--vocab-size {vocab_size} is too small: the byte alphabet and special "
+                        f"tokens alone take {minimum}")
+    if vocab_size > MAX_VOCAB:
+        raise UserError(f"--vocab-size {vocab_size} is over {MAX_VOCAB:,}: token ids are "
+                        f"stored as 32-bit integers")
+    if min_frequency < 0:
+        raise UserError(f"--min-frequency {min_frequency} must be 0 or more")
 
 
 # Any tokenizer's files (ours, a GPT-2 style pair, sentencepiece, WordPiece): a directory

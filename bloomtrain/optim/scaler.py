@@ -23,7 +23,9 @@ class DynamicLossScaler:
                 self.scale = max(self.scale * 0.5, self.min_scale)
         else:
             self._growth_tracker += 1
-            if self._growth_tracker == self.window:
+            # >=, not Megatron's ==: a resume with a smaller window than the checkpoint's
+            # tracker would otherwise never grow the scale again.
+            if self._growth_tracker >= self.window:
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 self.scale *= 2.0

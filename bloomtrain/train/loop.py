@@ -98,6 +98,40 @@ class TrainData:
                 self.topo.dp_size, eod_id=self.eod_id, eod_mask_loss=self.cfg.data.eod_mask_loss))
 
 
+@dataclass
+class Preflight:
+    """What a run checks and resolves before any process group starts."""
+    device: torch.device
+    tokenizer: object
+    run: RunLayout
+    attention: str
+    plan: object
+    plan_text: str
+    host_resident: int
+    host: object
+
+
+def preflight(cfg: Config, run: RunLayout, world: int) -> Preflight:
+    device = resolve_device(cfg)
+    # The model's vocabulary follows the tokenizer's, and every dataset's token ids must
+    # fit it. `bloomtrain train` checked before launching; a Trainer built from Python was
+    # not (the result is cached: a second check reads one small file per dataset).
+    tokenizer, run = check_data(cfg, run)
+    # The kernel depends on the device and shape: resolved before any process group starts.
+    attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout, device,
+                                  cfg.train.precision, cfg.data.seq_length, run.shape.head_dim)
+    # The planner's memory prediction for this layout, before any process group: on CUDA a
+    # layout it predicts not to fit is refused here, not by an OOM at the first step.
+    plan, plan_text = plan_for_run(cfg, run.shape, world, device)
+    # ZeRO-Offload's host memory on this node, checked before anything is allocated: the
+    # node's ranks are all here (none passes init_distributed before the others arrive),
+    # each holding what this one holds now.
+    resident = resident_bytes()  # the process before it allocates
+    host = check_host(cfg, run.shape, run.layout, "cuda" if device.type == "cuda" else "cpu",
+                      node_ranks(world), resident)
+    return Preflight(device, tokenizer, run, attention, plan, plan_text, resident, host)
+
+
 class Trainer:
     spike: Spike | None = None  # the loss spike the last train_step found
 
@@ -109,31 +143,26 @@ class Trainer:
         if run is None:
             run = validate(cfg, world)  # before anything starts
         self.cfg = cfg
-        self.device = resolve_device(cfg)
-        # The model's vocabulary follows the tokenizer's, and every dataset's token ids must
-        # fit it. `bloomtrain train` checked before launching; a Trainer built from Python was
-        # not (the result is cached: a second check reads one small file per dataset).
-        self.tokenizer, run = check_data(cfg, run)
-        # The kernel depends on the device and shape: resolved before any process group starts.
-        self.attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout,
-                                           self.device, cfg.train.precision,
-                                           cfg.data.seq_length, run.shape.head_dim)
-        # The planner's memory prediction for this layout, before any process group: on CUDA a
-        # layout it predicts not to fit is refused here, not by an OOM at the first step.
-        self.plan, self.plan_text = plan_for_run(cfg, run.shape, world, self.device)
-        # ZeRO-Offload's host memory on this node, checked before anything is allocated: the
-        # node's ranks are all here (none passes init_distributed before the others arrive),
-        # each holding what this one holds now.
-        self.host_resident = resident_bytes()  # the process before it allocates
-        self.host = check_host(cfg, run.shape, run.layout,
-                               "cuda" if self.device.type == "cuda" else "cpu",
-                               node_ranks(world), self.host_resident)
+        pre = preflight(cfg, run, world)
+        self.device, self.tokenizer, run = pre.device, pre.tokenizer, pre.run
+        self.attention, self.plan, self.plan_text = pre.attention, pre.plan, pre.plan_text
+        self.host_resident, self.host = pre.host_resident, pre.host
         open_sinks(cfg, Path(cfg.run_dir), False, None, [])  # a required viewer's package
         self.harness = HarnessHook.from_config(cfg, self.tokenizer, self.print)
         init_distributed(cfg, self.device)
         self.topo = Topology.build(layout=run.layout, timeout_minutes=cfg.parallel.timeout_minutes)
         # One job per run directory and checkpoint.dir, before either is written.
         self.run_lock = lock_run(cfg.run_dir, cfg.checkpoint.dir, self.topo, log, owner=self)
+        try:
+            self._build(cfg, run, log)
+        except BaseException:
+            # A failed build holds nothing: a notebook keeps the traceback, and this object
+            # with it, until the kernel restarts.
+            self.run_lock.release()
+            raise
+
+    def _build(self, cfg: Config, run: RunLayout, log) -> None:
+        """Everything after the lock: the model, data, checkpoints and logs of this run."""
         self.watchdog = Watchdog.start(self.topo, cfg.run_dir, cfg.parallel.hang_timeout_s)
         self.is_logger = self.topo.rank == 0
         self._log = log
@@ -303,7 +332,7 @@ class Trainer:
             meter.spike = spike  # its record carries it
             if spike.action != "rollback":  # the rollback said it, with where to
                 self.print(spike.line())
-        elif res.skipped:
+        if res.skipped and (spike is None or spike.action == "log"):  # skipped by overflow
             self.steplog.warn_skipped(state, res)
         self.steplog.step(meter, state, (loss, lr, res, gbs, stats),
                           due=state.step % t.log_interval == 0 or res.skipped or spike is not None)

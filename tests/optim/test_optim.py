@@ -43,6 +43,12 @@ def test_loss_scaler_hysteresis_window_min():
     other = DynamicLossScaler()
     other.load_state_dict(state)
     assert other.state_dict() == state
+    # A resume with a smaller window than the saved tracker: the scale grows at the next
+    # clean step (Megatron's == would never grow it again).
+    resumed = DynamicLossScaler(window=2)
+    resumed.load_state_dict({"scale": 256.0, "growth_tracker": 3, "hysteresis_tracker": 2})
+    resumed.update(False)
+    assert resumed.scale == 512.0
 
 
 def test_no_weight_decay_groups():

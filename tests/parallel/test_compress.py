@@ -68,6 +68,32 @@ def _reduce_rank(rank, world, dtype):
     return x, out, outs, residual, full
 
 
+def _all_reduce_feedback_rank(rank, world, steps):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(world * 256, generator=g) * torch.linspace(0.01, 1, world * 256)
+    residual, applied = torch.zeros_like(x), torch.zeros_like(x)
+    for _ in range(steps):  # a constant gradient, reduced `steps` times with error feedback
+        full = x.clone()
+        compress.all_reduce(full, comm.world_group(), "dp", "int8", residual)
+        applied += full
+    return x, applied, residual
+
+
+def test_stage0_error_feedback_covers_the_gathers_encoding_too():
+    # Stage 0's all-reduce encodes the sum a second time for its gather. What was applied over
+    # N reductions is N times the exact sum less what every rank still owes, exactly: the
+    # error stays within one step's rounding however long the run (it grew linearly with N
+    # while the gather's rounding was not fed back: 4.6 after 400 steps of 0.036 each).
+    for steps in (10, 200):
+        res = run_ranks(2, _all_reduce_feedback_rank, steps)
+        exact = res[0][0] + res[1][0]
+        owed = res[0][2] + res[1][2]
+        for _, applied, _ in res:
+            torch.testing.assert_close(applied, steps * exact - owed, rtol=0, atol=1e-4 * steps)
+            step_size = float(exact.abs().max()) / 127
+            assert float((applied - steps * exact).abs().max()) < 2 * step_size, steps
+
+
 @pytest.mark.parametrize("dtype", ["int8", "bf16"])
 def test_compressed_reduce_scatter_is_the_fp32_sum_of_the_decoded_chunks(dtype):
     world = 2
@@ -201,15 +227,29 @@ def test_refused_combinations(parallel, message):
         cfg.check()
 
 
+@pytest.mark.parametrize("parallel", [{"grad_reduce_dtype": "int8"},
+                                      {"grad_reduce_dtype": "bf16", "grad_error_feedback": True},
+                                      {"zero_stage": 3, "weight_gather_dtype": "int8"}])
+def test_compression_at_dp_1_is_refused_not_silently_off(parallel):
+    from bloomtrain.validate import validate
+    cfg = Config.from_dict({"parallel": parallel, "train": {"train_iters": 1},
+                            "model": {"preset": "tiny"}})
+    with pytest.raises(UserError, match="at dp 1 there is none"):
+        validate(cfg, 1)
+    validate(cfg, 2)  # dp 2: accepted
+
+
 # ---- the error-feedback residual through a checkpoint --------------------------------------------
 
 EF = {"zero_stage": 1, "grad_reduce_dtype": "int8", "grad_error_feedback": True}
 
 
-def _ef_cfg(dataset, tmp, resume="auto", **parallel):
+def _ef_cfg(dataset, tmp, resume="auto", train__precision="bf16", train__train_iters=6,
+            **parallel):
     from tests.helpers import make_cfg
-    return make_cfg(dataset, Path(tmp), parallel={**EF, **parallel}, train__precision="bf16",
-                    train__micro_batch_size=1, train__train_iters=6,
+    return make_cfg(dataset, Path(tmp), parallel={**EF, **parallel},
+                    train__precision=train__precision, train__micro_batch_size=1,
+                    train__train_iters=train__train_iters,
                     checkpoint={"dir": f"{tmp}/ck", "save_interval": 3, "async_save": False,
                                 "keep_last": None, "resume": resume})
 
@@ -230,6 +270,26 @@ def _ef_resume_rank(rank, world, dataset, tmp, zero_stage):
     bufs = resumed.engine.bufs
     out["resumed_state"] = {k: getattr(bufs, k).clone() for k in out["full_state"]}
     return out
+
+
+def _ef_precision_rank(rank, world, dataset, tmp):
+    from bloomtrain.train import Trainer
+    quiet = lambda *a: None  # noqa: E731
+    saved = Trainer(_ef_cfg(dataset, f"{tmp}/fp16", train__precision="fp16",
+                            train__train_iters=3), log=quiet)
+    saved.run()
+    residual, scale = saved.engine.bufs.grad_residual.clone(), saved.optimizer.loss_scale
+    at3 = str(ckpt.list_checkpoints(Path(tmp) / "fp16" / "ck")[0][1])
+    resumed = Trainer(_ef_cfg(dataset, f"{tmp}/bf16", resume=at3), log=quiet)
+    return residual, scale, resumed.engine.bufs.grad_residual.clone()
+
+
+def test_an_fp16_residual_resumed_in_bf16_is_unscaled(dataset, tmp_path):
+    # Under fp16 the residual is owed in loss-scaled gradients; a bf16 run's carry no scale.
+    # Loaded as saved, the first bf16 reduction sent 4096x what was owed (grad norm 27 for 1).
+    for residual, scale, resumed in run_ranks(2, _ef_precision_rank, dataset, str(tmp_path)):
+        assert scale > 1 and residual.abs().max() > 0
+        assert torch.equal(resumed, residual / scale)  # a power of two: exact
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2])

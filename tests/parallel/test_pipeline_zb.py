@@ -477,3 +477,44 @@ def test_first_stage_holds_exactly_1f1b_memory():
     assert largest == peaks[0]["1f1b"]
     for p in peaks[1:]:
         assert p["1f1b"] < p["zb-h1"] <= largest
+
+
+# ---- 16-bit training: every gradient accumulated in fp32, micro-batch by micro-batch --------
+def _accumulators_rank(rank, world, precision, num_micro):
+    """Each schedule's fp32 gradient accumulators after one step's backward (before any
+    reduction), and the masters after the step."""
+    from bloomtrain.parallel.pipeline import pipeline_train_step
+    from bloomtrain.topology import Topology
+    from tests import helpers
+    base = Topology.build(tp=1, pp=world)
+    out = {}
+    for schedule in ("1f1b", "zb-h1"):
+        cfg = helpers.config(tp.SHAPE, precision=precision, seed=tp.SEED,
+                             parallel={"pp": world, "pp_schedule": schedule,
+                                       "pp_partition": "uniform"},
+                             micro_batch_size=1, global_batch_size=num_micro)
+        topo = helpers.topology(cfg, base)
+        parts = helpers.build(cfg, topo)
+        parts.optimizer.zero_grad()
+        pipeline_train_step(schedule, parts.chunks, tp.micro_batches(0, num_micro), topo,
+                            scale_loss=parts.optimizer.scale_loss,
+                            recv_shape=(1, tp.SEQ, tp.SHAPE.hidden_size),
+                            dtype=parts.engine.compute_dtype, timeout=60)
+        grads = parts.engine.bufs.grad.clone()
+        parts.engine.reduce_gradients()
+        parts.optimizer.clip_grad_norm()
+        parts.optimizer.step(1e-3)
+        out[schedule] = (grads, parts.engine.bufs.master.clone())
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zb_h1_accumulates_the_lm_heads_gradient_in_fp32_as_1f1b(precision):
+    # The last stage's LM head computes its weight gradient in B. Kept as one running sum until
+    # the next W, the first pp micro-batches' gradients were added in bf16/fp16 (its fp16 sum
+    # could overflow where 1F1B's did not); handed over after each B, the fp32 accumulator
+    # gets each micro-batch's as 1F1B gives it: the same bits. (In fp32 the running sum was
+    # exact too, which is why the fp32 parity tests did not see it.)
+    for ranks in run_ranks(2, _accumulators_rank, precision, 8):
+        for kept, name in ((0, "accumulated gradients"), (1, "masters after the step")):
+            assert torch.equal(ranks["zb-h1"][kept], ranks["1f1b"][kept]), name

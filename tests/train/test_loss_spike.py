@@ -332,3 +332,33 @@ def test_a_rollback_to_an_async_save_that_failed_goes_to_the_one_before(dataset,
     assert any(l.startswith("[train] loss spike at step 13") and
                "no checkpoint to roll back to yet" in l for l in lines), lines
     assert any("no space left on device (injected)" in l for l in lines)
+
+
+@pytest.mark.parametrize("action", ["skip", "log"])
+def test_an_fp16_spike_that_overflows_is_an_overflow_too(dataset, tmp_path, action):
+    # A spike's gradients often overflow in fp16. Vetoed (skip), the step still counts as the
+    # overflow it is: the scale backs off (hysteresis) instead of growing at the next step. Let
+    # through (log), the overflow's skip is said as well as the spike.
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=13, train__on_loss_spike=action,
+                   train__precision="fp16",
+                   optim={"initial_loss_scale": 4096.0, "loss_scale_window": 6})
+    lines = []
+    trainer = Trainer(cfg, log=capture(lines))
+    inject_spike(trainer, {12}, factor=1e6)
+    scales = {}
+    step = trainer._step
+
+    def recording(*args):
+        step(*args)
+        scales[trainer.state.step] = trainer.optimizer.scaler.state_dict()
+    trainer._step = recording
+    trainer.run()
+    # Steps 7-11 clean after the growth at 6: the tracker at 5 of 6 before step 12.
+    assert scales[11]["growth_tracker"] == 5
+    assert scales[12]["growth_tracker"] == 0 and scales[12]["hysteresis_tracker"] == 1
+    assert scales[13]["scale"] == scales[11]["scale"]  # not doubled after the overflow
+    rec = steps_of(tmp_path / "run")[12]
+    assert rec["skipped"] is True and rec["loss_spike"]["action"] == action
+    said = "".join(lines)
+    assert "loss spike at step 12" in said
+    assert ("non-finite" in said) == (action == "log")

@@ -113,3 +113,21 @@ def test_a_held_directory_is_a_user_error_on_every_rank(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="is in use by another run"):
         runlock.lock_run(str(tmp_path / "run"), str(tmp_path / "ckpt"), _Rank0(), print)
     assert not runlock._HELD
+
+
+def test_a_trainer_that_fails_to_build_holds_nothing(dataset, tmp_path, monkeypatch):
+    # A notebook keeps the traceback (sys.last_traceback), and the half-built Trainer with it:
+    # the lock must not live as long, or the user's next job in that directory is refused.
+    from bloomtrain.train import Trainer, loop
+    taken = []
+
+    def lock_run(*args, **kwargs):
+        taken.append(runlock.lock_run(*args, **kwargs))
+        return taken[-1]
+    monkeypatch.setattr(loop, "lock_run", lock_run)
+    cfg = helpers.make_cfg(dataset, tmp_path, checkpoint={"resume": str(tmp_path / "nowhere")})
+    with pytest.raises(Exception, match="nowhere") as kept:
+        Trainer(cfg, log=lambda *a: None)
+    assert taken, "the build failed before the lock: this test tests nothing"
+    assert kept.value.__traceback__ is not None  # the frames (and the Trainer) still alive
+    assert os.path.realpath(tmp_path / "run") not in runlock._HELD

@@ -206,7 +206,8 @@ class _Step:
         self.scale_loss, self.p2p, self.timeline = scale_loss, p2p, timeline
         self.num_micro = len(micro_batches)
         # zb-h1: B leaves the weight gradients to W (bloomtrain.parallel.pipeline.weightgrad).
-        # The last stage's LM head computes its weight gradient in B (WeightGradStore.running).
+        # The last stage's LM head computes its weight gradient in B, and hands it over right
+        # after it (WeightGradStore.running).
         self.store = None
         if train and schedule in SPLIT_BACKWARD:
             self.store = WeightGradStore([c.lm_head.weight for c in chunks if c.is_last])
@@ -265,6 +266,7 @@ class _Step:
             params = [p for p in chunk.parameters() if p.requires_grad]
             inp_grad = backward_input(out, grad, inp, params, self.store,
                                       (op.chunk, op.micro_batch))
+            self.store.hand_running()
         self.record("B", t0, op)
         return [] if chunk.is_first else [(op, inp_grad)]
 

@@ -17,8 +17,8 @@ micro-batch, as under 1F1B. In that pass each matmul is a node, so W holds one w
 a time and frees each (input, output gradient) as it goes. What a micro-batch holds from its B to
 its W is then the paper's M_W (16 values per token and hidden unit per layer), less than its
 activations M_B: ZB-H1's bound on memory. The LM head is the exception: its output gradient is
-vocabulary-wide, so the store (given it as `immediate`) has B compute its weight gradient and keep
-one running sum until the next W instead. The mode must also be active in B: activation
+vocabulary-wide, so the store (given it as `immediate`) has B compute its weight gradient and
+hand it to autograd at once, in a pass of its own (each micro-batch's, accumulated in fp32). The mode must also be active in B: activation
 checkpointing recomputes the forward there, and the recomputation must record the same ops.
 """
 from __future__ import annotations
@@ -39,10 +39,12 @@ class WeightGradStore:
         self.grads: dict[tuple[int, int], list] = {}
         # Weights whose gradient B computes at once (the LM head, see `running`).
         self.immediate = {id(w) for w in immediate}
-        # id(parameter) -> (parameter, the sum of its gradients that B computed since the last W).
-        # The LM head's (input, output gradient) is vocab-wide per token: held back for several
-        # micro-batches it outweighs the one weight-sized sum kept here, which the next W hands
-        # to autograd with the rest (its hooks then see it once per W that has it).
+        # id(parameter) -> (parameter, its gradient that this B computed). The LM head's
+        # (input, output gradient) is vocab-wide per token, too large to hold back for W; its
+        # weight gradient is computed in B and handed to autograd right after it (hand_running),
+        # one backward pass per micro-batch: its hooks add each micro-batch's 16-bit gradient
+        # to the fp32 accumulator, as under 1F1B. (A sum kept until the next W added the first
+        # pp micro-batches' gradients in 16 bits; up to pp x an fp16 overflow's chance.)
         self.running: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def put_linear(self, weight, bias, x, dy) -> None:
@@ -68,22 +70,34 @@ class WeightGradStore:
         as W goes. The other gradients enter through nodes too (_HandOff), which let go of them,
         so that autograd can take them as .grad instead of copying them."""
         linears = self.linears.pop(key, [])
-        others = self.grads.pop(key, []) + list(self.running.values())
-        self.running.clear()
+        others = self.grads.pop(key, [])
         outs = []
         with torch.enable_grad():
             while others:
                 outs.append(_HandOff.apply(*others.pop()))
             while linears:
                 outs.append(_WeightGrad.apply(*linears.pop()))
-        if outs:
-            Variable._execution_engine.run_backward(
-                tensors=tuple(outs), grad_tensors=tuple(out.new_empty(0) for out in outs),
-                keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
-                accumulate_grad=True)
+        _run_backward(outs)
+
+    def hand_running(self) -> None:
+        """The gradients this B computed at once (the LM head's), to autograd in a pass of
+        their own, hooks included."""
+        others = list(self.running.values())
+        self.running.clear()
+        with torch.enable_grad():
+            _run_backward([_HandOff.apply(*other) for other in others])
 
     def pending(self) -> int:
         return len(set(self.linears) | set(self.grads))
+
+
+def _run_backward(outs: list) -> None:
+    """One backward pass from the empty outputs of _WeightGrad/_HandOff nodes."""
+    if outs:
+        Variable._execution_engine.run_backward(
+            tensors=tuple(outs), grad_tensors=tuple(out.new_empty(0) for out in outs),
+            keep_graph=False, create_graph=False, inputs=(), allow_unreachable=True,
+            accumulate_grad=True)
 
 
 def _weight_grads(x, dy, with_bias: bool):

@@ -81,6 +81,12 @@ def all_reduce(tensor: torch.Tensor, group, name: str, dtype: str,
     shard = torch.empty(m, dtype=torch.float32, device=tensor.device)
     reduce_scatter(shard, tensor, group, name, dtype, residual)
     mine = encode(shard.view(1, m), dtype)
+    if residual is not None:
+        # The sum is encoded a second time for the gather, and what that loses is owed by
+        # the whole group. Charged to this rank's residual for its own chunk, the next
+        # reduce-scatter sends it into the same sum (1-bit Adam's server-side error): without
+        # it the applied gradient's error grew with every step.
+        residual.view(n, m)[comm.group_rank(group)].add_(shard - decode(mine, m, dtype)[0])
     gathered = torch.empty((n, mine.shape[1]), dtype=torch.int8, device=tensor.device)
     comm.all_gather_into_tensor(gathered.view(-1), mine.view(-1), group, name)
     tensor.view(n, m).copy_(decode(gathered, m, dtype))

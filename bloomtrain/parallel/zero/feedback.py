@@ -8,7 +8,7 @@ al. 2014, Karimireddy et al., arXiv 1901.09847), its whole life in one module:
   the rank sends Q(g + e) and keeps e <- (g + e) - D(Q(g + e)), so what quantization drops in one
   reduction is sent in a later one;
 - after a step (`after_step`, from the optimizer): reset on an overflow, rescaled on a change
-  of the fp16 loss scale;
+  of the fp16 loss scale (`rescale`; on resume too, from the saved scale to this run's);
 - checkpoint and reshard (`residuals_here` for state.fragments, `load` for state.load_state):
   every dp rank's residual is saved, one kind per saving rank (`grad_residual_dp{s}`); on
   resume at the same dp size rank r takes its own, at another every rank takes the saved ones'
@@ -58,8 +58,16 @@ def after_step(bufs: FlatBuffers, found_inf: bool, scale: float | None,
         return
     if found_inf:
         residual.zero_()
-    elif scale is not None and next_scale is not None and next_scale != scale:
-        residual.mul_(next_scale / scale)
+    elif scale is not None and next_scale is not None:
+        rescale(bufs, scale, next_scale)
+
+
+def rescale(bufs: FlatBuffers, scale: float, next_scale: float) -> None:
+    """The residual, owed in gradients that carried loss scale `scale`, in the units of ones
+    that carry `next_scale` (1 without fp16 scaling): a change of the fp16 scale, or a resume
+    into another precision (an fp16 checkpoint's residual is scaled, a bf16 run's is not)."""
+    if bufs.grad_residual is not None and next_scale != scale:
+        bufs.grad_residual.mul_(next_scale / scale)
 
 
 def residuals_here(bufs: FlatBuffers, seg: Segment, topo) -> torch.Tensor | None:

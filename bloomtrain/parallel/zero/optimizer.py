@@ -153,14 +153,18 @@ class ZeroAdamW:
 
     def discard(self) -> StepResult:
         """The step not taken, as a skip (the loss-spike monitor's veto, after the reductions):
-        the norm is reported, and unlike an overflow the loss scale stays as it is, since these
-        gradients are finite. The error-feedback residual, which the reductions have just
-        charged with this gradient's rounding, goes as an overflow's does: kept, it would carry
-        part of the vetoed gradient into the next update."""
-        norm = float(self.engine.grad_norm()) / self.loss_scale
+        the norm is reported. Finite gradients leave the loss scale as it is; gradients that
+        overflowed too (a spike often does both) count as the overflow they are, as in
+        clip_grad_norm, so that the scale backs off rather than grows on the next step. The
+        error-feedback residual, which the reductions have just charged with this gradient's
+        rounding, goes as an overflow's does: kept, it would carry part of the vetoed gradient
+        into the next update."""
+        scale = self.loss_scale
+        norm = float(self.engine.grad_norm()) / scale
+        if self.scaler and not math.isfinite(norm):
+            self.scaler.update(True)
         feedback.after_step(self.engine.bufs, True, None, None)
-        return StepResult(grad_norm=norm, skipped=True,
-                          loss_scale=self.scaler.scale if self.scaler else None)
+        return StepResult(grad_norm=norm, skipped=True, loss_scale=scale if self.scaler else None)
 
     def _analyse(self, loss_scale: float | None) -> grad_stats.StepStats:
         if self._analyser is None:
@@ -178,10 +182,16 @@ class ZeroAdamW:
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, scalars: dict | None) -> None:
+        """The checkpoint's scalars, after the engine's state (the residual among it)."""
+        saved_scale = 1.0  # the saving run's loss scale: 1 unless it ran fp16
         if scalars:
             self.step_count = int(scalars.get("step_count", 0))
-            if self.scaler and scalars.get("scaler"):
-                self.scaler.load_state_dict(scalars["scaler"])
+            if scalars.get("scaler"):
+                saved_scale = float(scalars["scaler"]["scale"])
+                if self.scaler:
+                    self.scaler.load_state_dict(scalars["scaler"])
+        # An fp16 checkpoint resumed in bf16 (or back): its residual was in scaled units.
+        feedback.rescale(self.engine.bufs, saved_scale, self.loss_scale)
 
 
 # ---- the buffers cut into the tensors AdamW steps ----------------------------------------------
