@@ -338,6 +338,20 @@ def parse_completion(body: dict, tokenizer, max_queue: int, strict: bool) -> Com
     return CompletionRequest(prompts, s, echo, ignored)
 
 
+def token_name(tokenizer, token_id: int) -> str:
+    """A token as the completions API's logprobs name it, a string of its own (the keys of
+    `top_logprobs`): its text; or, for a byte-level token holding part of a character, whose
+    text alone is U+FFFD like every other such token's (one key for several alternatives, the
+    last one's logprob under it), OpenAI's `bytes:\\xNN` spelling of its bytes; a special
+    token that decodes to nothing, its name."""
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text or tokenizer.id_to_token(token_id) or ""
+
+
 class CompletionChoice:
     """One sample of one prompt as it accumulates, in the completions API's shape."""
 
@@ -358,14 +372,13 @@ class CompletionChoice:
         self.echoed = False
 
     def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return token_name(self.tokenizer, token_id)
 
     def _add_logprobs(self, lp: dict, entries, token_ids) -> None:
         for entry, tid in zip(entries, token_ids):
-            s = self._token_str(tid)
-            lp["tokens"].append(s)
+            lp["tokens"].append(self._token_str(tid))
             lp["text_offset"].append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self.tokenizer.decode([tid]))  # offsets into the text returned
             if entry is None:  # the first prompt token has nothing to be predicted from
                 lp["token_logprobs"].append(None)
                 lp["top_logprobs"].append(None)

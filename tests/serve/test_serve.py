@@ -491,6 +491,37 @@ def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     assert body["usage"]["completion_tokens"] == 0
 
 
+def test_top_logprobs_keep_every_alternative_of_tokens_that_split_a_character(model_dir,
+                                                                              tokenizer):
+    """Byte-level tokens holding part of a character all decode to U+FFFD alone: keyed by that
+    text, `top_logprobs` kept one of them (the last one's logprob), so lm-eval's greedy check
+    (the token's logprob against the best of top_logprobs) went wrong on CJK and emoji. Each
+    is named by its bytes (OpenAI's `bytes:\\xNN`), so the k alternatives are k keys, the
+    best one is HF's argmax, and the token's own key holds its own logprob."""
+    ref, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    partial = [i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])]
+    assert len(partial) >= 10, "the tokenizer splits no character: this test tests nothing"
+    prompt = [partial[(7 * i) % len(partial)] for i in range(16)]
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            async with session.post("/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 5}) as resp:
+                return await resp.json()
+
+    lp = asyncio.run(main())["choices"][0]["logprobs"]
+    with torch.no_grad():
+        logits = torch.log_softmax(ref(torch.tensor([prompt])).logits[0], -1)
+    for i in range(1, len(prompt)):
+        top = lp["top_logprobs"][i]
+        assert len(top) >= 5, (i, top)
+        assert max(top.values()) == pytest.approx(float(logits[i - 1].max()), abs=1e-4), i
+        assert lp["tokens"][i].startswith("bytes:\\x")
+        if lp["tokens"][i] in top:
+            assert top[lp["tokens"][i]] == lp["token_logprobs"][i]
+
+
 # ---- the OpenAI/vLLM request surface --------------------------------------------------------
 
 def test_neutral_fields_extras_unknown_fields_and_model_names(model_dir, tokenizer):
