@@ -182,8 +182,8 @@ def _generate_options(args) -> tuple[bool, float, float]:
     do_sample = bool(sampling_flags)
     temperature = 1.0 if args.temperature is None else args.temperature
     top_p = 1.0 if args.top_p is None else args.top_p
-    if do_sample and temperature <= 0:
-        raise UserError(f"--temperature must be positive, got {temperature}")
+    if do_sample and not 0 < temperature < float("inf"):  # nan fails both, as inf the second
+        raise UserError(f"--temperature must be a positive number, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if args.top_k is not None and args.top_k < 0:

@@ -182,3 +182,15 @@ def test_cli_generate_errors(trained_checkpoint, capsys, tmp_path, models):
     _, _, hf_dir = models  # saved without a tokenizer
     assert main(["generate", "--checkpoint", str(hf_dir), "--prompt", "x"]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+    # inf and nan were taken: junk (every score 0 or nan) or a silent greedy run.
+    for bad in ("inf", "nan"):
+        assert main(["generate", "--checkpoint", str(root), "--prompt", "x",
+                     "--temperature", bad]) == 2
+        assert f"--temperature must be a positive number, got {bad}" in capsys.readouterr().err
+    # The KV cache is allocated for the longest run asked for: refused when it cannot fit,
+    # in one line, not an allocator's traceback (500 GB asked for here).
+    assert main(["generate", "--checkpoint", str(root), "--prompt", "x",
+                 "--max-new-tokens", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert "the KV cache for 1 sequence(s) of up to 1,000,000,00" in err
+    assert "ask for fewer new tokens (--max-new-tokens)" in err and "Traceback" not in err

@@ -39,9 +39,31 @@ def offline_engine(model, *, num_seqs: int, max_len: int, longest_prompt: int,
                           prefill_chunk=chunk, max_queue=num_seqs, enforce_eager=enforce_eager)
     shape, weight = model.shape, model.transformer.word_embeddings_layernorm.weight
     dtype, device = weight.dtype, weight.device
+    _check_cache_fits(shape, config.num_blocks * BLOCK, dtype, device, num_seqs, max_len)
     cache = PagedKVCache(shape.num_layers, config.num_blocks, BLOCK, shape.num_heads,
                          shape.head_dim, dtype, device)
     runner = ModelRunner(model, cache, min_rows=1)
     use_decode_graphs(runner, num_seqs, max_len, enforce_eager)
     return Engine(runner.forward, config, vocab_size=shape.vocab_size, vocab_limit=vocab_limit,
                   eos_token_id=eos_token_id, tokenizer=tokenizer, device=device)
+
+
+def _check_cache_fits(shape, tokens: int, dtype, device, num_seqs: int, max_len: int) -> None:
+    """The cache is allocated whole, for every sequence's longest run: one that cannot fit is
+    refused in a line before anything is allocated (a huge --max-new-tokens was an allocator's
+    traceback after the model had loaded)."""
+    import torch
+
+    from bloomtrain.errors import UserError
+    from bloomtrain.planner.host import available_host_memory
+
+    need = 2 * shape.num_layers * tokens * shape.num_heads * shape.head_dim * dtype.itemsize
+    if device.type == "cuda":
+        have, source = torch.cuda.mem_get_info(device)[0], "free CUDA memory"
+    else:
+        have, source = available_host_memory()
+    if need > have:
+        raise UserError(f"the KV cache for {num_seqs} sequence(s) of up to {max_len:,} tokens "
+                        f"takes {need / 2 ** 30:,.1f} GiB, more than the {have / 2 ** 30:,.1f} "
+                        f"GiB of {source}: ask for fewer new tokens (--max-new-tokens) or fewer "
+                        f"prompts at once")
