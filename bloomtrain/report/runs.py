@@ -38,6 +38,7 @@ class Run:
     updated: float  # mtime of metrics.jsonl
     # downstream eval records (eval/<task>/<metric>: bloomtrain.eval.training)
     harness: list[dict] = field(default_factory=list)
+    stops: list[dict] = field(default_factory=list)  # clean stops before the end ("stopped")
 
 
 def read_metrics(path: Path) -> tuple[list[dict], bool]:
@@ -103,6 +104,7 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
                steps=[r for r in records if "loss" in r and "eval_loss" not in r],
                evals=[r for r in records if "eval_loss" in r],
                harness=[r for r in records if any(k.startswith(HARNESS_PREFIX) for k in r)],
+               stops=[r for r in records if "stopped" in r],
                config=config, config_text=config_text, partial_tail=partial,
                updated=mpath.stat().st_mtime)
 
@@ -217,6 +219,8 @@ class Summary:
     harness_step: int | None = None  # the last downstream evaluation's step
     harness: dict[str, dict[str, float]] = field(default_factory=dict)  # task -> metric -> value
 
+    stopped: str | None = None  # why the run stopped before its end, when that is its last word
+
     @property
     def finished(self) -> bool:
         return self.step is not None and self.total_steps is not None and \
@@ -231,6 +235,10 @@ def summarize(run: Run) -> Summary:
         last_any = max(records, key=lambda r: r["step"])
         s.step = last_any["step"]
         s.consumed_samples = last_any.get("consumed_samples")
+    stops = [r for r in run.stops if s.step is None or r["step"] >= s.step]
+    if stops:  # not resumed past since (a resume drops the records after its checkpoint)
+        s.step = stops[-1]["step"] if s.step is None else s.step
+        s.stopped = str(stops[-1]["stopped"])
     if steps:
         last = steps[-1]
         s.loss = number(last, "loss")

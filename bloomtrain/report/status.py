@@ -97,6 +97,8 @@ def _state(run: Run, s: Summary, now: float) -> str:
         return f"started {fmt_duration(age)} ago, no step logged yet"
     if s.finished:
         return f"finished (last record {fmt_duration(age)} ago)"
+    if s.stopped:
+        return f"stopped at step {s.step:,} ({s.stopped}), {fmt_duration(age)} ago"
     train = (run.config or {}).get("train")
     every = (train.get("log_interval") if isinstance(train, dict) else None) or \
         TrainConfig.log_interval
@@ -134,7 +136,7 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     samples = f"   samples {s.consumed_samples:,}" if s.consumed_samples is not None else ""
     rows.append(_row("step", fmt_steps(s) + samples))
     # No ETA row once the run finished, or before its first step (nothing to estimate from).
-    running = not s.finished and s.step is not None
+    running = not s.finished and not s.stopped and s.step is not None
     if running and s.eta_s is not None:
         gbs = ((run.config or {}).get("train") or {}).get("global_batch_size")
         ramping = run.steps and run.steps[-1].get("global_batch_size") != gbs

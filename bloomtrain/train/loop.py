@@ -354,6 +354,8 @@ class Trainer:
             if path is not None:
                 result.checkpoint = str(path)
             self.control.saved()
+        if stop:
+            self.metrics.stopped(self.state.step, self.state.consumed_samples, stop)
         return stop
 
     def _finish(self, result: TrainResult) -> None:

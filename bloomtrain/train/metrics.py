@@ -99,6 +99,11 @@ class MetricsLog:
                     history.append(rec)
             with atomic_output(self.path, "w") as f:
                 f.write("".join(line + "\n" for line in keep))
+        elif enabled:
+            # A resume into a new run_dir (another run's checkpoint, an import): the file is
+            # there from the start, as for a fresh run, so `status` reads a run that has begun.
+            with atomic_output(self.path, "w"):
+                pass
         self.sinks, self.notes = (([], []) if cfg is None else
                                   open_sinks(cfg, Path(run_dir), enabled, resume_step, history))
 
@@ -135,6 +140,11 @@ class MetricsLog:
         self.record({"step": step, "consumed_samples": consumed, "eval_loss": loss,
                      "eval_ppl": ppl})
         self.print(f"[eval] step {step} | loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def stopped(self, step: int, consumed: int, reason: str) -> None:
+        """A clean stop before the end (the kill switch, a signal, the time limit): a record,
+        so that `status` reads a run that stopped, not one in progress."""
+        self.record({"step": step, "consumed_samples": consumed, "stopped": reason})
 
     def close(self) -> None:
         """Finish the sinks' files and the progress line."""

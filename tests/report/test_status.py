@@ -243,3 +243,33 @@ def test_eta_and_done_during_a_batch_size_rampup_go_by_samples(tmp_path):
     assert r["step"].startswith("40 / ") and "(0.3%)" in r["step"]
     assert r["ETA"] == f"{fmt_duration(true_left)} at the recent time per sample, the batch " \
                        f"ramping up to {gbs}"
+
+
+def test_a_run_that_stopped_cleanly_reads_as_stopped(dataset, tmp_path, monkeypatch):
+    # A stop before the end (the kill switch, a signal, train.exit_duration_minutes) saves and
+    # exits 0. It wrote nothing status could read, so the run read as in progress, with an ETA.
+    import time
+
+    from bloomtrain.launch import JOB_START_ENV
+    monkeypatch.setenv(JOB_START_ENV, repr(time.time() - 120))
+    run = tmp_path / "run"
+    train(make_cfg(dataset, tmp_path, train__train_iters=50, train__exit_duration_minutes=1.0),
+          log=lambda *a: None)
+    assert records(run)[-1] == {"step": 1, "consumed_samples": 8,
+                                "stopped": "exit_duration_minutes"}
+    r = rows(status_text(run))
+    assert r["state"].startswith("stopped at step 1 (exit_duration_minutes), ")
+    assert "ETA" not in r  # none for a run that is not running
+    # Resumed past the stop: in progress again.
+    write_run(run, records(run)[:-1] + [records(run)[-1], step_record(2)],
+              yaml.safe_load((run / "config.yaml").read_text()))
+    assert rows(status_text(run))["state"].startswith("in progress")
+
+
+def test_a_run_resumed_into_a_new_run_dir_reads_as_started(dataset, tmp_path):
+    # Resumed from another run's checkpoint (or an import) into a fresh run_dir: metrics.jsonl
+    # is there from the start, as for a fresh run; status said "has no metrics.jsonl".
+    from bloomtrain.train.metrics import MetricsLog
+    MetricsLog(tmp_path / "fresh", True, 7, log=lambda *a: None)
+    assert (tmp_path / "fresh" / "metrics.jsonl").read_text() == ""
+    assert rows(status_text(tmp_path / "fresh"))["state"].startswith("started")
