@@ -25,10 +25,14 @@ def load_model(path, device="cpu", dtype=None):
     directory or a root holding `latest`) or an HF Bloom directory (config.json + weights),
     through the one loader (bloomtrain.checkpoint.load.load_sharded) with no layout.
 
-    `dtype` (a torch dtype or a name such as "bf16") defaults to the dtype the weights are stored
+    `device`: cpu, cuda, cuda:N or auto. `dtype` (a torch dtype or a name such as "bf16") defaults to the dtype the weights are stored
     in. `model(input_ids)` returns logits [b, s, vocab] over the padded vocabulary.
     """
     from bloomtrain.checkpoint.load import load_sharded
+    from bloomtrain.devices import resolve_device
 
+    # Before the load: a device that is not there is a one-line UserError, not torch's error
+    # after the whole model has been read. "auto" is the GPU when there is one.
+    device = resolve_device(str(device))
     model = load_sharded(path, None, dtype).model
     return model.to(device).eval()  # a move, no cast: the ALiBi slopes stay fp32

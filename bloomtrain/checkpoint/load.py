@@ -56,11 +56,12 @@ def load_sharded(source, topo: Topology | None = None, dtype=None, *,
     it is read, so the host holds one shard at a time (the 8 ranks of a node serving BLOOM-176B
     from its fp32 masters would otherwise hold 704 GB there). `attention`: the kernel its
     blocks run (bloomtrain.model.attention)."""
-    reader = _partial_reader(source, job_check() if topo is not None else None)
-    if topo is None or reader is None:
+    if topo is None:  # one device: read whole, verified once (a partial reader verified too)
         model = _load_whole(source, dtype)
-        if topo is None:
-            return LoadedModel(model.shape, model, [model], _dtype_of(model))
+        return LoadedModel(model.shape, model, [model], _dtype_of(model))
+    reader = _partial_reader(source, job_check())
+    if reader is None:
+        model = _load_whole(source, dtype)
         _check_layout(topo, model.shape)
         # The chunks copy their pieces out of the full weights.
         chunks, _ = shard_model(model, topo, attention, device="cpu")

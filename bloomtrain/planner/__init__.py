@@ -65,6 +65,15 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
     return cfg, work, cluster
 
 
+def check_request(top: int | None, layout: str | None, only: str | None) -> None:
+    """What `bloomtrain plan` and `plan()` refuse alike."""
+    if top is not None and top < 1:  # 0 had no best layout to show, -2 dropped the last two
+        raise UserError(f"top (--top) must be >= 1, got {top}")
+    if layout and only:
+        raise UserError("only (--only) pins values for the search; with a layout (--layout) "
+                        "there is none: give the values in the layout")
+
+
 def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
          global_batch: int | None = None, seq: int | None = None, config: str | None = None,
          overrides=(), layout: str | None = None, gpus_per_node: int = 8,
@@ -76,6 +85,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
     layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
     first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
     change that would."""
+    check_request(top, layout, only)
     cfg, work, cluster = make_inputs(model=model, config=config, overrides=overrides, gpus=gpus,
                                    gpu_name=gpu, gpus_per_node=gpus_per_node,
                                    intra_node_gbps=intra_node_gbps,

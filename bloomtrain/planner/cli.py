@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import json
 
-from bloomtrain.errors import UserError
-from bloomtrain.planner import make_inputs
+from bloomtrain.planner import check_request, make_inputs
 from bloomtrain.planner.evaluate import SYSTEMS, Plan, evaluate
 from bloomtrain.planner.hardware import GPUS
 from bloomtrain.planner.search import config_compression, plan_or_explain
@@ -92,11 +91,7 @@ def format_breakdown(p: Plan) -> str:
 
 
 def cmd_plan(args) -> int:
-    if args.top < 1:  # 0 had no best layout to show (IndexError), -2 dropped the last two
-        raise UserError(f"--top must be >= 1, got {args.top}")
-    if args.layout and args.only:
-        raise UserError("--only pins values for the search; with --layout there is none: "
-                        "give the values in --layout")
+    check_request(args.top, args.layout, args.only)
     cfg, work, cluster = make_inputs(
         model=args.model, config=args.config, overrides=args.overrides, gpus=args.gpus,
         gpu_name=args.gpu, gpus_per_node=args.gpus_per_node,
@@ -138,7 +133,7 @@ def cmd_plan(args) -> int:
     print(f"{result.evaluated} layouts evaluated, {len(result.plans)} fit; rejected: "
           + ", ".join(f"{k} {v}" for k, v in result.reasons.items()))
     print(format_table(top, args.tokens is not None))
-    print(f"(band: the step time's 1-sigma error, from the fit's leave-one-out spread; "
+    print("(band: the step time's 1-sigma error, from the fit's leave-one-out spread; "
           f"'within band' lists the ranks the planner cannot tell apart from that row)")
     print("\nbest layout:")
     print(format_breakdown(top[0]))

@@ -135,6 +135,37 @@ def test_load_model_contract(tmp_path, ids):
     assert bf16.lm_head.weight.dtype == torch.bfloat16
     assert bf16.lm_head.weight is bf16.transformer.word_embeddings.weight
     assert bf16(ids).shape == (2, 16, 256)
+    assert bloomtrain.load_model(tmp_path / "st", device="auto").lm_head.weight.device.type == \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    # A device that is not there: the loader's one-line error, before the model is read
+    # (torch's AssertionError or RuntimeError after it).
+    import bloomtrain.checkpoint.load as load
+    read = []
+    real = load.load_sharded
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(load, "load_sharded", lambda *a, **k: read.append(1) or real(*a, **k))
+    try:
+        for bad, match in (("gpu0", "unknown device 'gpu0'"),
+                           *([] if torch.cuda.is_available() else
+                             [("cuda", "no CUDA device is visible")])):
+            with pytest.raises(UserError, match=match):
+                bloomtrain.load_model(tmp_path / "st", device=bad)
+    finally:
+        monkey.undo()
+    assert not read
+    # Our checkpoint, whole on one device: its files are hashed once (a partial reader, opened
+    # and dropped first, hashed them all as well: half of a large load's time).
+    import bloomtrain.checkpoint.reader as reader
+    ckpt = hf.import_hf(tmp_path / "st", tmp_path / "ck", log=lambda *_: None)
+    verified = []
+    real_verify = reader.verify_shared
+    monkey.setattr(reader, "verify_shared",
+                   lambda *a, **k: verified.append(1) or real_verify(*a, **k))
+    try:
+        bloomtrain.load_model(ckpt)
+    finally:
+        monkey.undo()
+    assert len(verified) == 1
 
 
 def test_sharded_and_unprefixed_inputs(tmp_path, ids):

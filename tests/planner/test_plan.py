@@ -618,6 +618,12 @@ def test_plan_refuses_a_top_below_one_and_only_with_a_layout(capsys):
 
     base = ["plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8", "--seq", "32"]
     assert main(base + ["--top", "0"]) == 2
-    assert "--top must be >= 1, got 0" in capsys.readouterr().err
+    assert "top (--top) must be >= 1, got 0" in capsys.readouterr().err
     assert main(base + ["--layout", "tp=2", "--only", "recompute=full"]) == 2
-    assert "give the values in --layout" in capsys.readouterr().err
+    assert "give the values in the layout" in capsys.readouterr().err
+    # bloomtrain.plan() refuses them alike (it returned all but the last two, and ignored
+    # `only`).
+    kw = dict(model="tiny", gpus=4, global_batch=8, seq=32)
+    for bad in ({"top": -2}, {"top": 0}, {"layout": "tp=2", "only": "recompute=full"}):
+        with pytest.raises(UserError, match="top .* must be >= 1|give the values in the layout"):
+            bloomtrain.plan(**kw, **bad)
