@@ -5,13 +5,13 @@ built-in corpus (the Python standard library's sources and docstrings) -> byte-l
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import yaml
 
+from bloomtrain import jsonl
 from bloomtrain.errors import UserError
 
 # The embedded default run. Sized so that a 2-core CPU finishes in a few minutes with the loss
@@ -161,7 +161,7 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
                    if result.exit_reason == "SIGINT" else None)
     if stopped:  # Ctrl-C stops the demo too, once the run has saved
         raise SystemExit(exit_after_sigint(stopped))
-    records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    records = [jsonl.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
     return cfg, records
 
 

@@ -5,7 +5,6 @@ parallel run with one process."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 
 import torch
@@ -90,8 +89,9 @@ def read_rest(proc, timeout: float) -> str:
 
 def metrics(run_dir) -> list[dict]:
     """A run directory's metrics.jsonl, one dict per record."""
+    from bloomtrain import jsonl
     with open(f"{run_dir}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        return [jsonl.loads(line) for line in f]
 
 
 def topology(cfg: Config, base: Topology | None = None) -> Topology:

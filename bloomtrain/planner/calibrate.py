@@ -4,12 +4,12 @@ step time (run_dir/metrics.jsonl). The other terms (communication, bubble, host,
 their rates, so what is left is the GEMM rate of the device the run used."""
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bloomtrain import jsonl
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.planner.evaluate import evaluate
@@ -36,8 +36,8 @@ def run_records(run_dir: Path) -> tuple[Config, list[dict]]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = jsonl.loads(line)
+        except ValueError:
             raise UserError(f"{metrics_path}:{n} is not JSON") from None
         if "step_time_s" in rec and not rec.get("skipped"):
             records.append(rec)

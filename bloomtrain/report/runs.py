@@ -8,7 +8,6 @@ would silently be wrong.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from bloomtrain import jsonl
 from bloomtrain.errors import UserError
 from bloomtrain.layout import BatchSchedule
 
@@ -56,7 +56,7 @@ def read_metrics(path: Path) -> tuple[list[dict], bool]:
         # The writer puts a record and its newline in one write, so an unterminated tail is a
         # record being written now; keep it only if it is already whole.
         try:
-            rec = json.loads(tail)
+            rec = jsonl.loads(tail)
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 raise ValueError
             records.append(rec)
@@ -71,7 +71,7 @@ def _parse_line(path: Path, num: int, raw: bytes) -> dict:
         raise UserError(f"{where} is empty; metrics.jsonl holds one JSON object per line: "
                         f"delete the empty line")
     try:
-        rec = json.loads(raw)
+        rec = jsonl.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise UserError(f"{where} is not valid JSON ({e}): fix or delete that line") from None
     if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):

@@ -7,13 +7,13 @@ skipped) steps, step time and tokens/s over all of them, TFLOP/s by Megatron's f
 ETA is the steps left at that step time."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from bloomtrain import jsonl
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.train.sinks import open_sinks
@@ -84,7 +84,7 @@ class MetricsLog:
             lines = list(filter(str.strip, self.path.read_text().splitlines()))
             for i, line in enumerate(lines):
                 try:
-                    rec = json.loads(line)
+                    rec = jsonl.loads(line)
                     if not isinstance(rec, dict):
                         raise ValueError("not a record")
                 except ValueError:
@@ -129,7 +129,7 @@ class MetricsLog:
                              / rec["global_batch_size"])
             rec["eta_s"] = left * rec["step_time_s"]
         with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(jsonl.dumps(rec) + "\n")  # strict JSON: NaN and inf as strings
         for sink in self.sinks:
             sink.write(rec)
 
