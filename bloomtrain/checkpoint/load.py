@@ -110,6 +110,14 @@ def _check_layout(topo: Topology, shape: BloomShape) -> None:
     """The layout's rules on this model's shape (heads and vocabulary over tp, layers over pp),
     each a one-line error naming what to change."""
     layout = topo.layout
+    if shape.vocab_size % layout.tp:
+        # A stored vocabulary is what it is (training pads it with
+        # model.make_vocab_size_divisible_by; a loaded model cannot be).
+        fits = [t for t in range(1, layout.tp) if shape.vocab_size % t == 0 and
+                shape.num_heads % t == 0]
+        raise UserError(f"the model's vocabulary ({shape.vocab_size} rows) does not split over "
+                        f"tp={layout.tp}; load it with a tp that divides it (tp={fits[-1]} "
+                        f"here)")
     layout.check_tensor_parallel(shape, 1, layout.tp)
     if shape.num_layers < layout.pp:
         raise UserError(f"parallel.pp={layout.pp} needs at least {layout.pp} layers; the model "

@@ -20,7 +20,9 @@ from bloomtrain.errors import UserError
 from bloomtrain.files import atomic_output, disk_full_as
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
-_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# The HF side files a tokenizer carries with it (chat_template.jinja: where transformers 4.43+
+# saves the chat template).
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
@@ -95,6 +97,7 @@ def _check_train_args(vocab_size: int, min_frequency: int, minimum: int) -> None
 # Any tokenizer's files (ours, a GPT-2 style pair, sentencepiece, WordPiece): a directory
 # holding one is not ours to mix a new tokenizer into.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                   "chat_template.jinja",
                    "special_tokens_map.json", "tokenizer.model", "spiece.model", "vocab.txt")
 MAX_VOCAB = 2 ** 31 - 1
 

@@ -27,6 +27,15 @@ def template_source(tokenizer, path: str | None) -> str | None:
             return Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--chat-template {path}: cannot read it ({e})") from None
+    # transformers 4.43+ saves it as chat_template.jinja beside tokenizer_config.json, and
+    # reads that file first.
+    where = getattr(tokenizer, "path", None)
+    jinja = Path(where).parent / "chat_template.jinja" if where else None
+    if jinja is not None and jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{jinja}: cannot read it ({e})") from None
     found = tokenizer.config.get("chat_template")
     if isinstance(found, list):  # [{"name": ..., "template": ...}], as HF writes several
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}

@@ -253,18 +253,27 @@ def test_export_replaces_previous_export_only(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export", "hf"]  # no temp left
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(UserError, match="not an HF Bloom export"):
+    with pytest.raises(UserError, match="not a previous bloomtrain export"):
         hf.export_hf(tmp_path / "ckpt", tmp_path / "other", log=lambda *_: None)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
-    # An HF Bloom directory with more than an export writes (the download imported from, a
-    # hub clone) is not replaced: that deleted its README, .git and other weights.
-    (tmp_path / "hf" / "README.md").write_text("model card")
-    (tmp_path / "hf" / ".git").mkdir()
-    before = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    # The HF directory the checkpoint came from (save_pretrained's files: the very names an
+    # export writes) is not taken for a previous export: it was replaced, its weights gone.
+    weights = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    with pytest.raises(UserError, match="not a previous bloomtrain export"):
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "hf", log=lambda *_: None)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == weights
+    # A previous export that has been added to (a model card, a hub clone's .git) is not
+    # replaced either: that would delete them.
+    (tmp_path / "export" / "README.md").write_text("model card")
+    (tmp_path / "export" / ".git").mkdir()
     with pytest.raises(UserError, match=r"holds files an export does not write \(\.git, "
                                         r"README\.md\)"):
-        hf.export_hf(tmp_path / "ckpt", tmp_path / "hf", log=lambda *_: None)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)
+    assert (tmp_path / "export" / "README.md").read_text() == "model card"
+    # A link: replacing it moved the link and left its target as it was.
+    (tmp_path / "link").symlink_to(tmp_path / "other")
+    with pytest.raises(UserError, match="is a symbolic link; give the directory it points to"):
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "link", log=lambda *_: None)
     # --output . (the directory one is in) has no name to put the temporary beside.
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
@@ -311,7 +320,14 @@ def test_import_rejects_bad_inputs(tmp_path):
                          ({"apply_residual_connection_post_layernorm": True}, "post_layernorm"),
                          ({"tie_word_embeddings": False}, "tie_word_embeddings"),
                          ({"n_layer": 3}, "missing"),
-                         ({"hidden_size": 50}, "divisible")):
+                         ({"hidden_size": 50}, "divisible"),
+                         # HF's slow path drops the output biases: another model's logits.
+                         ({"pretraining_tp": 2, "slow_but_exact": True},
+                          "slow_but_exact=true with pretraining_tp=2 is not supported"),
+                         # Two spellings of one setting that disagree: whichever transformers
+                         # takes, one of them is wrong (the logits moved by 3.8 at 4 vs 8).
+                         ({"n_head": 6, "num_attention_heads": 3},
+                          "sets n_head=6 and num_attention_heads=3")):
         cfg_path.write_text(json.dumps({**cfg, **patch}))
         with pytest.raises(UserError, match=match):
             hf.import_hf(tmp_path / "hf", tmp_path / "out")
@@ -391,3 +407,39 @@ def test_export_ignores_optimizer_state_but_checks_weights(tmp_path):
     with pytest.raises(UserError, match="checksum"):
         hf.export_hf(tmp_path / "run", tmp_path / "export2", log=lambda *_: None)
     assert not (tmp_path / "export2").exists()
+
+
+def test_a_chat_template_file_is_served_and_carried_through_import_and_export(
+        tmp_path, tiny_tokenizer_dir):
+    # transformers 4.43+ saves the chat template as chat_template.jinja, not in
+    # tokenizer_config.json: serve found none, and import -> export dropped the file.
+    transformers = pytest.importorskip("transformers")
+    from bloomtrain.data.tokenizer import load_tokenizer
+    from bloomtrain.serve.chat import template_source
+    make_hf_model(CONFIGS["h48_6heads"][0]).save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_tokenizer_dir / name).is_file():
+            shutil.copyfile(tiny_tokenizer_dir / name, tmp_path / "hf" / name)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "hf" / "chat_template.jinja").write_text(template)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == template
+    assert template_source(load_tokenizer(tmp_path / "hf"), None) == template
+    ckpt = hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    hf.export_hf(ckpt, tmp_path / "export", log=lambda *_: None)
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert exported.chat_template == template
+
+
+def test_a_vocabulary_that_does_not_split_over_tp_names_a_tp_that_does(tmp_path):
+    # Loading (serve, eval) cannot pad a stored vocabulary: the training advice
+    # (model.make_vocab_size_divisible_by) was one `serve` refuses to take.
+    from types import SimpleNamespace
+
+    from bloomtrain.checkpoint.load import load_sharded
+    from bloomtrain.layout import ParallelLayout
+    make_hf_model(dict(hidden_size=48, n_head=6, n_layer=2, vocab_size=255)).save_pretrained(
+        tmp_path / "hf")
+    topo = SimpleNamespace(layout=ParallelLayout(tp=2))
+    with pytest.raises(UserError, match=r"vocabulary \(255 rows\) does not split over tp=2; "
+                                        r"load it with a tp that divides it \(tp=1 here\)"):
+        load_sharded(tmp_path / "hf", topo)

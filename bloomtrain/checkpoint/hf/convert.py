@@ -21,7 +21,10 @@ from bloomtrain.files import disk_full_error, fsync_dir, is_disk_full
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
     from bloomtrain.model import BloomShape
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+# In every export: what makes a directory one (_prepare_output replaces only those).
+EXPORT_MARKER = ".bloomtrain_export.json"
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -51,8 +54,8 @@ def shape_from_hf_config(cfg: dict) -> BloomShape:
     # HF's BloomConfig lets the old `n_embed` key win over hidden_size; num_attention_heads and
     # num_hidden_layers are its attribute aliases.
     hidden = _first(cfg, "n_embed", "hidden_size")
-    num_heads = _first(cfg, "n_head", "num_attention_heads")
-    num_layers = _first(cfg, "n_layer", "num_hidden_layers")
+    num_heads = _alias(cfg, "n_head", "num_attention_heads")
+    num_layers = _alias(cfg, "n_layer", "num_hidden_layers")
     vocab = cfg.get("vocab_size")
     for key, value in (("hidden_size", hidden), ("n_head", num_heads), ("n_layer", num_layers),
                        ("vocab_size", vocab)):
@@ -61,8 +64,15 @@ def shape_from_hf_config(cfg: dict) -> BloomShape:
     if hidden % num_heads:
         raise UserError(f"config.json: hidden_size ({hidden}) must be divisible by n_head "
                         f"({num_heads})")
-    # pretraining_tp / slow_but_exact only change the summation order of two matmuls (HF splits
-    # them into pretraining_tp slices); the math is the same, so such checkpoints load as they are.
+    # pretraining_tp alone only changes the summation order of two matmuls (HF splits them into
+    # pretraining_tp slices): such checkpoints load as they are. With slow_but_exact HF's slices
+    # are F.linear without the bias, so its dense and dense_4h_to_h biases drop out of the sum:
+    # a model of its own that bloomtrain's blocks (and BLOOM's training) do not compute.
+    if (cfg.get("pretraining_tp") or 1) > 1 and cfg.get("slow_but_exact"):
+        raise UserError(f"config.json: slow_but_exact=true with pretraining_tp="
+                        f"{cfg['pretraining_tp']} is not supported: transformers' slow path "
+                        f"leaves out the attention and MLP output biases, which bloomtrain "
+                        f"adds as BLOOM was trained; set slow_but_exact to false")
     return BloomShape(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -74,6 +84,15 @@ def shape_from_hf_config(cfg: dict) -> BloomShape:
         attention_dropout=_number(cfg, "attention_dropout", 0.0, below=1.0),
         init_method_std=_number(cfg, "initializer_range", 0.02),
     )
+
+
+def _alias(cfg: dict, key: str, alias: str):
+    """A setting config.json may spell two ways (BloomConfig's attribute_map); both, differing,
+    is refused: transformers' choice between them is its attribute order's, not a rule."""
+    if cfg.get(key) is not None and cfg.get(alias) is not None and cfg[key] != cfg[alias]:
+        raise UserError(f"config.json sets {key}={cfg[key]!r} and {alias}={cfg[alias]!r}, two "
+                        f"names of one setting; keep one")
+    return _first(cfg, key, alias)
 
 
 def _number(cfg: dict, key: str, default: float, below: float = math.inf) -> float:
@@ -226,22 +245,25 @@ def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
 
 def _prepare_output(output_dir: Path) -> None:
     """Refuse to replace a directory that is not a previous export."""
+    if output_dir.is_symlink():  # replacing it would move the link, not write its target
+        raise UserError(f"--output {output_dir} is a symbolic link; give the directory it "
+                        f"points to ({os.path.realpath(output_dir)})")
     if not output_dir.exists():
         return
     if not output_dir.is_dir():
         raise UserError(f"--output {output_dir} exists and is not a directory")
     if not any(output_dir.iterdir()):
         return
-    try:
-        previous = json.loads((output_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        previous = None
-    if previous != "bloom":
-        raise UserError(f"--output {output_dir} exists and is not an HF Bloom export; choose a "
-                        f"new or empty directory")
+    if not (output_dir / EXPORT_MARKER).is_file():
+        # A save_pretrained directory holds exactly the names an export writes: told apart by
+        # the marker, it is never taken for a previous export and replaced (the HF model a
+        # checkpoint was imported from, most often).
+        raise UserError(f"--output {output_dir} exists and is not a previous bloomtrain export "
+                        f"(it has no {EXPORT_MARKER}); choose a new or empty directory")
     # Replacing the directory removes everything in it: only what an export writes may be
     # there (an HF download or a hub clone has a README, .git, other weights).
-    ours = {"config.json", "generation_config.json", SAFETENSORS_FILE, *TOKENIZER_FILES}
+    ours = {"config.json", "generation_config.json", SAFETENSORS_FILE, EXPORT_MARKER,
+            *TOKENIZER_FILES}
     others = sorted(p.name for p in output_dir.iterdir() if p.name not in ours)
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5
@@ -279,6 +301,7 @@ def _write_export(tmp: Path, reader, info: dict, config: dict,
            if config[k] is not None}
     if ids:
         _write_json(tmp / "generation_config.json", {"_from_model_config": True, **ids})
+    _write_json(tmp / EXPORT_MARKER, {"checkpoint": str(reader.path)})
     copied = []
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
