@@ -445,12 +445,25 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"}, charset="utf-8")
 
 
+def _model_entry(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "bloomtrain",
+            "root": state.served[0], "parent": None,
+            "max_model_len": state.engine.config.max_model_len}
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"object": "list", "data": [{
-        "id": name, "object": "model", "created": state.created, "owned_by": "bloomtrain",
-        "root": state.served[0], "parent": None,
-        "max_model_len": state.engine.config.max_model_len} for name in state.served]})
+    return web.json_response({"object": "list",
+                              "data": [_model_entry(state, name) for name in state.served]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}, which the openai client's models.retrieve() calls."""
+    state, name = request.app[STATE], request.match_info["name"]
+    if name not in state.served:
+        return error_response(404, f"The model `{name}` does not exist.", "model",
+                              "model_not_found")
+    return web.json_response(_model_entry(state, name))
 
 
 # ---- the app and its shutdown ---------------------------------------------------------------
@@ -484,6 +497,7 @@ def create_app(engine, tokenizer, metrics, served_names: tuple[str, ...] = ("blo
     app.router.add_post("/v1/completions", _guarded(completions))
     app.router.add_post("/v1/chat/completions", _guarded(chat_completions))
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{name:.+}", model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)

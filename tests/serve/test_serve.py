@@ -550,6 +550,13 @@ def test_neutral_fields_extras_unknown_fields_and_model_names(model_dir, tokeniz
                 lp = (await r.json())["choices"][0]["logprobs"]
             async with session.get("/v1/models") as r:
                 listed = await r.json()
+            # The openai client's models.retrieve("tiny"): one entry, or OpenAI's 404.
+            async with session.get("/v1/models/tiny") as r:
+                one = (r.status, await r.json())
+            async with session.get("/v1/models/gpt-4") as r:
+                missing = (r.status, await r.json())
+        assert one == (200, listed["data"][0])
+        assert missing[0] == 404 and missing[1]["error"]["code"] == "model_not_found"
         async with serving(engine, tokenizer, metrics, strict_fields=True) as (_, session):
             async with session.post("/v1/completions", json={**neutral, "colour": 1}) as r:
                 strict = (r.status, await r.json())
