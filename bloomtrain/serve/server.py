@@ -154,13 +154,15 @@ async def _respond(request, gen: Generation, choices: list, head: dict, chunk_ob
             k, out = await gen.next()
             if out is _DRAINED:
                 return _retry_later(_ended_early(out))
+            if out.finish_reason not in (None, "stop", "length"):
+                # Ended early: an engine error is a 500; anything else (the engine's queue
+                # was full, a drain) is a 503 to retry, with Retry-After as the front end's
+                # own refusal has it. The request's other samples are dropped now (close),
+                # not run to their end first.
+                if out.finish_reason == "error":
+                    return error_response(500, _ended_early(out))
+                return _retry_later(_ended_early(out))
             choices[k].update(out)
-        failed = [c for c in choices if c.finish_reason not in ("stop", "length")]
-        if failed:
-            c = failed[0]
-            return error_response(500 if c.finish_reason == "error" else 503,
-                                  f"generation ended early ({c.finish_reason})"
-                                  + (f": {c.error}" if c.error else ""))
         best = proto.best_samples(choices, sampling.n, sampling.best_of)
         return web.json_response({**head, "choices": [c.final(i) for i, c in enumerate(best)],
                                   "usage": proto.usage(prompt_lengths, best)}, headers=headers)

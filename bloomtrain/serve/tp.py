@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from bloomtrain.errors import UserError
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.commands import Commands, follow
 from bloomtrain.serve.batch import StepBatch
@@ -33,6 +34,13 @@ def serving_layout(tp: int):
     return ParallelLayout.from_config(_config(tp).parallel, tp)
 
 
+# A CPU's fp16 kernels round a row differently with the batch around it (the attention's
+# padded keys): the same request gave other logits batched than alone.
+FP16_ON_CPU = ("--dtype fp16 on a CPU is not batch invariant (its kernels round a request "
+               "differently with others beside it): serve in bf16 or fp32 there (--dtype auto "
+               "serves fp16 weights in fp32 on a CPU)")
+
+
 def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize=None):
     """A bloomtrain checkpoint or HF directory as an inference model, by the one loader
     (bloomtrain.checkpoint.load.load_sharded: each rank reads only its shards): split over
@@ -42,10 +50,17 @@ def load_serving_model(checkpoint, topo=None, device="cpu", dtype=None, quantize
     from bloomtrain.checkpoint.load import load_sharded
     from bloomtrain.serve.quantize import quantize_model
 
+    from bloomtrain.devices import torch_dtype
+    if dtype is not None and torch_dtype(dtype) == torch.float16 and \
+            torch.device(device).type == "cpu":
+        raise UserError(FP16_ON_CPU)
     split = topo is not None and topo.tp_size > 1
     # Split: each shard straight to the device as it is read (quantized: on the CPU first).
     model = load_sharded(checkpoint, topo if split else None, dtype,
                          device="cpu" if quantize else device).model
+    if dtype is None and torch.device(device).type == "cpu" and \
+            model.transformer.word_embeddings.weight.dtype == torch.float16:
+        model.to(torch.float32)  # --dtype auto, fp16 weights: served in fp32 on a CPU
     if quantize:
         quantize_model(model, quantize)
     model.to(device)

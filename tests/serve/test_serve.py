@@ -817,17 +817,19 @@ def test_overload_is_503_with_retry_after(model_dir, tokenizer):
     assert accepted == [(200, "length")] * 2
 
 
-def test_a_stream_the_engine_turns_away_is_503_with_retry_after(model_dir, tokenizer):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_request_the_engine_turns_away_is_503_with_retry_after(model_dir, tokenizer, stream):
     """Split as `bloomtrain serve` runs: the front end's queue count is an estimate, so a
     request can pass it and still be refused by the engine's exact --max-queue. A stream then
-    gets the front end's answer, a 503 with Retry-After, not a 200 whose event is an error."""
+    gets the front end's answer, a 503 with Retry-After, not a 200 whose event is an error;
+    so does a whole response (it was a 503 without Retry-After)."""
     _, path = model_dir
     cfg = EngineConfig(max_model_len=128, block_size=8, kv_cache_tokens=1024, max_num_seqs=1,
                        max_batched_tokens=40, prefill_chunk=16, max_queue=1)
     engine = make_engine(path, cfg, tokenizer=tokenizer, metrics=ServeMetrics())
     gate = engine.execute = Gate(engine.execute)
     req = {"prompt": "The quick brown fox", "max_tokens": 20, "temperature": 0,
-           "ignore_eos": True, "stream": True}
+           "ignore_eos": True, "stream": stream}
 
     async def main():
         async with serving(engine, tokenizer, ServeMetrics(), split=True,
@@ -847,7 +849,8 @@ def test_a_stream_the_engine_turns_away_is_503_with_retry_after(model_dir, token
             return results
 
     (s0, _, t0), *later = asyncio.run(main())
-    assert s0 == 200 and t0.rstrip().endswith("data: [DONE]")
+    assert s0 == 200 and (t0.rstrip().endswith("data: [DONE]") if stream else
+                          '"finish_reason": "length"' in t0.replace('":"', '": "'))
     statuses = sorted(s for s, _, _ in later)
     assert statuses == [200, 503], later  # one waits its turn, one is over the queue
     status, retry, body = next(r for r in later if r[0] == 503)
@@ -1367,3 +1370,20 @@ def test_cli_drain_timeout_ends_the_stream_with_an_error_event(model_dir):
     assert events[-1]["error"]["type"] == "overloaded_error"
     tokens = sum(len(ch["text"]) > 0 for e in events[:-1] for ch in e["choices"])
     assert 0 < tokens < 4000
+
+
+def test_fp16_weights_are_served_in_fp32_on_a_cpu(model_dir, tmp_path):
+    # A CPU's fp16 attention rounded a request differently with others beside it (the decode
+    # group's padded keys): 3 of 14 requests' logprobs moved when batched. `--dtype auto`
+    # keeps a checkpoint's dtype, so an fp16 HF model was served so by default.
+    from bloomtrain.errors import UserError
+    from bloomtrain.serve.tp import load_serving_model
+    import copy
+    ref, _ = model_dir
+    copy.deepcopy(ref).half().save_pretrained(tmp_path / "fp16")  # the fixture's stays fp32
+    model = load_serving_model(tmp_path / "fp16")  # --dtype auto
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    with pytest.raises(UserError, match="--dtype fp16 on a CPU is not batch invariant"):
+        load_serving_model(tmp_path / "fp16", dtype="fp16")
+    assert load_serving_model(tmp_path / "fp16", dtype="bf16").lm_head.weight.dtype == \
+        torch.bfloat16
