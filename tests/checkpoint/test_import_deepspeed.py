@@ -724,8 +724,10 @@ def test_hf_import_yaml_names_its_sources_and_what_to_choose(tmp_path, monkeypat
 
 def test_ds_scheduler_becomes_the_schedule_and_length(tmp_path):
     # DeepSpeed's WarmupDecayLR (linear warm-up) is Megatron's linear schedule in steps: the
-    # imported config's LR at every step equals DeepSpeed's formula (lr_schedules.py, written
-    # out here), and total_num_steps is the run's length.
+    # imported config's LR at step i equals DeepSpeed's formula at its scheduler's iteration i
+    # (lr_schedules.py, written out here), and total_num_steps is the run's length. DeepSpeed
+    # runs its optimizer step i at iteration i - 1 (it steps the scheduler after the
+    # optimizer): one step behind, which no key of ours shifts, and the import says so.
     import yaml
 
     from bloomtrain.config import Config
@@ -752,6 +754,7 @@ def test_ds_scheduler_becomes_the_schedule_and_length(tmp_path):
         assert schedule(step * gbs) == pytest.approx(deepspeed_lr(step), rel=1e-12, abs=1e-15), step
     assert not any("to choose: the LR schedule" in line or "train.train_iters or" in line
                    for line in lines), lines
+    assert any("bloomtrain's schedule is one step ahead of it" in line for line in lines), lines
     # Its log warm-up (DeepSpeed's default) has no counterpart: imported as linear, and said.
     src2 = _with_ds_config(tmp_path / "b", "hf_zero2_fp32",
                            scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
@@ -900,3 +903,58 @@ def test_zero3_sub_groups_import_as_their_groups(tmp_path):
     for name in want.names():
         for kind in KINDS:
             assert torch.equal(got.load(name, kind), want.load(name, kind)), (name, kind)
+
+
+# ---- saves the review found refused or mis-read (real DeepSpeed 0.19 writes each so) ---------
+def test_a_zero_stage_0_save_imports_its_weights_and_names_what_it_does_not(tmp_path):
+    # Stage 0 saves param_shapes null and keeps its weights in the module, its optimizer a plain
+    # torch one in the same file. It was a TypeError traceback, even with --weights-only.
+    from bloomtrain.checkpoint.interop.safe_load import load
+    src = _copy(tmp_path, "hf_zero2_fp32")
+    for f in (src / "global_step3").glob("*_optim_states.pt"):
+        f.unlink()
+    f = src / "global_step3" / "mp_rank_00_model_states.pt"
+    state = load(f)
+    state["param_shapes"] = None
+    state["ds_config"] = {**state["ds_config"], "zero_optimization": {"stage": 0}}
+    torch.save(state, f)
+    _refused(src, tmp_path / "out", "a DeepSpeed ZeRO stage 0 save", "pass --weights-only")
+    import_deepspeed(src, tmp_path / "w", weights_only=True, log=lambda *a: None)
+    got = ckpt.CheckpointReader(tmp_path / "w")
+    module = state["module"]
+    for name in got.names():
+        key = name if name in module else f"transformer.{name}"
+        assert torch.equal(got.load(name), module[key].float()), name
+
+
+def test_a_save_before_adams_first_step_imports_with_zero_moments(tmp_path, monkeypatch):
+    # A save at step 0, or an fp16 run whose every step so far overflowed: DeepSpeed's Adam
+    # state is empty. It was refused as "files that do not belong together". (The shards are
+    # read with their Adam state emptied: rewritten, their DeepSpeed classes would not pickle.)
+    from bloomtrain.checkpoint.interop import zero
+    read = zero.load
+
+    def unstepped(f, **kw):
+        state = read(f, **kw)
+        state["optimizer_state_dict"]["base_optimizer_state"]["state"] = {}
+        return state
+    monkeypatch.setattr(zero, "load", unstepped)
+    src = _copy(tmp_path, "hf_zero2_fp32")
+    import_deepspeed(src, tmp_path / "out", log=lambda *a: None)
+    got = ckpt.CheckpointReader(tmp_path / "out", kinds=ckpt.MODEL_KINDS + ckpt.OPTIM_KINDS)
+    assert got.manifest["optimizer"]["step_count"] == 0
+    for name in got.names():
+        assert not got.load(name, "exp_avg").any() and not got.load(name, "exp_avg_sq").any()
+
+
+def test_a_save_directory_with_two_latests_naming_different_saves_is_refused(tmp_path):
+    # DeepSpeed's ds_to_universal writes into the save directory: `latest` (what DeepSpeed
+    # resumes from) and `latest_universal` may name different steps. The universal one was
+    # taken without a word, an older step.
+    src = tmp_path / "save"
+    shutil.copytree(FIXTURES / "hf_bf16_zero1" / "checkpoint", src)
+    shutil.copytree(FIXTURES / "hf_bf16_zero1" / "universal", src / "global_step3_universal")
+    (src / "latest_universal").write_text("global_step3_universal")
+    (src / "latest").write_text("global_step5")
+    _refused(src, tmp_path / "out", r"holds both latest \(global_step5\) and latest_universal",
+             "give the one to import as --input")

@@ -34,7 +34,7 @@ def _hf_args(src: Source, notes: list[tuple[str, str]]) -> tuple[dict, dict]:
     args = {**src.args, "position_embedding_type": "alibi", "embed_layernorm": True,
             "bf16": src.layout.get("precision") == "bf16",
             "fp16": src.layout.get("precision") == "fp16"}
-    layout = f"the run's layout (an HF model under DeepSpeed: tp 1, pp 1)"
+    layout = "the run's layout (an HF model under DeepSpeed: tp 1, pp 1)"
     labels = {**src.arg_labels, "position_embedding_type": "BLOOM (model_type bloom)",
               "embed_layernorm": "BLOOM (model_type bloom)", "ffn_hidden_size": "BLOOM's 4 x hidden",
               "tensor_model_parallel_size": layout, "pipeline_model_parallel_size": layout,
@@ -114,7 +114,11 @@ def _ds_schedule(ds: dict, lr: float) -> tuple[dict, int | None, list[str]] | No
     warmup, total = num("warmup_num_steps", 1000), num("total_num_steps", None)
     warmup = None if warmup is None else max(2, warmup)  # as DeepSpeed clamps it
     keys: dict = {"warmup_steps": (warmup, f"{where} warmup_num_steps")}
-    differs = []
+    # DeepSpeed steps its scheduler after the optimizer, from iteration -1: its optimizer step s
+    # runs at the rate of the scheduler's iteration s - 1 (step 0 at the warm-up's start).
+    # bloomtrain's step s runs at iteration s, as Megatron's does; no key shifts a schedule.
+    differs = ["it steps after the optimizer, so each of its steps runs at the rate bloomtrain "
+               "gives the step before (bloomtrain's schedule is one step ahead of it)"]
     if (p.get("warmup_type") or "log") != "linear":
         differs.append(f"its warm-up is {p.get('warmup_type') or 'log'} (DeepSpeed's default "
                        f"log), bloomtrain's is linear")
@@ -182,7 +186,7 @@ def _apply_ds_schedule(src: Source, config: dict, report, notes) -> None:
         put(train, "train_iters", total, f"ds_config scheduler {src.ds_config['scheduler']['type']}"
                                           f" total_num_steps")
     if differs:
-        notes.append((NOTE, f"DeepSpeed's scheduler taken as bloomtrain's: " + "; ".join(differs)))
+        notes.append((NOTE, "DeepSpeed's scheduler taken as bloomtrain's: " + "; ".join(differs)))
 
 
 def derive_config(src: Source, output: Path, tokenizer_dir: Path | None):

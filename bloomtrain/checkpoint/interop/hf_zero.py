@@ -131,6 +131,22 @@ def _model_states(files: dsfiles.CheckpointFiles) -> dict:
     return meta
 
 
+def _stage0_shapes(meta: dict, where: Path, weights_only: bool) -> list[dict]:
+    """ZeRO stage 0 saves no flat partitions (param_shapes null): its module holds the weights,
+    and its optimizer is a plain torch one in the same file, which is not imported. Weights
+    only: the module's parameters, as one group (the tied head is the embedding)."""
+    if not weights_only:
+        raise InteropError(f"{where}: a DeepSpeed ZeRO stage 0 save, whose optimizer state is a "
+                           f"plain torch optimizer's, which bloomtrain does not import; pass "
+                           f"--weights-only to import its weights (the run then starts a new "
+                           f"optimizer), or save it under ZeRO 1-3")
+    module = meta.get("module")
+    if not isinstance(module, dict) or not module:
+        raise InteropError(f"{where}: a ZeRO stage 0 save without its module's weights")
+    return [{n: tuple(t.shape) for n, t in module.items()
+             if isinstance(t, torch.Tensor) and not n.endswith(LM_HEAD)}]
+
+
 def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
                  model_config: Path | None = None) -> Source:
     from bloomtrain.checkpoint.hf.files import canonical_name as canonical
@@ -138,6 +154,8 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
 
     where, meta = files.tag_dir, _model_states(files)
     param_shapes = meta["param_shapes"]
+    if param_shapes is None:
+        param_shapes = _stage0_shapes(meta, where, weights_only)
     names = {canonical(n): n for g in param_shapes for n in g}  # HF name -> DeepSpeed's
     shapes = {canonical(n): tuple(s) for g in param_shapes for n, s in g.items()}
     rows = shapes.get(EMBEDDING, (None,))[0]

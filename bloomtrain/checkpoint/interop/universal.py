@@ -27,6 +27,7 @@ from bloomtrain.checkpoint.interop.files import deepspeed_position
 from bloomtrain.checkpoint.interop.hf_zero import precision_of, zero_stage_of
 from bloomtrain.checkpoint.interop.safe_load import InteropError, load
 from bloomtrain.checkpoint.interop.source import WEIGHTS, Source
+from bloomtrain.checkpoint.interop.zero import ds_scaler_fields
 from bloomtrain.devices import torch_dtype
 from bloomtrain.model.params import EMBEDDING, LM_HEAD
 
@@ -39,11 +40,27 @@ def universal_dir(path: Path) -> Path | None:
     latest = path / "latest_universal"
     if latest.is_file():
         tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+        _refuse_two_latests(path, tag)
         if tag and "/" not in tag and (path / tag / "zero").is_dir():
             return path / tag
         raise InteropError(f"{latest} names {tag!r}, which is not a universal checkpoint "
                            f"directory under {path}")
     return None
+
+
+def _refuse_two_latests(path: Path, universal_tag: str) -> None:
+    """DeepSpeed's documented conversion writes into the save directory, so it may hold both
+    `latest` (what DeepSpeed resumes from) and `latest_universal`. When they name different
+    saves, neither is the obvious one: taking the universal one imported an older step
+    without a word."""
+    plain = path / "latest"
+    if not plain.is_file():
+        return
+    tag = plain.read_text(encoding="utf-8", errors="replace").strip()
+    if tag and tag != universal_tag.removesuffix("_universal"):
+        raise InteropError(f"{path} holds both latest ({tag}) and latest_universal "
+                           f"({universal_tag}), two different saves; give the one to import as "
+                           f"--input: {path / tag} or {path / universal_tag}")
 
 
 def _unwrap(obj, file: Path) -> tuple[torch.Tensor, bool]:
@@ -149,8 +166,8 @@ class UniversalCheckpoint:
                     raise InteropError(f"{file} holds {tensor.numel()} elements, a "
                                        f"{self.shape.num_layers}-layer BLOOM's {name} has "
                                        f"{math.prod(self.want[name])}")
-        return [f"the embedding's vocabulary padding was cut by the converter; its rows are "
-                f"zeros here, as DeepSpeed pads them"] if cut else []
+        return ["the embedding's vocabulary padding was cut by the converter; its rows are "
+                "zeros here, as DeepSpeed pads them"] if cut else []
 
 
 def read_universal(root: Path, weights_only: bool, model_config: Path | None = None) -> Source:
@@ -174,6 +191,10 @@ def read_universal(root: Path, weights_only: bool, model_config: Path | None = N
         src.adam_step, note = _adam_step(root, u.file_of, src.train_state)
         src.notes += [note] if note else []
         src.param_groups = _param_groups(root / "zero")
+        if u.precision == "fp16":  # the scale DeepSpeed's own resume restores
+            opt = root / "zero" / "optimizer_state.pt"
+            src.scaler = ds_scaler_fields((load(opt) or {}).get("loss_scaler")) \
+                if opt.is_file() else None
     kinds = ("fp32",) + (("exp_avg", "exp_avg_sq") if optimizer else ())
     src.checks.append(lambda: u.check_sizes(kinds))
     if u.head is not None:

@@ -80,6 +80,11 @@ class ZeroShards:
             self._flat = [osd.get("single_partition_of_fp32_groups") for osd in self.states]
             self._base = [_state_groups(osd.get("base_optimizer_state"), f)
                           for f, osd in zip(files, self.states)]
+        # Adam has not stepped yet (a save at step 0, or an fp16 run whose every step so far
+        # overflowed): its state is empty, and its moments are zeros, as they start.
+        self.unstepped = all(not base for base in self._base)
+        if self.unstepped:
+            self._base = [[{} for _ in self.groups] for _ in self._base]
         for f, flat, base in zip(files, self._flat, self._base):
             if not isinstance(flat, list) or len(flat) != len(self.groups) or \
                     len(base) != len(self.groups):
@@ -88,7 +93,8 @@ class ZeroShards:
                                    f"{len(flat) if isinstance(flat, list) else 'no'} flat fp32 "
                                    f"groups and {len(base)} optimizer states; the files do not "
                                    f"belong together")
-        self.has_moments = all("exp_avg" in g and "exp_avg_sq" in g for b in self._base for g in b)
+        self.has_moments = self.unstepped or all("exp_avg" in g and "exp_avg_sq" in g
+                                                 for b in self._base for g in b)
         self._where = self._locate()
 
     # ---- layout ------------------------------------------------------------------------------
@@ -191,6 +197,8 @@ class ZeroShards:
     def _flat_of(self, r: int, g: int, kind: str) -> torch.Tensor:
         if kind == "fp32":
             return self._flat[r][g]
+        if self.unstepped:
+            return torch.zeros_like(self._flat[r][g])
         if kind not in self._base[r][g]:
             raise InteropError(f"{self.files[r]}: group {g} has no {kind} (the optimizer is not "
                                f"Adam); import with --weights-only")
@@ -226,7 +234,7 @@ class ZeroShards:
         if len(steps) > 1:
             raise InteropError(f"{self.label}: the optimizer shards disagree on Adam's step "
                                f"({sorted(steps)}); they are from different checkpoints")
-        return steps.pop() if steps else None
+        return steps.pop() if steps else (0 if self.unstepped else None)
 
     def param_groups(self) -> list[dict]:
         """Each group's hyperparameters (lr, betas, eps, weight_decay) and parameter names."""
@@ -248,9 +256,14 @@ class ZeroShards:
                 for i, shapes in enumerate(self.groups) if i in owner]
 
     def loss_scale(self) -> dict | None:
-        scaler = self.states[0].get("loss_scaler")
-        if scaler is None or not hasattr(scaler, "get"):
-            return None
-        return {"scale": scaler.get("cur_scale"), "dynamic": scaler.get("dynamic"),
-                "hysteresis": scaler.get("cur_hysteresis"), "window": scaler.get("scale_window"),
-                "iter": scaler.get("cur_iter"), "last_overflow": scaler.get("last_overflow_iter")}
+        return ds_scaler_fields(self.states[0].get("loss_scaler"))
+
+
+def ds_scaler_fields(scaler) -> dict | None:
+    """DeepSpeed's fp16 loss scaler (an optimizer shard's, or a universal checkpoint's
+    zero/optimizer_state.pt's `loss_scaler`) as the fields the import keeps."""
+    if scaler is None or not hasattr(scaler, "get"):
+        return None
+    return {"scale": scaler.get("cur_scale"), "dynamic": scaler.get("dynamic"),
+            "hysteresis": scaler.get("cur_hysteresis"), "window": scaler.get("scale_window"),
+            "iter": scaler.get("cur_iter"), "last_overflow": scaler.get("last_overflow_iter")}
