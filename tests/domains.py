@@ -84,6 +84,7 @@ def assert_in_domains(cfg: Config) -> None:
     t, o, c = cfg.train, cfg.optim, cfg.checkpoint
     assert (t.train_iters is None) != (t.train_samples is None)
     assert o.min_lr <= o.lr
+    assert o.min_loss_scale <= o.initial_loss_scale
     assert o.decay_samples is None or o.decay_samples > o.warmup_samples
     assert not (c.save_interval or c.save_interval_minutes) or c.dir
 
@@ -95,6 +96,10 @@ def companions(key: str, value) -> dict:
         return {"optim.lr": max(value, 1.0)}
     if key == "optim.lr":
         return {"optim.min_lr": 0.0}
+    if key == "optim.min_loss_scale":  # Megatron's rule: min <= initial
+        return {"optim.initial_loss_scale": max(value, 2.0 ** 32)}
+    if key == "optim.initial_loss_scale":
+        return {"optim.min_loss_scale": min(value, 1.0)}
     if key == "train.train_samples":
         return {"train.train_iters": None}
     if key == "parallel.weight_gather_dtype":

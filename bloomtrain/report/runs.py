@@ -266,6 +266,13 @@ def summarize(run: Run) -> Summary:
         s.eta_s = max(s.total_samples - s.consumed_samples, 0) * per_sample
     elif steps and number(steps[-1], "eta_s") is not None:
         s.eta_s = number(steps[-1], "eta_s")  # no config to count steps from: the run's own
+    _summarize_monitors(steps, s)
+    _summarize_harness(run, s)
+    return s
+
+
+def _summarize_monitors(steps: list[dict], s: Summary) -> None:
+    """The peaks, spikes, alerts and the last straggler the step records carry."""
     for r in steps:
         peak = number(r, "mem_peak_bytes")
         if peak is not None and (s.mem_peak is None or peak > s.mem_peak):
@@ -286,8 +293,6 @@ def summarize(run: Run) -> Summary:
             s.alerts.extend((r["step"], str(a)) for a in alerts)
         if isinstance(r.get("straggler_rank"), int):
             s.straggler = (r["step"], r["straggler_rank"], number(r, "straggler_ratio"))
-    _summarize_harness(run, s)
-    return s
 
 
 def harness_metrics(rec: dict) -> dict[str, dict[str, float]]:

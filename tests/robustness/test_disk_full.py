@@ -25,6 +25,7 @@ import pytest
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
 from bloomtrain.cli import main as cli_main
+from bloomtrain.train.runlock import LOCK_NAME
 from bloomtrain.train import train
 from tests.dist import run_ranks
 from tests.helpers import make_cfg
@@ -179,7 +180,13 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def _leftovers(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".")
+                  and p.name != LOCK_NAME)
+
+
+def _entries(directory: Path) -> list[str]:
+    """What a directory holds, but the run lock's file (train/runlock.py), which stays."""
+    return sorted(n for n in os.listdir(directory) if n != LOCK_NAME)
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -197,7 +204,7 @@ def test_failed_save_keeps_previous_checkpoint_and_training_retries(dataset, tmp
         if line == f"[checkpoint] saved {ck / 'step_00000002'}":
             disk.fill(leave=du(ck / "step_00000002") // 2)
         if "WARNING saving checkpoint" in line:
-            seen.update(entries=sorted(os.listdir(ck)), latest=(ck / "latest").read_text(),
+            seen.update(entries=_entries(ck), latest=(ck / "latest").read_text(),
                         valid=ckpt.find_latest_valid(ck, log=lambda *_: None),
                         free=_free_text(ck))
             disk.free_up()
@@ -245,7 +252,7 @@ def test_on_save_error_stop_exits_nonzero(dataset, tmp_path, disk, capsys):
     assert "checkpoint.on_save_error=stop" in err
     # It stopped at the failed save, and step 2 is still the latest and valid.
     assert _steps(tmp_path / "run") == [1, 2, 3, 4]
-    assert sorted(os.listdir(ck)) == ["latest", "step_00000002"]
+    assert _entries(ck) == ["latest", "step_00000002"]
     assert ckpt.find_latest_valid(ck, log=lambda *_: None) == ck / "step_00000002"
 
 
@@ -324,7 +331,7 @@ def test_two_ranks_agree_on_a_failed_save(dataset, tmp_path):
     assert "No space left on device writing" in e and ".step_00000004.tmp" in e
     assert "rank 0:" not in e and "free (" in e
     assert _steps(tmp_path / "stop" / "run") == [1, 2, 3, 4]
-    assert sorted(os.listdir(ck)) == ["latest", "step_00000002"]  # no commit, no leftovers
+    assert _entries(ck) == ["latest", "step_00000002"]  # no commit, no leftovers
     assert (ck / "latest").read_text() == "step_00000002\n"
 
     ck = tmp_path / "continue" / "ck"
