@@ -445,8 +445,8 @@ def _refused_with(src: Path, out: Path, tokenizer: str, pattern: str) -> None:
 
 
 def test_fp16_loss_scaler_state_continues_deepspeeds():
-    # DeepSpeed's CPU accelerator has no fp16, so no fixture: DeepSpeed's DynamicLossScaler rule
-    # written out here. It doubles the scale when (cur_iter - last_overflow_iter) % window == 0
+    # No fp16 fixture (the fixtures predate DeepSpeed's fp16 on this CPU): DeepSpeed's
+    # DynamicLossScaler rule written out here. It doubles the scale when (cur_iter - last_overflow_iter) % window == 0
     # after a clean step, from last_overflow_iter -1; bloomtrain's scaler doubles on the window-th
     # clean step since the last overflow or growth. Both must next double at the same step.
     from bloomtrain.checkpoint.interop.importer import loss_scaler_state
