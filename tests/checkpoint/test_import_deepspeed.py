@@ -958,3 +958,20 @@ def test_a_save_directory_with_two_latests_naming_different_saves_is_refused(tmp
     (src / "latest").write_text("global_step5")
     _refused(src, tmp_path / "out", r"holds both latest \(global_step5\) and latest_universal",
              "give the one to import as --input")
+
+
+def test_a_save_with_frozen_parameters_is_refused_naming_them(tmp_path, monkeypatch):
+    # DeepSpeed keeps frozen parameters (requires_grad=False) apart, in frozen_param_shapes:
+    # they were reported as "missing for a 2-layer BLOOM", with no way on.
+    from bloomtrain.checkpoint.interop import hf_zero
+    read = hf_zero.load
+
+    def with_a_frozen_embedding(f, **kw):
+        state = read(f, **kw)
+        if isinstance(state, dict) and "param_shapes" in state:
+            state["frozen_param_shapes"] = {"transformer.word_embeddings.weight": (120, 32)}
+        return state
+    monkeypatch.setattr(hf_zero, "load", with_a_frozen_embedding)
+    _refused(_copy(tmp_path, "hf_zero2_fp32"), tmp_path / "out",
+             r"1 parameter\(s\) were frozen in this run \(requires_grad=False: "
+             r"transformer.word_embeddings.weight\)", "bloomtrain trains every parameter")
