@@ -128,6 +128,13 @@ def _model_states(files: dsfiles.CheckpointFiles) -> dict:
     if not isinstance(meta, dict) or "param_shapes" not in meta:
         raise InteropError(f"{files.model_file(0)} has no param_shapes; not a DeepSpeed model "
                            f"states file")
+    frozen = list(meta.get("frozen_param_shapes") or {})  # name -> shape
+    if frozen:  # they are in no optimizer partition, and were called "missing"
+        raise InteropError(f"{files.tag_dir}: {len(frozen)} parameter(s) were frozen in this run "
+                           f"(requires_grad=False: {', '.join(map(str, frozen[:3]))}), which "
+                           f"DeepSpeed keeps apart from the optimizer's; bloomtrain trains every "
+                           f"parameter: save the model unfrozen, or save_pretrained it and use "
+                           f"import-hf")
     return meta
 
 
@@ -153,13 +160,6 @@ def read_hf_zero(files: dsfiles.CheckpointFiles, weights_only: bool,
     from bloomtrain.model import check_state
 
     where, meta = files.tag_dir, _model_states(files)
-    frozen = list(meta.get("frozen_param_shapes") or {})  # name -> shape
-    if frozen:  # they are in no optimizer partition, and were called "missing"
-        raise InteropError(f"{where}: {len(frozen)} parameter(s) were frozen in this run "
-                           f"(requires_grad=False: {', '.join(map(str, frozen[:3]))}), which "
-                           f"DeepSpeed keeps apart from the optimizer's; bloomtrain trains every "
-                           f"parameter: save the model unfrozen, or save_pretrained it and use "
-                           f"import-hf")
     param_shapes = meta["param_shapes"]
     if param_shapes is None:
         param_shapes = _stage0_shapes(meta, where, weights_only)
