@@ -49,6 +49,9 @@ def run_problems(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> list[st
     if t.on_loss_spike == "rollback" and not c.dir:
         out.append("train.on_loss_spike=rollback needs checkpoint.dir (it reloads the last "
                    "checkpoint)")
+    if why := unwritable(cfg.run_dir):  # a file there was a NotADirectoryError traceback
+        out.append(f"run_dir {cfg.run_dir} cannot be written: {why}; point run_dir at a "
+                   f"writable directory")
     if c.dir and (why := unwritable(c.dir)):
         # Found here, not at the first save: with on_save_error=continue a run would train to
         # its end and keep nothing.

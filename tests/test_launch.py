@@ -106,9 +106,10 @@ def test_a_signalled_launcher_ends_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_worker_ends_in_its_own_line(tmp_path):
-    # rank 0 cannot create its run directory; rank 1, waiting in a collective, is stopped.
-    (tmp_path / "a_file").write_text("")
-    proc = _train(tmp_path, "train.train_iters=4", f"run_dir={tmp_path / 'a_file' / 'run'}")
+    # rank 0 cannot open its metrics log (a directory stands in its place, which nothing
+    # before launch looks at); rank 1, waiting in a collective, is stopped.
+    (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
+    proc = _train(tmp_path, "train.train_iters=4")
     out = read_rest(proc, 180)
     assert proc.wait(timeout=180) == 2, out
     assert not re.search(r"Closing process|Terminating process|closing signal", out), out

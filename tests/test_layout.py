@@ -198,6 +198,12 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path, monke
     with pytest.raises(UserError, match=f"cannot be written: {tmp_path}/ro is not writable by "
                                         f"this user; point checkpoint.dir at a writable"):
         validate(cfg, 1)
+    # The run directory alike (a file there was a NotADirectoryError traceback from train()).
+    cfg.checkpoint.dir = None
+    cfg.run_dir = str(tmp_path / "f")
+    with pytest.raises(UserError, match=f"run_dir {tmp_path}/f cannot be written: {tmp_path}/f "
+                                        f"is a file, not a directory; point run_dir at"):
+        validate(cfg, 1)
 
 
 def test_restarts_over_nodes_need_a_rendezvous_longer_than_the_hang_timeout():
