@@ -71,7 +71,7 @@ def _main(args) -> int:
         world = args.world_size
     ds, ds_source = _ds_config(args.deepspeed_config, megatron, launch, source)
     config, report = megatron_to_config(megatron, ds, world_size=world)
-    _check(config, world)
+    _check(config, world, resumes=bool(megatron.get("load")))
     header = _header(source, launch, ds_source, world, world_note, report)
     _print_report(report, header)
     if report.unsupported and not args.allow_unsupported:
@@ -154,7 +154,7 @@ def _ds_config(path: str | None, megatron: dict, launch, source: Path):
     return None, None
 
 
-def _check(config: dict, world: int | None) -> None:
+def _check(config: dict, world: int | None, resumes: bool = False) -> None:
     """The config as `bloomtrain train` will check it: each key, then (at the world size) every
     rule between them."""
     from bloomtrain.validate import validate
@@ -167,8 +167,15 @@ def _check(config: dict, world: int | None) -> None:
             validate(cfg, world)
     except UserError as e:
         at = f" at {world} processes" if world else ""
-        raise UserError(f"the converted config does not pass bloomtrain's checks{at}: {e}") \
-            from None
+        ramp = config.get("train", {}).get("rampup_batch_size")
+        # A continuation script (--load) keeps the ramp-up its first run had, though Megatron
+        # checks a ramp batch only at the samples it trains at, all past the ramp by now.
+        hint = (f"; the script resumes (--load): if its checkpoint is past the ramp-up's "
+                f"{ramp[2]} samples, Megatron never ran these batches, so drop "
+                f"--rampup-batch-size from the script (or train.rampup_batch_size from the "
+                f"config)") if resumes and ramp and "rampup_batch_size" in str(e) else ""
+        raise UserError(f"the converted config does not pass bloomtrain's checks{at}: {e}"
+                        f"{hint}") from None
 
 
 def _header(source, launch, ds_source, world, world_note, report) -> list[str]:

@@ -73,9 +73,10 @@ class Conversion:
         if (name := unresolved_in(value)) is not None:
             how = f"pass --var {name[1:]}=VALUE" if name[1:].isidentifier() else \
                 "write its value into the script"
-            raise UserError(f"{self.label(dest)} is {show(value)}, and {name} is not defined in "
-                            f"the script (it comes from the environment or from a command "
-                            f"import-config does not run); {how}")
+            raise UserError(f"{self.label(dest)} is {show(value)}, and {name} is not known "
+                            f"without running the script (it comes from the environment, from a "
+                            f"command import-config does not run, or from an if, case, loop or "
+                            f"&&/|| it cannot decide); {how}")
         return value
 
     def flag(self, dest: str) -> bool:

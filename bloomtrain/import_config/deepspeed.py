@@ -232,9 +232,15 @@ def _clip(c: Conversion, ds: Mapping | None) -> None:
     if value == "auto":
         c.set("optim.clip_grad", clip, "clip_grad", "ds_config gradient_clipping \"auto\"")
     elif value is None:
-        c.set("optim.clip_grad", clip, "clip_grad", "the ds_config sets no gradient_clipping, "
-              "so DeepSpeed used its default: no clipping in older versions, 1.0 in newer ones; "
-              "this takes --clip-grad, set optim.clip_grad=0 if the run did not clip")
+        # Under --deepspeed Megatron hands DeepSpeed a plain optimizer, so --clip-grad is never
+        # applied; DeepSpeed's own default is what clipped. It was 0 (off) in every release until
+        # PR #8068 (June 2026) made it 1.0: the Megatron-DeepSpeed era ran unclipped.
+        c.set("optim.clip_grad", 0.0, None, "DeepSpeed's default before June 2026",
+              source="ds_config gradient_clipping (not given)")
+        c.ignore("clip_grad", "under --deepspeed only the ds_config's gradient_clipping clips")
+        c.unchecked("the ds_config sets no gradient_clipping: DeepSpeed did not clip by default "
+                    "before PR #8068 (June 2026; 1.0 since, as in 0.19), so optim.clip_grad is 0; "
+                    "set optim.clip_grad=1.0 if the run used a DeepSpeed from after that change")
     else:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise UserError(f"ds_config gradient_clipping must be a number >= 0, got {value!r}")
@@ -278,6 +284,10 @@ def _loss_scale(c: Conversion, ds: Mapping | None, precision: str) -> None:
         value = 2.0 ** value if name == "initial_scale_power" else value
         _mapped(c, key, float(value) if key.endswith("_scale") else int(value), f"fp16.{name}",
                 "" if name in fp16 else "not given: DeepSpeed's default")
+    if "initial_scale_power" not in fp16:
+        c.unchecked("the ds_config's fp16 section sets no initial_scale_power: DeepSpeed's "
+                    "default is 16 since 0.8.0 (January 2023) and was 32 before; set "
+                    "optim.initial_loss_scale=4294967296 if the run used an older DeepSpeed")
     for name, value in fp16.items():
         if name == "consecutive_hysteresis" and value:
             _skip(c, "fp16.consecutive_hysteresis", value, "hysteresis restored after every "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bloomtrain.errors import UserError
+from bloomtrain.import_config.bash.lexer import show, unresolved_in
 
 REASONS = {
     # ---- ignored --------------------------------------------------------------------------
@@ -399,8 +400,8 @@ def parse_argv(words: list[str]) -> dict[str, Any]:
     while i < len(words):
         word = words[i]
         if not _is_option(word):
-            raise UserError(f"{word!r} in the program's arguments follows no option that takes "
-                            f"a value; Megatron (argparse) would refuse it")
+            raise UserError(f"{show(word)!r} in the program's arguments follows no option that "
+                            f"takes a value; Megatron (argparse) would refuse it{_hint([word])}")
         flag, eq, inline = word.partition("=")
         option = OPTIONS.get(flag)
         values, i = ([inline], i + 1) if eq else _values(words, i + 1)
@@ -410,15 +411,25 @@ def parse_argv(words: list[str]) -> dict[str, Any]:
             continue
         if option.kind in ("flag", "off"):
             if values:
-                raise UserError(f"{flag} takes no value, but {values[0]!r} follows it")
+                raise UserError(f"{flag} takes no value, but {show(values[0])!r} follows it")
             args[option.dest] = option.kind == "flag"
         elif option.kind == "value":
             if len(values) != 1:
-                raise UserError(f"{flag} takes one value, got {len(values)}: {values}")
+                raise UserError(f"{flag} takes one value, got {len(values)}: "
+                                f"{[show(v) for v in values]}{_hint(values)}")
             args[option.dest] = values[0]
         else:
             args[option.dest] = values
     return args
+
+
+def _hint(words: list[str]) -> str:
+    """For a word that is an unresolved variable (bash drops an unset one): how to give it."""
+    name = unresolved_in(words)
+    if name is None or not name[1:].isidentifier():
+        return ""
+    return (f"; {name} is not known without running the script: pass --var {name[1:]}=VALUE "
+            f"(an empty VALUE if it is unset when the job runs)")
 
 
 def _values(words: list[str], i: int) -> tuple[list[str], int]:

@@ -270,11 +270,33 @@ def schedule(c: Conversion) -> None:
     else:
         warmup, warmup_from = c.int("lr_warmup_samples"), ["lr_warmup_samples"]
     _set_samples(c, "optim.warmup_samples", warmup, warmup_from)
+    if c.has("lr_decay_tokens") and not c.has("lr_warmup_tokens"):
+        _token_decay_after_warmup(c, warmup)
     for dest in ("lr_decay_iters", "lr_decay_samples", "lr_decay_tokens", "lr_warmup_iters",
                  "lr_warmup_samples", "lr_warmup_tokens"):
         if dest not in c.accounted:
             c.ignore(dest, "superseded by the arguments named for optim.decay_samples and "
                            "optim.warmup_samples")
+
+
+def _token_decay_after_warmup(c: Conversion, warmup: float) -> None:
+    """Megatron's AnnealingLR decays by tokens from the token count at which warmup ended, but
+    notes that count only at a step whose consumed samples equal the warmup exactly; where the
+    batches step over it, the decay counts from token 0. bloomtrain always decays from the end
+    of warmup, so that case is said, with the size of the shift."""
+    if warmup <= 0:
+        return
+    rampup = c.list("rampup_batch_size")
+    ramp = tuple(int(v) for v in rampup) if rampup else None
+    consumed = 0
+    while consumed < warmup:
+        consumed += rampup_batch_size_at(consumed, c.gbs, ramp) if ramp else c.gbs
+    if consumed != warmup:
+        decay = c.config["optim"]["decay_samples"]
+        c.warn(f"the warmup ({warmup:g} samples) ends inside a global batch (the batches reach "
+               f"{consumed} samples), so Megatron never noted the token count at its end and "
+               f"decayed by --lr-decay-tokens from token 0; bloomtrain decays from the end of "
+               f"warmup, {warmup / decay:.2%} of the decay later")
 
 
 def megatron_train_iters(train_samples: int, global_batch_size: int,

@@ -406,11 +406,16 @@ def test_fp16_loss_scaling_from_the_ds_config():
     assert scaling["ds_config fp16.initial_scale_power"] == (65536.0, "not given: DeepSpeed's "
                                                                       "default")
     assert scaling["ds_config fp16.loss_scale_window"][0] == 1000
+    assert any("sets no initial_scale_power" in u and "was 32 before" in u
+               for u in report.unchecked)
+    # No gradient_clipping: DeepSpeed's default clipped (0, off, until its PR #8068 of June
+    # 2026), never Megatron's --clip-grad, which the plain optimizer Megatron hands DeepSpeed
+    # does not apply.
     unset = {k: v for k, v in FP16_DS.items() if k != "gradient_clipping"}
     config, report = _convert("--fp16 --deepspeed --clip-grad 0.7", unset, 8)
-    assert config["optim"]["clip_grad"] == 0.7
-    assert "sets no gradient_clipping" in next(m.note for m in report.mapped
-                                               if m.key == "optim.clip_grad")
+    assert config["optim"]["clip_grad"] == 0.0
+    assert any(s.source.startswith("--clip-grad 0.7") for s in report.ignored)
+    assert any("sets no gradient_clipping" in u for u in report.unchecked)
     with pytest.raises(UserError, match="runs DeepSpeed in fp16 but the Megatron arguments "
                                         "build the model in bf16"):
         _convert("--bf16 --deepspeed", FP16_DS, 8)
@@ -512,3 +517,30 @@ def test_the_output_is_never_one_of_the_inputs(tmp_path, capsys):
                       "--output", str(script))
     assert rc == 2 and "is one of the inputs" in err
     assert script.read_text() == before
+
+
+def test_a_token_decay_whose_warmup_ends_inside_a_batch_is_said():
+    """Megatron's AnnealingLR notes the token count at the end of warmup only at a step whose
+    consumed samples equal the warmup; 1000 samples in batches of 16 are stepped over (1008),
+    and Megatron then decayed by tokens from token 0 (learning_rates.py get_lr)."""
+    base = ("--seq-length 32 --global-batch-size 16 --train-samples 12000 "
+            "--lr-decay-tokens 320000 --lr-decay-style linear --lr-warmup-samples ")
+    _, report = _convert(base + "1000", world_size=16)
+    assert any("warmup (1000 samples) ends inside a global batch (the batches reach 1008 "
+               "samples)" in w and "10.00% of the decay later" in w for w in report.warnings)
+    _, report = _convert(base + "1008", world_size=16)
+    assert not any("ends inside a global batch" in w for w in report.warnings)
+
+
+def test_a_continuation_script_refused_for_its_ramp_up_says_what_to_drop(tmp_path, capsys):
+    # BigScience's tr11f-6B3-ml-continuation.slurm kept its first run's ramp-up, whose batches
+    # a resumed run past the ramp never trains at (Megatron checks them only when reached).
+    script = tmp_path / "cont.sh"
+    script.write_text("torchrun --nnodes 1 --nproc_per_node 8 pretrain_gpt.py " + SMALL +
+                      "--seq-length 32 --micro-batch-size 1 --global-batch-size 16 "
+                      "--rampup-batch-size 12 4 1000 --train-samples 5000 --load /ck\n")
+    code, _, err = _run(capsys, "--megatron-args", str(script), "--output",
+                        str(tmp_path / "out.yaml"))
+    assert code == 2 and "its batch 12 must be divisible" in err
+    assert "the script resumes (--load): if its checkpoint is past the ramp-up's 1000 samples" \
+        in err and not (tmp_path / "out.yaml").exists()

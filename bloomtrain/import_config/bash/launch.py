@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 import os
 import re
+from itertools import takewhile
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from bloomtrain.errors import UserError
+from bloomtrain.import_config.bash.flow import RUN, SKIP, Flow, test_status
 from bloomtrain.import_config.bash.lexer import (ASSIGNMENT, Command, Lexer, Part, arith,
                                                  mark, show, unresolved_in)
 
@@ -68,14 +70,18 @@ def read_launch(text: str, variables: Mapping[str, str] | None = None) -> Launch
         argv = [f for c in commands for w in c.words for f in evaluator.fields(w)]
         return Launch(argv, None, None, None, "an args file names no launcher")
     slurm = _sbatch(text)
-    evaluator.env = {**slurm.env(), **variables}
+    evaluator.env = {**evaluator.env, **slurm.env(), **variables}
     for command in commands:
         evaluator.command(command, command.line)
     found = evaluator.launches
     if not found:
+        undecided = ", ".join(f"{k} (line {v})" for k, v in evaluator.uncertain.items())
         raise UserError("found no launch: no command runs a program under torchrun, python -m "
                         "torch.distributed.run/launch or deepspeed, and python runs no "
-                        "pretrain_*.py; pass the program's arguments as an args file instead")
+                        "pretrain_*.py; pass the program's arguments as an args file instead" +
+                        (f" (or, if the launch is built from variables set under an if, case, "
+                         f"loop or &&/|| import-config cannot decide, give them with --var: "
+                         f"{undecided})" if undecided else ""))
     if len(found) > 1:
         raise UserError(f"found {len(found)} launches (lines "
                         f"{', '.join(str(f.line) for f in found)}); keep the one to convert")
@@ -111,33 +117,76 @@ class _Evaluator:
     """Runs the commands' assignments in order and finds the launch among them."""
 
     def __init__(self, env: dict[str, str], overrides: dict[str, str]):
-        self.env, self.overrides = dict(env), overrides
+        # "$@" and "$*": a launch script is read as run without arguments.
+        self.env, self.overrides = {"@": "", "*": "", **env}, overrides
         self.files: dict[str, str] = {}
         self.launches: list[_Found] = []
         self.depth = 0
+        self.flow = Flow()
+        self.under_srun = False
+        self.uncertain: dict[str, int] = {}   # variables set under undecided conditions: line
+        self.line = 0
 
     def command(self, cmd: Command, line: int) -> None:
-        words, i = cmd.words, 0
-        while i < len(words) and (assignment := _assignment(words[i])):
-            self._assign(*assignment)
-            i += 1
-        if i < len(words) and self.string(words[i]) in ("export", "declare", "typeset",
-                                                         "local", "readonly"):
-            for word in words[i + 1:]:
+        self.line = line
+        chained = self.flow.chained(cmd.sep)
+        words, negate = self._keywords(cmd.words)
+        mode = min(chained, self.flow.mode())
+        if mode == SKIP or not words:
+            return  # a skipped command leaves the status as it was
+        assignments = list(takewhile(bool, map(_assignment, words)))
+        rest = words[len(assignments):]
+        # `NAME=v cmd` sets NAME for cmd alone.
+        scoped = {a[0]: self.env.get(a[0]) for a in assignments} if rest else {}
+        for assignment in assignments:
+            self._assign(*assignment, certain=mode == RUN)
+        try:
+            status = self._run(cmd, rest, line, mode)
+        finally:
+            for name, old in scoped.items():
+                self.env.pop(name, None) if old is None else self.env.__setitem__(name, old)
+        self.flow.status = status if status is None or not negate else not status
+
+    def _keywords(self, words: list[list[Part]]) -> tuple[list[list[Part]], bool]:
+        """`words` past the leading keywords (if, then, fi, do, ...), which open and close the
+        flow's blocks, and whether a `!` negates the command's status."""
+        negate = False
+        while words and len(words[0]) == 1 and words[0][0].kind == "lit" and \
+                not words[0][0].quoted:
+            if words[0][0].text == "!":
+                negate = not negate
+            elif not self.flow.keyword(words[0][0].text):
+                break
+            words = words[1:]
+        return words, negate
+
+    def _run(self, cmd: Command, words: list[list[Part]], line: int, mode: int) -> bool | None:
+        if words and self.string(words[0]) in ("export", "declare", "typeset", "local",
+                                               "readonly"):
+            for word in words[1:]:
                 if assignment := _assignment(word):
-                    self._assign(*assignment)
-            return
+                    self._assign(*assignment, certain=mode == RUN)
+            return True
         if cmd.heredoc is not None and cmd.output is not None:
             self.files[self.string(cmd.output)] = self.string(cmd.heredoc)
-        fields = [f for w in words[i:] for f in self.fields(w)]
-        if fields and os.path.basename(fields[0]) not in _NOT_LAUNCHES:
+        fields = [f for w in words for f in self.fields(w)]
+        if not fields:
+            return True
+        if os.path.basename(fields[0]) not in _NOT_LAUNCHES:
             self._find_launch(fields, line)
+        return test_status(fields[0], fields[1:])
 
-    def _assign(self, name: str, append: bool, parts: list[Part]) -> None:
+    def _assign(self, name: str, append: bool, parts: list[Part], certain: bool = True) -> None:
         value = self.string(parts)
         if unresolved_in(value) is not None and name in self.overrides:
             value = self.overrides[name]
-        self.env[name] = self.env.get(name, "") + value if append else value
+        value = self.env.get(name, "") + value if append else value
+        if not certain and value != self.env.get(name):
+            # Set only under a condition this reader cannot decide: not known afterwards.
+            if name not in self.overrides:
+                self.uncertain.setdefault(name, self.line)
+            value = self.overrides.get(name, mark("$" + name))
+        self.env[name] = value
 
     def string(self, parts: list[Part]) -> str:
         return "".join(self._single(p) for p in parts)
@@ -153,8 +202,11 @@ class _Evaluator:
 
     def _lookup(self, part: Part) -> str:
         value = self.env.get(part.text)
-        if not value and part.default is not None:
-            return self.string(part.default)
+        if part.default is not None and (value is None or not value and ":" in part.op):
+            value = self.string(part.default)
+            if "=" in part.op:  # ${NAME:=default} assigns it too
+                self.env[part.text] = value
+            return value
         return mark("$" + part.text) if value is None else value
 
     def _arith(self, text: str) -> str:
@@ -180,6 +232,9 @@ class _Evaluator:
         honoured), everything else joined."""
         out: list[str] = []
         cur: str | None = None
+        if len(parts) == 1 and parts[0].kind == "var" and parts[0].text in "@*" and \
+                not self._lookup(parts[0]):
+            return out  # "$@" without arguments is no word at all
         for part in parts:
             if part.kind != "var" or part.quoted:
                 cur = (cur or "") + self._single(part)
@@ -222,21 +277,25 @@ class _Evaluator:
                 at = next((j for j, f in enumerate(options) if f == "-c"), None)
                 if at is not None and at + 1 < len(options) and \
                         all(f.startswith("-") for f in options[:at]):
-                    return self._nested(options[at + 1], line)
+                    srun = any(os.path.basename(show(f)) == "srun" for f in fields[:k])
+                    return self._nested(options[at + 1], line, srun)
             if base in ("torchrun", "deepspeed"):
                 return self._launcher(base, fields, k + 1, line)
             if base.startswith("python") and k + 1 < len(fields):
                 return self._python(fields, k, line)
 
-    def _nested(self, script: str, line: int) -> None:
+    def _nested(self, script: str, line: int, srun: bool) -> None:
         self.depth += 1
         if self.depth > _MAX_DEPTH:
             raise UserError(f"line {line}: bash -c nests too deep")
+        # `srun sh -c "python pretrain_gpt.py ..."`: srun starts its tasks, each one a shell.
+        outer, self.under_srun = self.under_srun, self.under_srun or srun
         try:
             for command in Lexer(script, first_line=line).commands():
                 self.command(command, line)
         finally:
             self.depth -= 1
+            self.under_srun = outer
 
     def _python(self, fields: list[str], k: int, line: int) -> None:
         j = k + 1
@@ -251,7 +310,7 @@ class _Evaluator:
             return
         name = os.path.basename(show(fields[j])) if j < len(fields) else ""
         if name.endswith(".py") and name.startswith(("pretrain", "finetune")):
-            srun = any(os.path.basename(f) == "srun" for f in fields[:k])
+            srun = self.under_srun or any(os.path.basename(f) == "srun" for f in fields[:k])
             self.launches.append(_Found(None, {}, fields[j], fields[j + 1:], line, srun))
 
     def _launcher(self, launcher: str, fields: list[str], j: int, line: int) -> None:

@@ -63,6 +63,7 @@ class Part:
     text: str
     quoted: bool
     default: list["Part"] | None = None   # ${NAME:-default}
+    op: str = ""                           # its operator: -, :-, = or :=
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Command:
     line: int
     heredoc: list[Part] | None = None
     output: list[Part] | None = None      # the file `> FILE` writes
+    sep: str = "\n"                        # the operator before it: ; && || | & ( ) or newline
 
 
 class Lexer:
@@ -103,7 +105,7 @@ class Lexer:
                 self.i += 1
                 self.line += 1
                 self._read_heredocs()
-                cur = self._end(done, cur)
+                cur = self._end(done, cur, "\n")
             elif c == "#" and not self.words_only:
                 while self.i < len(self.s) and self._peek() != "\n":
                     self.i += 1
@@ -113,20 +115,23 @@ class Lexer:
                     cur.words.pop()  # the fd of `2>&1`
                 self._redirect(cur)
             elif c in ";&|()" and not self.words_only:
-                self.i += 1
-                cur = self._end(done, cur)
+                op = c * 2 if c in ";&|" and self._peek(1) == c else c
+                self.i += len(op)
+                cur = self._end(done, cur, op)
             else:
                 cur.words.append(self._word())
                 last_end = self.i
-        self._end(done, cur)
+        self._end(done, cur, "\n")
         if self.pending:
             self._fail(f"heredoc <<{self.pending[0][0]} is never closed")
         return done
 
-    def _end(self, done: list[Command], cur: Command) -> Command:
+    def _end(self, done: list[Command], cur: Command, op: str) -> Command:
         if cur.words or cur.heredoc is not None:
             done.append(cur)
-        return Command([], self.line)
+        elif cur.sep in ("&&", "||", "|") and op == "\n":
+            op = cur.sep  # `a &&` newline `b`: b still follows the &&
+        return Command([], self.line, sep=op)
 
     def _redirect(self, cur: Command) -> None:
         start = self.i
@@ -243,7 +248,10 @@ class Lexer:
         elif m := _NAME.match(self.s, self.i):
             parts.append(Part("var", m.group(), quoted))
             self.i = m.end()
-        elif c and c in "@*#?$!-0123456789":
+        elif c and c in "@*":
+            parts.append(Part("var", c, quoted))
+            self.i += 1
+        elif c and c in "#?$!-0123456789":
             parts.append(Part("cmd", "$" + c, quoted))
             self.i += 1
         else:
@@ -271,9 +279,10 @@ class Lexer:
             return
         op = body[m.end():m.end() + 2] if m else ""
         if m and op[:1] in ("-", "=") or op in (":-", ":="):
-            rest = body[m.end() + (2 if op.startswith(":") else 1):]
+            op = op if op.startswith(":") else op[:1]
             parts.append(Part("var", m.group(), quoted,
-                              default=Lexer(rest, first_line=self.line)._quoted(None)))
+                              default=Lexer(body[m.end() + len(op):],
+                                            first_line=self.line)._quoted(None), op=op))
             return
         parts.append(Part("cmd", "${" + body + "}", quoted))
 
@@ -285,8 +294,21 @@ def _add(parts: list[Part], kind: str, text: str, quoted: bool) -> None:
         parts.append(Part(kind, text, quoted))
 
 
+def _divide(a: int, b: int) -> int:
+    """Bash's (C's) integer division: toward zero, not Python's floor."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _power(a: int, b: int) -> int:
+    if b < 0 or b > 4096:
+        raise ValueError("exponent out of range")
+    return a ** b
+
+
 _ARITH_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-              ast.Div: operator.floordiv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+              ast.Div: _divide, ast.FloorDiv: _divide,
+              ast.Mod: lambda a, b: a - b * _divide(a, b), ast.Pow: _power,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 

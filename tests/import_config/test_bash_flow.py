@@ -1,0 +1,110 @@
+"""The launch script read as bash runs it: control flow, defaults, arithmetic and `"$@"`.
+
+The reference is bash itself: each script runs under bash with `torchrun` replaced by a function
+that prints the program's arguments, one per line, and import-config's reading must give the
+same words. Where a value depends on what cannot be known without running the job (a loop, a
+`case`, an undefined variable), the reading must leave it unresolved (an error naming it), never
+a value bash would not have given."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from bloomtrain.errors import UserError
+from bloomtrain.import_config.bash import read_launch, show, unresolved_in
+from bloomtrain.import_config.megatron_args import parse_argv
+
+# torchrun's options skipped, its program dropped, the program's arguments printed.
+_STUB = ("torchrun() { while [[ $1 == --* ]]; do shift 2; done; shift; "
+         "printf '%s\\n' \"$@\"; }\n")
+
+DECIDED = {
+    "if_else": 'TESTING=0\nif [[ ${TESTING} == 1 ]]; then\n  L=2\nelse\n  L=24\nfi\n'
+               'torchrun pretrain_gpt.py --num-layers $L',
+    "elif": 'R=2\nif [ "$R" = 1 ]; then L=1\nelif [ "$R" -eq 2 ]; then L=2\nelse L=3\nfi\n'
+            'torchrun pretrain_gpt.py --num-layers $L',
+    "flag_block": 'ckpt="false"\nopts="--seed 1"\nif [ "${ckpt}" = "true" ]; then\n'
+                  '  opts+=" --checkpoint-activations"\nfi\ntorchrun pretrain_gpt.py ${opts}',
+    "one_line_if": 'TP=1\nif true; then TP=2; fi\n'
+                   'torchrun pretrain_gpt.py --tensor-model-parallel-size $TP',
+    "and_or": 'BIG=\nTP=2\n[ -n "$BIG" ] && TP=8\n[ -z "$BIG" ] || TP=16\n'
+              'torchrun pretrain_gpt.py --tensor-model-parallel-size $TP',
+    "negated": 'Z=3\nif ! [ "$Z" -gt 2 ]; then Z=0; fi\ntorchrun pretrain_gpt.py --seed $Z',
+    "chain_newline": 'A=1\ntrue &&\n  A=2\nfalse && A=3\ntorchrun pretrain_gpt.py --seed $A',
+    "nested_if": 'A=1; B=0\nif [ $A = 1 ]; then\n  if [ $B = 1 ]; then S=11; else S=10; fi\n'
+                 'else S=0\nfi\ntorchrun pretrain_gpt.py --seed $S',
+    "prefix_assignment": 'TP=2\nTP=8 true\ntorchrun pretrain_gpt.py --tensor-model-parallel-size $TP',
+    "assign_default": ': ${SEED:=7}\ntorchrun pretrain_gpt.py --seed $SEED',
+    "dash_default": 'SEED=\ntorchrun pretrain_gpt.py --seed "${SEED-1234}x" --lr ${SEED:-5}',
+    "arithmetic": 'N=$((2**3))\nM=$(( -7 / 2 ))\nK=$(( -7 % 3 ))\n'
+                  'torchrun pretrain_gpt.py --micro-batch-size $N --seed $M --lr $K',
+    "no_script_arguments": 'torchrun pretrain_gpt.py "$@" --seed 1 $@ $*',
+}
+
+
+def _bash_argv(script: str) -> list[str]:
+    out = subprocess.run(["bash", "-c", _STUB + script], capture_output=True, text=True,
+                         check=True)
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("name", sorted(DECIDED))
+def test_a_decided_script_gives_the_words_bash_gives(name):
+    assert shutil.which("bash"), "bash is the reference"
+    script = DECIDED[name]
+    assert [show(w) for w in read_launch(script).argv] == _bash_argv(script)
+
+
+UNDECIDED = {
+    # (script, the variable left unresolved)
+    "case": ('MODE=small\ncase $MODE in\n  small) L=2;;\n  big) L=70;;\nesac\n'
+             'torchrun pretrain_gpt.py --num-layers $L', "$L"),
+    "loop": ('A=""\nfor x in 1 2; do A="$A --seed $x"; done\ntorchrun pretrain_gpt.py $A', "$A"),
+    "environment": ('TP=2\n[ -n "$BIG" ] && TP=8\n'
+                    'torchrun pretrain_gpt.py --tensor-model-parallel-size $TP', "$TP"),
+    "file_test": ('TP=2\nif [ -f /etc/bigger ]; then TP=8; fi\n'
+                  'torchrun pretrain_gpt.py --tensor-model-parallel-size $TP', "$TP"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNDECIDED))
+def test_an_undecided_condition_leaves_its_variables_unknown(name):
+    script, variable = UNDECIDED[name]
+    assert unresolved_in(read_launch(script).argv) == variable
+    # An assignment that changes nothing under the condition leaves the value known.
+    same = 'TP=2\nif [ -f /etc/x ]; then TP=2; fi\ntorchrun pretrain_gpt.py --seed $TP'
+    assert read_launch(same).argv == ["--seed", "2"]
+    # --var decides it.
+    name_only = variable[1:]
+    value = read_launch(script, {name_only: "--seed 3" if name == "loop" else "4"}).argv
+    assert unresolved_in(value) is None
+
+
+def test_a_launch_built_under_a_loop_names_the_variables_to_give():
+    # As BigScience's tr7b-extrapolation-law.slurm: the launcher itself is set in the loop.
+    script = ('for n in 1 2; do\n  LAUNCHER="torchrun --nnodes $n"\n'
+              '  srun bash -c "$LAUNCHER pretrain_gpt.py --seed 1"\ndone\n')
+    with pytest.raises(UserError, match=r"found no launch.*give them with --var: LAUNCHER "
+                                        r"\(line 2\)"):
+        read_launch(script)
+
+
+def test_srun_running_a_shell_starts_its_tasks():
+    # Megatron-DeepSpeed's examples/pretrain_gpt3_175B.sh: srun hands python to `sh -c`.
+    script = ('#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=8\n'
+              'run_cmd="python -u pretrain_gpt.py --seed 1"\nsrun -l sh -c "${run_cmd}"\n')
+    launch = read_launch(script)
+    assert (launch.world_size, launch.argv) == (16, ["--seed", "1"])
+    assert read_launch(script.replace('srun -l sh -c "${run_cmd}"',
+                                      'sh -c "${run_cmd}"')).world_size == 1
+
+
+def test_an_unset_variable_among_the_arguments_is_named_as_the_script_spells_it():
+    argv = read_launch("torchrun pretrain_gpt.py --num-layers 2 $EXTRA_ARGS").argv
+    with pytest.raises(UserError, match=r"got 2: \['2', '\$EXTRA_ARGS'\]; \$EXTRA_ARGS is not "
+                                        r"known .* pass --var EXTRA_ARGS=VALUE \(an empty"):
+        parse_argv(argv)
+    assert read_launch("torchrun pretrain_gpt.py --num-layers 2 $EXTRA_ARGS",
+                       {"EXTRA_ARGS": ""}).argv == ["--num-layers", "2"]
