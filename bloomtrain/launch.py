@@ -382,6 +382,10 @@ class _AgentNoise(logging.Filter):
 # Set in the environment of workers whose launcher takes Ctrl-C itself (SigintStop): a file
 # that the launcher creates at the first SIGINT and the workers look for at their next safe point.
 STOP_FILE_ENV = "BLOOMTRAIN_STOP_FILE"
+# Alike for the scheduler's stop signals (SIGTERM, SIGUSR1) sent to the launcher: a file holding
+# the signal's number, which the workers take as if the signal had reached them.
+SIGNAL_FILE_ENV = "BLOOMTRAIN_SIGNAL_FILE"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # When the job started (time.time()), set by the launcher for its workers: a restarted worker's
 # train.exit_duration_minutes still counts from the job's start, as the scheduler's limit does.
 JOB_START_ENV = "BLOOMTRAIN_JOB_START"
@@ -410,30 +414,43 @@ class _QuitNow(BaseException):
     catches Exception in places)."""
 
 
-class _SigintTaker:
-    """The launcher's SIGINT handling while the workers run (SigintStop); with `stop` None,
-    none: SIGINT is torch's agent's, as SIGTERM is."""
+class _SignalTaker:
+    """The launcher's handling of SIGINT, SIGTERM and SIGUSR1 while the workers run
+    (SigintStop); with `stop` None, none: they are torch's agent's (SIGUSR1's default action
+    ends the launcher). torch's agent, left SIGTERM, would pass it on and SIGKILL the workers
+    30 s later, mid-save for a large model; SIGUSR1 (`scancel --signal=USR1`) killed the
+    launcher and left its workers orphaned. Taken here, both ask the workers to finish their
+    step, save and exit 0, through a file, and the launcher waits for them; a second SIGTERM
+    ends them at once, as a second Ctrl-C does."""
 
     def __init__(self, stop: SigintStop | None, stack: contextlib.ExitStack):
-        self.stop, self.count, self.stop_file = stop, 0, None
+        self.stop, self.count, self.stop_file, self.signal_file = stop, 0, None, None
+        self.terms = 0
+        self.signals: tuple[int, ...] = ()
         if stop is not None:
             import tempfile
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bloomtrain-stop-"))
             self.stop_file = os.path.join(folder, "SIGINT")
+            self.signal_file = os.path.join(folder, "SIGNAL")
 
     def worker_env(self, lc) -> dict[str, str]:
-        """The stop file's variable; and torch's agent, configured by `lc`, told to leave
-        SIGINT alone (LaunchConfig.signals_to_handle; a torch older than that field takes SIGINT
-        as it always did: launch_local's SignalException path)."""
+        """The stop files' variables; and torch's agent, configured by `lc`, told to leave
+        SIGINT and SIGTERM alone (LaunchConfig.signals_to_handle; a torch older than that
+        field takes them as it always did: launch_local's SignalException path)."""
         if self.stop is None:
             return {}
         handled = getattr(lc, "signals_to_handle", None)
+        self.signals = (signal.SIGUSR1,)
         if handled is not None:
+            self.signals = (signal.SIGINT, *STOP_SIGNALS)
             lc.signals_to_handle = ",".join(
-                s for s in handled.split(",") if s.strip() != "SIGINT") or "SIGTERM"
-        return {STOP_FILE_ENV: self.stop_file}
+                s for s in handled.split(",") if s.strip() not in ("SIGINT", "SIGTERM")) \
+                or "SIGHUP"
+        return {STOP_FILE_ENV: self.stop_file, SIGNAL_FILE_ENV: self.signal_file}
 
-    def __call__(self, _signum, _frame) -> None:
+    def __call__(self, signum, _frame) -> None:
+        if signum != signal.SIGINT:
+            return self._stop_signal(signum)
         self.count += 1
         if self.count == 1:
             with open(self.stop_file, "w"):
@@ -441,30 +458,55 @@ class _SigintTaker:
             say_in_handler(f"bloomtrain: SIGINT: {self.stop.hint}; Ctrl-C again quits at "
                            f"once without saving")
             return
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the exit is under way
+        self._quit()
+
+    def _stop_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        first = not os.path.exists(self.signal_file)
+        if first:
+            with open(self.signal_file + ".tmp", "w") as f:  # renamed: never read half-written
+                f.write(str(int(signum)))
+            os.replace(self.signal_file + ".tmp", self.signal_file)
+            say_in_handler(f"bloomtrain: {name}: the workers finish their step, save a "
+                           f"checkpoint and exit; SIGTERM again ends them at once without "
+                           f"saving")
+        if signum == signal.SIGTERM:
+            self.terms += 1
+            if self.terms > 1:
+                self._quit()
+
+    def _quit(self) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)  # the exit is under way
         _kill_children()
         raise _QuitNow
 
     @contextlib.contextmanager
     def installed(self):
-        previous = None
-        if self.stop is not None:
+        previous = {}
+        for sig in self.signals:
             with contextlib.suppress(ValueError):  # off the main thread torch's agent cannot
-                previous = signal.signal(signal.SIGINT, self)  # take it either
+                previous[sig] = signal.signal(sig, self)  # take them either
         try:
             yield
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for sig, old in previous.items():
+                signal.signal(sig, signal.SIG_DFL if old is None else old)
 
     def outcome(self, results: dict | None) -> str | None:
         return self.stop.outcome(results) if self.stop is not None else None
 
     def quit_now(self, nproc: int) -> None:
-        """After the second SIGINT."""
+        """After the second SIGINT or SIGTERM."""
         _kill_children()  # any the agent started after the handler's SIGKILL
-        _sigint_exit(f"SIGINT again: this node's {nproc} worker(s) ended at once (SIGKILL), "
-                     f"without saving; {self.outcome(None)}")
+        again = "SIGTERM" if self.terms > 1 else "SIGINT"
+        text = (f"{again} again: this node's {nproc} worker(s) ended at once (SIGKILL), "
+                f"without saving; {self.outcome(None)}")
+        if again == "SIGINT":
+            _sigint_exit(text)
+        print(f"bloomtrain: {text}; exit code {128 + signal.SIGTERM}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
 
     def after(self, results: dict | None, failure: str | None = None) -> str | None:
         """After the agent returned the workers' `results`: what the SIGINT, if there was one,
@@ -545,7 +587,7 @@ def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,
     unshare = "1" if spec.max_restarts else os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     env = {**(worker_env or {}), **node_env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": unshare}
     with contextlib.ExitStack() as stack:
-        taker = _SigintTaker(sigint, stack)
+        taker = _SignalTaker(sigint, stack)
         env.update(taker.worker_env(lc))
         for key, value in env.items():
             stack.enter_context(environ(key, value))

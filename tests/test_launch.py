@@ -79,9 +79,23 @@ def _train(tmp_path, *overrides):
 
 
 @pytest.mark.slow
-def test_a_signalled_launcher_ends_in_one_line(tmp_path):
-    proc = _train(tmp_path, "train.train_iters=100000", "optim.decay_samples=10000000",
-                  f"checkpoint.dir={tmp_path / 'ck'}")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_to_the_launcher_lets_the_workers_save_and_exit(tmp_path, sig):
+    """SIGTERM or SIGUSR1 to the launcher alone (a terminal's kill, a pod's termination,
+    `scancel --signal=USR1` to the batch step): the workers finish their step, save it and
+    exit 0, and so does the launcher. torch's agent SIGKILLed the workers 30 s after a SIGTERM
+    whatever they were doing (mid-save for a large model), and SIGUSR1 ended the launcher at
+    once (exit 138), leaving its workers orphaned."""
+    dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bloomtrain", "train", "--nproc", "2", "model.preset=tiny",
+         "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
+         "train.global_batch_size=4", "train.precision=fp32", "train.log_interval=1",
+         "train.device=cpu", f"run_dir={tmp_path / 'run'}", "train.train_iters=100000",
+         "optim.decay_samples=10000000", f"checkpoint.dir={tmp_path / 'ck'}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # its own process group: the workers' too, to look for after
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -89,19 +103,48 @@ def test_a_signalled_launcher_ends_in_one_line(tmp_path):
             break
     else:
         raise AssertionError("training ended early:\n" + "".join(seen))
-    proc.send_signal(signal.SIGTERM)  # the launcher, as a terminal's kill or a scheduler does
+    proc.send_signal(sig)
     out = "".join(seen) + read_rest(proc, 180)
-    assert proc.wait(timeout=180) == 128 + signal.SIGTERM, out
+    assert proc.wait(timeout=180) == 0, out
+    assert group_left_after(proc.pid) == [], out  # no worker left behind
     assert not NOISE.search(out), out
-    last = out.strip().splitlines()[-1]
-    # The checkpoint it names is the newest on disk. The workers save it and end at once: not
-    # left waiting for the agent, which waits for them until its SIGKILL 30 s later.
+    assert (f"bloomtrain: {signal.Signals(sig).name}: the workers finish their step, save a "
+            f"checkpoint and exit") in out
+    stopped = re.search(r"\[train\] stopping at step (\d+): signal; saving", out)
+    assert stopped, out
     newest = ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None)
-    assert newest is not None, out
-    assert re.fullmatch(r"bloomtrain: SIGTERM: torch's elastic agent passed it to this node's 2 "
-                        rf"worker\(s\) and ended them; the newest checkpoint is "
-                        rf"{re.escape(str(newest))}; exit code 143", last), last
-    assert "[checkpoint] saved" in out
+    assert newest is not None and newest.name == f"step_{int(stopped.group(1)):08d}", out
+
+
+def test_a_second_sigterm_ends_the_workers_at_once(tmp_path, monkeypatch, capfd):
+    """The launcher's count of SIGTERMs, as of Ctrl-Cs: the first asks for the stop (the file
+    the workers read holds its number), the second SIGKILLs them; SIGUSR1 only ever asks."""
+    import contextlib as cl
+    killed = []
+    monkeypatch.setattr(launch, "_kill_children", lambda: killed.append(True))
+    stop = launch.SigintStop("stopping", lambda results: "the newest checkpoint is X")
+
+    class Config:
+        signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+    with cl.ExitStack() as stack:
+        taker = launch._SignalTaker(stop, stack)
+        lc = Config()
+        env = taker.worker_env(lc)
+        assert lc.signals_to_handle == "SIGHUP,SIGQUIT"  # torch's agent leaves them to us
+        taker(signal.SIGUSR1, None)
+        taker(signal.SIGUSR1, None)
+        assert open(env[launch.SIGNAL_FILE_ENV]).read() == str(int(signal.SIGUSR1))
+        taker(signal.SIGTERM, None)  # the file says what came first
+        assert not killed
+        with pytest.raises(launch._QuitNow):
+            taker(signal.SIGTERM, None)
+        assert killed
+        with pytest.raises(SystemExit) as exited:
+            taker.quit_now(2)
+        assert exited.value.code == 128 + signal.SIGTERM
+    assert ("bloomtrain: SIGTERM again: this node's 2 worker(s) ended at once (SIGKILL), "
+            "without saving; the newest checkpoint is X; exit code 143") in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ def closing_lines(run_dir, checkpoint_dir, *, prefix: str = "[train]",
     where = "" if s.step is None else f"at step {s.step:,}"
     if s.step is not None and s.total_steps:
         where += f" of {s.total_steps:,}"
-    ended = "finished" if s.finished or s.total_steps is None else "stopped"
+    ended = "finished" if (s.finished or s.total_steps is None) and not s.stopped else \
+        "stopped" + (f" ({s.stopped})" if s.stopped else "")
     samples = f" ({s.consumed_samples:,} samples)" if s.consumed_samples is not None else ""
     lines = [f"{prefix} {ended} {where}{samples}".rstrip()]
     if run.steps:

@@ -163,7 +163,8 @@ def planned_steps(train: dict, step: int, consumed: int) -> int | None:
     if not isinstance(samples, int) or not isinstance(gbs, int) or samples <= 0 or gbs <= 0:
         return None
     rampup = train.get("rampup_batch_size")
-    if rampup is not None and (not isinstance(rampup, list) or len(rampup) != 3):
+    if rampup is not None and (not isinstance(rampup, list) or len(rampup) != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in rampup)):
         return None  # not a ramp training could run; no total rather than a wrong one
     # Only global_batch_size_at is used, which needs no parallel layout.
     batches = BatchSchedule(gbs, train.get("micro_batch_size") or 1, None,

@@ -100,8 +100,9 @@ def _state(run: Run, s: Summary, now: float) -> str:
     if s.stopped:
         return f"stopped at step {s.step:,} ({s.stopped}), {fmt_duration(age)} ago"
     train = (run.config or {}).get("train")
-    every = (train.get("log_interval") if isinstance(train, dict) else None) or \
-        TrainConfig.log_interval
+    every = train.get("log_interval") if isinstance(train, dict) else None
+    if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+        every = TrainConfig.log_interval  # a hand-edited "10" is no interval to multiply
     due = s.step_time_s * every if s.step_time_s else None
     # Evals and checkpoint saves stretch the gap between records now and then; only a gap far
     # past both is worth the question.

@@ -39,11 +39,14 @@ def worker_entry(config_path, overrides, run):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if result.stop_signal == signal.SIGTERM:
-        # The launcher's elastic agent is ending the job: it passed its SIGTERM on and waits
-        # for the workers to end, reading nothing back. A worker that returned would wait in
-        # torch's wrapper for the agent to collect it, and the agent for the worker, until its
-        # SIGKILL 30 s later. The checkpoint is saved: end as the signal would have.
+    agent_ends = "SIGTERM" in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
+    if result.stop_signal == signal.SIGTERM and agent_ends:
+        # A torch whose agent takes SIGTERM itself (one without LaunchConfig.signals_to_handle)
+        # is ending the job: it passed its SIGTERM on and waits for the workers to end,
+        # reading nothing back. A worker that returned would wait in torch's wrapper for the
+        # agent to collect it, and the agent for the worker, until its SIGKILL 30 s later. The
+        # checkpoint is saved: end as the signal would have. Otherwise the launcher took the
+        # SIGTERM and waits for the workers' return (bloomtrain.launch._SignalTaker).
         end_by_signal(signal.SIGTERM)
     return summary(result)
 

@@ -1,7 +1,9 @@
 """Run control: the operator's and the scheduler's ways to stop a run cleanly, and when to save.
 
 SIGTERM (preemption) and SIGUSR1 (`scancel --signal=USR1`), BLOOM's kill-switch file and
-`train.exit_duration_minutes` all make every rank finish its step, save and exit 0. Ranks must
+`train.exit_duration_minutes` all make every rank finish its step, save and exit 0. Under
+bloomtrain's launcher (`--nproc`) a stop signal sent to the launcher alone reaches the workers
+through the file `bloomtrain.launch.SIGNAL_FILE_ENV` names; the launcher waits for them. Ranks must
 agree, or one would wait forever in the save's collectives: the decision is reduced over the
 world (max) every step, and the time-based save interval is decided by rank 0, whose clock the
 others follow. The signal handlers are installed for the run only and the previous ones
@@ -28,7 +30,7 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.parallel import comm
-from bloomtrain.launch import JOB_START_ENV, say_in_handler, STOP_FILE_ENV
+from bloomtrain.launch import JOB_START_ENV, say_in_handler, SIGNAL_FILE_ENV, STOP_FILE_ENV
 
 STOP_REASONS = {0: None, 1: "signal", 2: "kill switch", 3: "exit_duration_minutes", 4: "SIGINT"}
 SIGINT_EXIT_CODE = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
@@ -43,6 +45,8 @@ class RunControl:
         self.signal: int | None = None  # SIGTERM or SIGUSR1
         self.interrupted = False  # a SIGINT reached this process
         self.stop_file = os.environ.get(STOP_FILE_ENV)  # set by bloomtrain's launcher
+        # Where that launcher leaves a SIGTERM or SIGUSR1 sent to it alone.
+        self.signal_file = os.environ.get(SIGNAL_FILE_ENV)
         self.last_save = time.time()
         # train.exit_duration_minutes counts from the job's start, as a scheduler's time limit
         # does (Megatron: from its process start, the earliest over the ranks), not from the
@@ -111,7 +115,7 @@ class RunControl:
         reason = 0
         if self.interrupted or (self.stop_file and os.path.exists(self.stop_file)):
             reason = 4
-        elif self.signal is not None:
+        elif self.signal is not None or self._launcher_signal():
             reason = 1
         elif t.kill_switch_path and os.path.exists(t.kill_switch_path):
             reason = 2
@@ -121,6 +125,14 @@ class RunControl:
         flag = torch.tensor([reason], dtype=torch.int32, device=self.device)
         comm.all_reduce(flag, comm.world_group(), "control", op=comm.ReduceOp.MAX)
         return STOP_REASONS[int(flag)]
+
+    def _launcher_signal(self) -> bool:
+        """Whether the launcher took a stop signal (its file), which is then this process's."""
+        if not self.signal_file or not os.path.exists(self.signal_file):
+            return False
+        with open(self.signal_file) as f:
+            self.signal = int(f.read().strip() or signal.SIGTERM)
+        return True
 
     def stop_line(self, step: int, reason: str) -> str:
         """What a stop says: it saves, or, without checkpoint.dir, that there is nowhere to."""

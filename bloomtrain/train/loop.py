@@ -270,6 +270,7 @@ class Trainer:
         self.parts.train(False)
         total, count = 0.0, 0
         for mbs in self.data.eval_batches():
+            self.watchdog.progress()
             loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks, mbs,
                                       self.topo, **self._schedule_kwargs(mbs))
             total, count = total + loss * len(mbs), count + len(mbs)
@@ -282,6 +283,9 @@ class Trainer:
         self.steplog.announce(self.shape, self.data.train_samples, self.run_dir, self.plan_text)
         if self.control.kill_switch_at_start(self.print):
             result.exit_reason = "kill switch"
+            # Said in the metrics too: a fresh run's report read "finished", its status
+            # "stalled?" an hour later.
+            self.metrics.stopped(state.step, state.consumed_samples, "kill switch")
             return result
         if state.consumed_samples >= self.data.train_samples:
             # A resumed run at its end: say so, rather than exit 0 having done nothing.
@@ -301,7 +305,7 @@ class Trainer:
                 # The step clock of the hang watchdog runs while this loop does.
                 self.watchdog.heartbeat(state.step + 1)
                 self._step(meter, result, stats)
-                stop = self._stop_or_save(result)
+                stop = stop_or_save(self, result)
                 if stop:
                     self.steplog.flush(meter, state)  # the steps since the last record
                     result.exit_reason, result.stop_signal = stop, self.control.signal
@@ -341,23 +345,6 @@ class Trainer:
         if self.harness is not None and self.harness.due(state.step):
             self._harness_eval()
 
-    def _stop_or_save(self, result: TrainResult) -> str | None:
-        """Why the run stops now, if it does, after saving; else a save if one is due."""
-        stop = self.control.should_stop()
-        if stop:
-            self.print(self.control.stop_line(self.state.step, stop))
-        if stop or self.control.time_to_save(self.state.step):
-            # A failed save returns None (checkpoint.on_save_error=continue): the next interval
-            # tries again. On a stop there is no next one: it raises.
-            save = self.checkpoints.save_final if stop else self.checkpoints.save
-            path = save(self.state)
-            if path is not None:
-                result.checkpoint = str(path)
-            self.control.saved()
-        if stop:
-            self.metrics.stopped(self.state.step, self.state.consumed_samples, stop)
-        return stop
-
     def _finish(self, result: TrainResult) -> None:
         """The end of the samples: the evaluations not run at the last step, the last save."""
         t, state = self.cfg.train, self.state
@@ -379,6 +366,30 @@ class Trainer:
         if loss is not None:
             result.eval_loss = loss
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
+
+
+def stop_or_save(trainer: Trainer, result: TrainResult) -> str | None:
+    """Why the run stops now, if it does, after saving; else a save if one is due (a module
+    function for the Trainer's loop)."""
+    stop = trainer.control.should_stop()
+    if stop:
+        trainer.print(trainer.control.stop_line(trainer.state.step, stop))
+    if stop or trainer.control.time_to_save(trainer.state.step):
+        # A failed save returns None (checkpoint.on_save_error=continue): the next interval
+        # tries again. On a stop there is no next one: it raises.
+        save = trainer.checkpoints.save_final if stop else trainer.checkpoints.save
+        path = save(trainer.state)
+        if path is not None:
+            result.checkpoint = str(path)
+        trainer.control.saved()
+    if stop and trainer.state.consumed_samples >= trainer.data.train_samples:
+        # The stop came at the last step: saved first, the run then ends as it would have
+        # (its final evaluations), not as a stop, which no resume would make up for
+        # ("nothing to train").
+        return None
+    if stop:
+        trainer.metrics.stopped(trainer.state.step, trainer.state.consumed_samples, stop)
+    return stop
 
 
 def peak_tflops(device, t) -> float | None:

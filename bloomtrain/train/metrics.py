@@ -94,7 +94,10 @@ class MetricsLog:
                     raise UserError(f"{self.path} line {i + 1} is not JSON; a resumed run "
                                     f"keeps the records up to its step: repair or remove "
                                     f"that line") from None
-                if rec.get("step", 0) <= resume_step:
+                # A stop at the resumed step is over: `status` read it as the run's state
+                # while the resumed run trained, until its first record.
+                if rec.get("step", 0) <= resume_step and not (
+                        "stopped" in rec and rec.get("step") == resume_step):
                     keep.append(line)
                     history.append(rec)
             with atomic_output(self.path, "w") as f:

@@ -109,6 +109,7 @@ class Watchdog:
         # comm.INFLIGHT.last as the previous check saw it, and when it last changed
         self._seen_last: tuple | None = None
         self._active_at = 0.0
+        self._progress_at = 0.0
         self._lock = threading.Lock()
         self._reported = False
         self._failed_at: float | None = None
@@ -143,6 +144,12 @@ class Watchdog:
         """Step `step` starts now (called by the training loop, from the loop itself)."""
         self._beat = (step, time.monotonic(), threading.get_ident(), sys._getframe(1).f_code)
 
+    def progress(self) -> None:
+        """Work between steps went a step further (an evaluation batch): the step clock starts
+        again. Under pure data parallelism an evaluation has no collective until its mean, so
+        without this a long one (eval_iters of 100 at a 16 s step) was taken for a hang."""
+        self._progress_at = time.monotonic()
+
     # ---- detection ------------------------------------------------------------------------------
     def check(self, now: float | None = None) -> Hang | None:
         """The hang, if any. The step clock counts from the later of the heartbeat and the last
@@ -171,7 +178,7 @@ class Watchdog:
         if beat is None:
             return None
         _, started, thread_id, code = beat
-        progress = max(started, self._active_at)
+        progress = max(started, self._active_at, self._progress_at)
         if now - progress < self.timeout_s or not _on_stack(thread_id, code):
             return None
         return Hang("outside", now - started, step, thread_id=thread_id)

@@ -510,6 +510,10 @@ def test_kill_switch_saves_and_exits(dataset, tmp_path):
     assert res.exit_reason == "kill switch" and res.state.step == step
     assert "not training and not saving" in "\n".join(lines)
     assert ckpt.list_checkpoints(tmp_path / "ck") == [(step, path)]
+    # Its report says so (a fresh run's closing line read "finished", its status "stalled?").
+    from bloomtrain.report.closing import closing_lines
+    assert closing_lines(tmp_path / "again" / "run", tmp_path / "ck")[0].startswith(
+        f"[train] stopped (kill switch) at step {step}")
 
 
 def test_resave_killed_between_renames_keeps_the_step(tmp_path, monkeypatch):

@@ -273,3 +273,17 @@ def test_a_run_resumed_into_a_new_run_dir_reads_as_started(dataset, tmp_path):
     MetricsLog(tmp_path / "fresh", True, 7, log=lambda *a: None)
     assert (tmp_path / "fresh" / "metrics.jsonl").read_text() == ""
     assert rows(status_text(tmp_path / "fresh"))["state"].startswith("started")
+
+
+def test_a_hand_edited_config_with_strings_for_numbers_is_read_around(tmp_path):
+    """config.yaml edited by hand or written by another tool: "10" for log_interval made status
+    raise TypeError (a string times a float), strings in rampup_batch_size made status and the
+    report raise. Values that are no numbers are passed over, as others already were."""
+    from bloomtrain.report.closing import closing_lines
+
+    run = tmp_path / "run"
+    write_run(run, [step_record(1)], {"train": {
+        "log_interval": "10", "train_samples": 800, "global_batch_size": 8,
+        "rampup_batch_size": ["2", "2", "100"]}})
+    assert rows(status_text(run))["state"].startswith("in progress")
+    assert closing_lines(run, None)[0].startswith("[train] ")

@@ -27,3 +27,18 @@ def test_a_resume_drops_a_last_line_cut_short_and_refuses_a_damaged_one(tmp_path
     with pytest.raises(UserError, match="metrics.jsonl line 2 is not JSON"):
         MetricsLog(tmp_path, True, resume_step=2, log=said.append)
     assert "garbage" in path.read_text()  # left as it was
+
+
+def test_a_resume_from_a_stop_drops_the_stop_it_resumes(tmp_path):
+    """The record of a clean stop at step 2 said the run's state; resumed from that step, the
+    run trains again, and `status` read "stopped" until the resumed run's first record. An
+    earlier stop, resumed and trained past, stays in the history."""
+    from bloomtrain.report.runs import load_run, summarize
+
+    records = [{"step": 1, "loss": 1.0}, {"step": 1, "stopped": "signal"},
+               {"step": 2, "loss": 0.5}, {"step": 2, "stopped": "exit_duration_minutes"}]
+    path = tmp_path / "metrics.jsonl"
+    _write(path, [json.dumps(r) for r in records])
+    MetricsLog(tmp_path, True, resume_step=2, log=lambda *a: None)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
+    assert summarize(load_run(tmp_path)).stopped is None

@@ -194,6 +194,27 @@ def test_exit_duration_saves_and_stops(dataset, tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
 
 
+def test_a_stop_at_the_last_step_ends_the_run_with_its_evaluation(dataset, tmp_path):
+    """A stop (here the time limit) that lands on the last step saved and returned before the
+    end-of-run evaluation, and a resume then said "nothing to train": the run never got its
+    final eval record. Saved first, it now ends as a finished run does."""
+    import json
+
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=1, train__exit_duration_minutes=1e-9,
+                   train__eval_iters=1, checkpoint={"dir": str(tmp_path / "ck")})
+    lines = []
+    res = train(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert res.exit_reason == "finished" and res.state.step == 1 and res.eval_loss is not None
+    assert any(line.startswith("[train] stopping at step 1: exit_duration_minutes; saving")
+               for line in lines)
+    records = [json.loads(x) for x in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [1]
+    assert not any("stopped" in r for r in records)
+    from bloomtrain import checkpoint
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [1]
+
+
 def test_exit_duration_counts_from_the_jobs_start(dataset, tmp_path, monkeypatch):
     """As a scheduler's time limit does: a job its launcher started two minutes ago (a worker
     restarted since, or one that spent them loading) stops after its first step at a limit

@@ -205,6 +205,29 @@ def test_the_step_heartbeat_sees_a_rank_stuck_outside_communication(tmp_path, mo
     assert dog.check(start + 100.0) is None
 
 
+def test_an_evaluation_between_steps_is_progress(tmp_path, monkeypatch, fake_group):
+    """Under pure data parallelism an evaluation runs eval_iters forwards with no collective
+    until its mean: the step clock starts again at each of its batches (both ranks of a dp=2
+    run were ended, exit 124, in the eval at step 2: eval_iters 40, a 0.45 s step, 1.8 s
+    timeout). A batch stuck past the timeout is still a hang."""
+    dog = _dog(tmp_path, rank=1)
+    monkeypatch.setattr(comm.INFLIGHT, "busy", {})
+    dog.check(0.0)
+
+    def training_loop():
+        dog.heartbeat(2)
+        start = dog._beat[1]
+        seen = []
+        for _ in range(4):  # four eval batches of 2 s each: 8 s in all, past the 3 s timeout
+            dog.progress()
+            seen.append(dog.check(dog._progress_at + 2.0))
+        return seen, dog.check(dog._progress_at + 3.5), start
+
+    seen, stuck, start = training_loop()
+    assert seen == [None] * 4
+    assert stuck.state == "outside" and stuck.step == 2
+
+
 def test_a_slow_checkpoint_is_no_hang(tmp_path, monkeypatch, fake_group):
     """A shard's write can outlast the hang timeout on a slow filesystem: the other ranks wait
     in the checkpoint group's gather, the writing rank is in its step outside any op. Neither
