@@ -153,12 +153,20 @@ class ParallelLayout:
                                             cfg.model.make_vocab_size_divisible_by)
         out += self.pipeline_problems(shape.num_layers)
         p = cfg.parallel
-        if self.dp == 1 and (p.grad_reduce_dtype != "fp32" or p.weight_gather_dtype != "auto"):
+        return out + self.training_problems(p.grad_reduce_dtype, p.weight_gather_dtype,
+                                            cfg.train.compile)
+
+    def training_problems(self, grad_reduce: str, weight_gather: str,
+                          compile_: bool) -> list[str]:
+        """The rules between the layout and the training settings (which the planner's search
+        applies to its candidates too)."""
+        out = []
+        if self.dp == 1 and (grad_reduce != "fp32" or weight_gather != "auto"):
             # Accepted, they would change nothing and say nothing.
             out.append("parallel.grad_reduce_dtype / weight_gather_dtype compress the data-"
                        "parallel traffic, and at dp 1 there is none: leave them at their "
                        "defaults, or run with more data-parallel ranks")
-        if self.schedule == "zb-h1" and cfg.train.compile:
+        if self.schedule == "zb-h1" and compile_:
             out.append("parallel.pp_schedule=zb-h1 with train.compile=true would defer "
                        "nothing: the compiled blocks compute their weight gradients inside "
                        "the input-gradient pass (Dynamo does not trace zb-h1's deferring "
@@ -262,15 +270,23 @@ class BatchSchedule:
             raise UserError(f"train.global_batch_size ({self.global_batch_size}) - rampup start "
                             f"({start}) must be >= 0 and divisible by the increment "
                             f"({increment})")
+        if problem := self.ramp_problem():
+            raise UserError(problem)
+        if t.train_samples is None:
+            raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
+
+    def ramp_problem(self) -> str | None:
+        """Why a batch size of the (well-formed) ramp-up cannot run on the layout: every one
+        must split over dp and run under the pipeline schedule."""
+        start, increment, ramp = self.rampup or (self.global_batch_size, 1, 0)
         for b in range(start, self.global_batch_size, increment):
-            try:  # every size of the ramp splits over dp and runs under the pipeline schedule
+            try:
                 self.layout.num_micro_batches(b, self.micro_batch_size)
             except UserError as e:  # it names the ramp's size, which the user did not set
                 text = str(e).replace(f"train.global_batch_size ({b})", f"its batch {b}")
-                raise UserError(f"train.rampup_batch_size [{start}, {increment}, {ramp}]: "
-                                f"{text}; change the ramp's start or increment") from None
-        if t.train_samples is None:
-            raise UserError("train.rampup_batch_size needs train.train_samples, not train_iters")
+                return (f"train.rampup_batch_size [{start}, {increment}, {ramp}]: {text}; "
+                        f"change the ramp's start or increment")
+        return None
 
     def global_batch_size_at(self, consumed_samples: int) -> int:
         return rampup_batch_size_at(consumed_samples, self.global_batch_size, self.rampup)

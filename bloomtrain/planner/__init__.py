@@ -65,8 +65,11 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
     return cfg, work, cluster
 
 
-def check_request(top: int | None, layout: str | None, only: str | None) -> None:
+def check_request(top: int | None, layout: str | None, only: str | None,
+                  tokens: float | None = None) -> None:
     """What `bloomtrain plan` and `plan()` refuse alike."""
+    if tokens is not None and not tokens > 0:  # -1 printed "-0.0 days"
+        raise UserError(f"tokens (--tokens) must be positive, got {tokens:g}")
     if top is not None and top < 1:  # 0 had no best layout to show, -2 dropped the last two
         raise UserError(f"top (--top) must be >= 1, got {top}")
     if layout and only:
@@ -85,7 +88,7 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
     layout's record (fitting or not, with the reason); otherwise the fitting layouts, fastest
     first (`top` of them; None: all). Raises UserError when no layout fits, naming the smallest
     change that would."""
-    check_request(top, layout, only)
+    check_request(top, layout, only, tokens)
     cfg, work, cluster = make_inputs(model=model, config=config, overrides=overrides, gpus=gpus,
                                    gpu_name=gpu, gpus_per_node=gpus_per_node,
                                    intra_node_gbps=intra_node_gbps,

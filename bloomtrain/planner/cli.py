@@ -91,7 +91,7 @@ def format_breakdown(p: Plan) -> str:
 
 
 def cmd_plan(args) -> int:
-    check_request(args.top, args.layout, args.only)
+    check_request(args.top, args.layout, args.only, args.tokens)
     cfg, work, cluster = make_inputs(
         model=args.model, config=args.config, overrides=args.overrides, gpus=args.gpus,
         gpu_name=args.gpu, gpus_per_node=args.gpus_per_node,
@@ -134,7 +134,7 @@ def cmd_plan(args) -> int:
           + ", ".join(f"{k} {v}" for k, v in result.reasons.items()))
     print(format_table(top, args.tokens is not None))
     print("(band: the step time's 1-sigma error, from the fit's leave-one-out spread; "
-          f"'within band' lists the ranks the planner cannot tell apart from that row)")
+          "'within band' lists the ranks the planner cannot tell apart from that row)")
     print("\nbest layout:")
     print(format_breakdown(top[0]))
     near = [p for p in result.rejected if p.memory_per_gpu][:3]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from bloomtrain.errors import UserError
+from bloomtrain.layout import BatchSchedule
 from bloomtrain.model.presets import megatron_tflops
 from bloomtrain.planner import host
 from bloomtrain.planner import memory as mem
@@ -139,6 +140,9 @@ def check(cand: Candidate, work: Workload, cluster: Cluster) -> str | None:
         cand.layout.num_micro_batches(work.global_batch, cand.micro_batch)
     except UserError as e:
         return str(e)
+    if work.rampup:  # `bloomtrain train` runs every batch size of the ramp-up too
+        batches = BatchSchedule(work.global_batch, cand.micro_batch, cand.layout, work.rampup)
+        return batches.ramp_problem()
     return None
 
 
@@ -159,9 +163,7 @@ def layout_reason(cand: Candidate, work: Workload, cluster: Cluster) -> str | No
                 work.precision != "fp16" and cand.zero_stage != 1):
             return ("megatron-deepspeed runs 1F1B, with BF16_Optimizer (ZeRO-1) in bf16 or "
                     "DeepSpeed's ZeRO 0-1 in fp16")
-    try:
-        layout.check_tensor_parallel(shape, work.seq, shape.vocab_size)
-        layout.check_pipeline(shape.num_layers)
-    except UserError as e:
-        return str(e)
-    return None
+    problems = (layout.tensor_parallel_problems(shape, work.seq, work.vocab_multiple)
+                + layout.pipeline_problems(shape.num_layers)
+                + layout.training_problems(cand.grad_reduce, cand.weight_gather, work.compile))
+    return problems[0] if problems else None

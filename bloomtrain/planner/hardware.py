@@ -128,7 +128,8 @@ class Cluster:
                         ("--inter-node-gbps", self.inter_node_gbps),
                         ("--host-memory-gib", self.host_memory_bytes)):
             if v is not None and v <= 0:
-                raise UserError(f"{what} must be positive, got {v}")
+                shown = v / GIB if what == "--host-memory-gib" else v  # as the user wrote it
+                raise UserError(f"{what} must be positive, got {shown:g}")
         # a GPU's GEMMs reach at most its peak; the cpu device's peak is one core's, which a
         # rank with several threads exceeds
         top = 1.0 if self.gpu.kind == "cuda" else 64.0

@@ -263,9 +263,12 @@ def recompute_working_set(shape: BloomShape, a: ActivationSpec, recompute: str) 
 
 
 def loss_working_set(shape: BloomShape, a: ActivationSpec) -> float:
-    """The last stage's transient logits: 16-bit logits and their float32 cast for one
-    micro-batch, beside the saved float32 softmax."""
-    return (a.compute_bytes + 4) * a.seq * a.micro_batch * shape.vocab_size / a.tp
+    """The last stage's transient logits for one micro-batch, beside the saved float32 softmax:
+    the logits in the compute dtype and, unless that is float32 already, their float32 cast.
+    The backward works in place on the saved softmax (bloomtrain.parallel.tensor.loss, at every
+    tp), so its peak is no higher."""
+    cast = 4 if a.compute_bytes != 4 else 0
+    return (a.compute_bytes + cast) * a.seq * a.micro_batch * shape.vocab_size / a.tp
 
 
 @lru_cache(maxsize=4096)

@@ -62,7 +62,8 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
         attention = "unfused"
     elif t.attention == "eager" or (t.attention == "auto" and device == "cpu"
                                     and t.precision in ("bf16", "fp16")
-                                    and (seq or cfg.data.seq_length) <= EAGER_MAX_SEQ):
+                                    and (seq if seq is not None else cfg.data.seq_length)
+                                    <= EAGER_MAX_SEQ):
         attention = "eager"  # what resolve_attention picks there
     elif t.attention == "flex" or (t.attention == "auto" and device == "cuda"
                                    and shape.attention_dropout == 0
@@ -73,12 +74,16 @@ def workload_from_config(cfg: Config, seq: int | None = None, global_batch: int 
         # fused too; CPU with attention dropout: the math path, not modelled).
         attention = "sdpa"
     c = 4 if t.precision == "fp32" else 2
-    return Workload(shape=shape, seq=seq or cfg.data.seq_length,
-                    global_batch=global_batch or t.global_batch_size, precision=t.precision,
+    return Workload(shape=shape, seq=seq if seq is not None else cfg.data.seq_length,
+                    global_batch=global_batch if global_batch is not None
+                    else t.global_batch_size, precision=t.precision,
                     attention=attention, bucket_size_mb=cfg.parallel.bucket_size_mb,
                     mask_bytes=1 if device == "cuda" else c, system=system,
                     partition=cfg.parallel.pp_partition,
-                    offload_pin_memory=cfg.parallel.offload_pin_memory)
+                    offload_pin_memory=cfg.parallel.offload_pin_memory,
+                    vocab_multiple=cfg.model.make_vocab_size_divisible_by,
+                    compile=t.compile, rampup=None if t.rampup_batch_size is None
+                    else tuple(t.rampup_batch_size))
 
 
 def config_compression(cfg: Config) -> dict:

@@ -48,6 +48,11 @@ class Workload:
     # the step time prices (1: uncompressed; an int8 reduction of fp32 gradients about 1/4).
     dp_reduce_bytes_ratio: float = 1.0
     dp_gather_bytes_ratio: float = 1.0
+    # What the layout rules of `bloomtrain train` depend on beyond the layout itself
+    # (bloomtrain.layout: tensor_parallel_problems, training_problems, BatchSchedule).
+    vocab_multiple: int = 128             # model.make_vocab_size_divisible_by
+    compile: bool = False                 # train.compile
+    rampup: tuple[int, int, int] | None = None   # train.rampup_batch_size
 
     def __post_init__(self):
         if self.system not in SYSTEMS:

@@ -48,6 +48,9 @@ class SeqOutput:
     prompt_logprobs: list | None = None            # once: [None, TokenLogprob, ...]
     finish_reason: str | None = None               # stop | length | abort | error
     error: str | None = None
+    # The step's token was the end-of-text token: in no text and no token ids, but generated,
+    # so counted in usage.completion_tokens as OpenAI and vLLM count it.
+    eos: bool = False
 
 
 Dispatch = Callable[[list], None]

@@ -85,6 +85,7 @@ def process_step(entries: list[Entry], result: SamplerOutput, eos_token_id: int 
             # The end-of-text token is no part of the text or the token ids, but its logprob is
             # reported, as OpenAI's and vLLM's completions do: a harness scoring with echo +
             # max_tokens 1 drops the last entry as the generated token's.
+            out.eos = True
             emit(seq, out, "stop")
             continue
         seq.tokens.append(token)

@@ -400,7 +400,7 @@ class CompletionChoice:
             self.echoed = True
             text = self.prompt_text + text
         self.text += out.text
-        self.num_tokens += len(out.token_ids)
+        self.num_tokens += len(out.token_ids) + out.eos
         self.finish_reason, self.error = out.finish_reason, out.error
         return {"text": text, "logprobs": lp if self.want_logprobs else None,
                 "finish_reason": public_reason(out.finish_reason)}
@@ -540,7 +540,7 @@ class ChatChoice:
         self.content += content
         self.cumulative_logprob += sum(e.logprob for e in out.logprobs)
         self.text += out.text
-        self.num_tokens += len(out.token_ids)
+        self.num_tokens += len(out.token_ids) + out.eos
         self.finish_reason, self.error = out.finish_reason, out.error
         delta = {"content": out.text} if out.text else {}
         if not self.started:  # the first chunk names the role, as OpenAI's

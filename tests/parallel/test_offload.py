@@ -27,6 +27,7 @@ import torch
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.layout import ParallelLayout
 from bloomtrain.model import build_model
+from bloomtrain.model.bloom import lm_loss
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel.zero.memory import CHUNK_ALIGN, RING_SLOTS, formula, pinned_size
 from bloomtrain.topology import Topology
@@ -235,6 +236,10 @@ def test_step_is_torch_fused_adamw_bitwise(offload):
                          parallel={"offload_optimizer": offload}, precision="fp32", seed=1)
     parts = helpers.build(cfg)
     ours, eng = parts.chunks[0], parts.engine
+    # The same loss on both sides, so that the gradients are too: what is compared is the
+    # update (the engine's own, in-place cross-entropy is checked against F.cross_entropy in
+    # tests/parallel/test_tensor_parallel.py).
+    ours.loss_fn = lm_loss
     ref = build_model(SHAPE, seed=1)
     named = list(ref.named_parameters())
     opt = torch.optim.AdamW(

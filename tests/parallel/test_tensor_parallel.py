@@ -430,3 +430,32 @@ def test_cross_entropy_matches_without_a_group():
     (grad,) = torch.autograd.grad(got, logits)
     (expected_grad,) = torch.autograd.grad(expected, logits)
     assert torch.allclose(grad, expected_grad, atol=1e-8)
+
+
+def test_one_rank_trains_with_the_in_place_cross_entropy():
+    """At tp = 1 the plan installs the same loss over the whole vocabulary (no group): its
+    backward works in place on the saved softmax, where F.cross_entropy's held three fp32
+    [b, s, V] tensors at once. F.cross_entropy is the reference: bf16 logits, ignored labels
+    and a loss mask."""
+    from bloomtrain.model import BloomForCausalLM
+    from bloomtrain.parallel.tensor.loss import VocabParallelLMLoss
+    from bloomtrain.parallel.tensor.plan import apply_tensor_parallel
+
+    model = apply_tensor_parallel(BloomForCausalLM(SHAPE), Topology.single())
+    assert isinstance(model.loss_fn, VocabParallelLMLoss) and model.loss_fn.group is None
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(BATCH, SEQ, SHAPE.vocab_size, generator=g).to(dtype)
+        logits.requires_grad_(True)
+        labels = torch.randint(0, SHAPE.vocab_size, (BATCH, SEQ), generator=g)
+        labels[0, :3] = -100
+        mask = (torch.rand(BATCH, SEQ, generator=g) > 0.3).float()
+        got = model.loss_fn(logits, labels, mask)
+        want = lm_loss(logits, labels, mask)
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.allclose(got, want, rtol=1e-6), dtype
+        (grad,) = torch.autograd.grad(got, logits)
+        (want_grad,) = torch.autograd.grad(want, logits)
+        assert grad.dtype == dtype
+        tol = 1e-8 if dtype == torch.float32 else 2 ** -8 * want_grad.abs().max().item()
+        assert (grad.float() - want_grad.float()).abs().max() <= tol, dtype

@@ -627,3 +627,80 @@ def test_plan_refuses_a_top_below_one_and_only_with_a_layout(capsys):
     for bad in ({"top": -2}, {"top": 0}, {"layout": "tp=2", "only": "recompute=full"}):
         with pytest.raises(UserError, match="top .* must be >= 1|give the values in the layout"):
             bloomtrain.plan(**kw, **bad)
+    # Zero is no size either (it was taken for "not given" and replaced by the config's); a
+    # negative token count printed "-0.0 days", a negative host memory its bytes.
+    for extra, said in ((["--global-batch", "0"], "must be positive"),
+                        (["--seq", "0"], "must be positive"),
+                        (["--tokens", "-1"], "tokens (--tokens) must be positive, got -1"),
+                        (["--host-memory-gib", "-5"], "--host-memory-gib must be positive, got "
+                                                      "-5\n")):
+        assert main(base[:-4] + ["--global-batch", "8", "--seq", "32"] + extra) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_every_layout_the_search_recommends_is_one_train_accepts():
+    """The search applies `bloomtrain train`'s rules between the layout and the rest of the
+    config: the ramp-up's batch sizes split over dp (BLOOM's own ramp refused the search's best
+    layout), zb-h1 is refused with compile, dp compression at dp 1, and the vocabulary padding
+    rule is the config's make_vocab_size_divisible_by (the padded vocabulary was passed)."""
+    from bloomtrain.config import Config
+    from bloomtrain.validate import validate
+
+    overrides = ["train.compile=true", "parallel.grad_reduce_dtype=bf16",
+                 "train.rampup_batch_size=[24,8,100000]", "train.train_samples=1000000",
+                 "model.make_vocab_size_divisible_by=1", "model.vocab_size=1001"]
+    plans = bloomtrain.plan("bloom-560m", gpus=8, global_batch=64, seq=512,
+                            overrides=overrides, top=None)
+    assert len(plans) > 50
+    kinds = set()
+    for p in plans:
+        lay = p.layout
+        kinds.add((lay["tp"], lay["dp"], lay["schedule"]))
+        cfg = Config.load(None, [
+            "model.preset=bloom-560m", *overrides, f"parallel.tp={lay['tp']}",
+            f"parallel.pp={lay['pp']}", f"parallel.zero_stage={lay['zero_stage']}",
+            f"parallel.pp_schedule={lay['schedule']}",
+            f"parallel.num_virtual_stages={lay['num_virtual_stages']}",
+            f"parallel.sequence_parallel={str(lay['sequence_parallel']).lower()}",
+            f"parallel.offload_optimizer={str(lay['offload']).lower()}",
+            f"train.micro_batch_size={lay['micro_batch']}",
+            f"train.activation_checkpointing={lay['recompute']}",
+            "train.global_batch_size=64", "data.seq_length=512"])
+        validate(cfg, 8)  # raises what `bloomtrain train` would refuse
+    # vocabulary 1001 splits over no tp > 1, and compression needs dp > 1
+    assert {tp for tp, _, _ in kinds} == {1} and all(dp > 1 for _, dp, _ in kinds)
+    assert "zb-h1" not in {schedule for _, _, schedule in kinds}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_training_steps_peak_is_the_planned_one_where_the_logits_dominate(tmp_path,
+                                                                          precision):
+    """One whole training step (the Trainer, tp=1) at a vocabulary whose logits outweigh the
+    rest, measured by LiveMemory: what the step allocates at its peak against the planner's
+    activations and transients. F.cross_entropy's backward held three fp32 [b, s, V] tensors
+    at once, 12 bytes a logit where the plan counts 10: 104.9 MiB measured for 88.3 planned in
+    bf16. In fp32 the logits need no float32 cast, and the plan counted one."""
+    from bloomtrain.train import Trainer
+
+    dataset = write_synthetic_dataset(tmp_path / "d" / "synth_text_document")
+    cfg = make_cfg(dataset, tmp_path, model={"preset": None, "hidden_size": 64, "num_layers": 2,
+                                             "num_heads": 4, "vocab_size": 16384},
+                   train={"micro_batch_size": 4, "global_batch_size": 8, "train_iters": 3,
+                          "precision": precision, "device": "cpu", "attention": "sdpa"},
+                   data={"paths": [str(dataset)], "seq_length": 128, "split": "90,10,0"})
+    trainer = Trainer(cfg, log=lambda *a: None)
+    try:
+        trainer.train_step(trainer.data.next_batch())  # warm: no first-call allocations
+        batch = trainer.data.next_batch()
+        mem = LiveMemory()
+        with mem:
+            with mem.phase("backward"):
+                trainer.train_step(batch)
+        measured = mem.report()["peak"]
+        stage = trainer.plan.stages[0]
+        planned = sum(stage["activations"].values()) + sum(stage["transients"].values())
+    finally:
+        trainer.engine.remove_hooks()
+        trainer.data.stream.close()
+        trainer.metrics.close()
+    assert 0.9 < measured / planned < 1.05, (measured / 2 ** 20, planned / 2 ** 20)

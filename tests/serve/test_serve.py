@@ -491,6 +491,36 @@ def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     assert body["usage"]["completion_tokens"] == 0
 
 
+def test_the_end_of_text_token_counts_in_completion_tokens(model_dir, tokenizer):
+    """A completion that ends on the end-of-text token generated it: not in the text, but
+    counted in usage.completion_tokens and given a logprob, as OpenAI's and vLLM's (whose
+    output token ids hold it). It was left out of the count: 2 tokens generated, 1 billed."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    prompt = random_prompts([8], seed=2, high=tokenizer.vocab_size)[0]
+    bias = {str(tokenizer.eod_id): 100}
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            out = []
+            for stream in (False, True):
+                usage = {"stream_options": {"include_usage": True}} if stream else {}
+                async with session.post("/v1/completions", json={
+                        "prompt": prompt, "max_tokens": 5, "logit_bias": bias, "logprobs": 0,
+                        "stream": stream, **usage}) as r:
+                    out.append(await r.json() if not stream else
+                               [json.loads(line[6:]) for line in (await r.text()).split("\n")
+                                if line.startswith("data: {")])
+            return out
+
+    whole, events = asyncio.run(main())
+    choice = whole["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    assert len(choice["logprobs"]["tokens"]) == 1
+    assert whole["usage"]["completion_tokens"] == 1
+    assert events[-1]["usage"]["completion_tokens"] == 1
+
+
 def test_top_logprobs_keep_every_alternative_of_tokens_that_split_a_character(model_dir,
                                                                               tokenizer):
     """Byte-level tokens holding part of a character all decode to U+FFFD alone: keyed by that

@@ -64,11 +64,16 @@ def apply_tensor_parallel(model: BloomForCausalLM, topo, sequence_parallel: bool
     all-reducing, and the column-parallel layers and the LM head all-gather their input.
 
     `seed` seeds the tensor-parallel dropout streams (`model.tp_rng`), which fork the generator
-    of `device` (default: the model's). With tp = 1 nothing changes. The shapes must split (see
-    bloomtrain.layout, which checks them before anything is built).
+    of `device` (default: the model's). With tp = 1 only the loss changes, to the same in-place
+    one. The shapes must split (see bloomtrain.layout, which checks them before anything is
+    built).
     """
     tp_size, tp_rank, group = topo.tp_size, topo.tp_rank, topo.tp_group
     if tp_size == 1:
+        # The same loss over the one whole shard (no group, no collectives): its backward works
+        # in place on the saved softmax, where F.cross_entropy's holds three fp32 [b, s, V]
+        # tensors at once (12 bytes a logit, 7.7 GiB more at bloom-560m, micro-batch 8).
+        model.loss_fn = VocabParallelLMLoss(None)
         return model
     sp = sequence_parallel
     transformer = model.transformer
