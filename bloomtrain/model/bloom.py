@@ -220,10 +220,15 @@ class BloomModel(nn.Module):
         attention's bias; without it every position attends to the positions before it in
         x, as training does."""
         if paged is not None:
-            bias = paged
-        else:
-            q_len = x.shape[1] * self.sequence_parallel_size
-            bias = self.attention_bias(q_len, q_len, x.dtype)
+            # An inference step: its packed length changes from call to call, and a block
+            # compiled for training (train.compile, dynamic=False) recompiled for each one, up
+            # to Dynamo's limit, after which the training-shaped eval ran uncompiled too.
+            with torch.compiler.set_stance("force_eager"):
+                for block in blocks:
+                    x = block(x, paged)
+            return x
+        q_len = x.shape[1] * self.sequence_parallel_size
+        bias = self.attention_bias(q_len, q_len, x.dtype)
         training = self.training and torch.is_grad_enabled()
         recompute = self.activation_checkpointing if training else "none"
         for block in blocks:

@@ -25,7 +25,8 @@ def compiled_block_forward():
     it is): compile time is one block's, whatever the depth."""
     # dynamic=False: training shapes never change, and static kernels are faster to run and to
     # compile. Eval (grad off, dropout off) adds one entry, and so does comm_stats on: at most 4
-    # per code object, under Dynamo's default limit of 8. The default mode, no CUDA graphs: they
+    # per code object, under Dynamo's default limit of 8. Inference steps (the harness's packed
+    # scoring and generation, whose lengths vary) run the blocks eagerly (BloomModel.run_blocks). The default mode, no CUDA graphs: they
     # would bake in the data pointers that ZeRO-3's gathers and frees change every step (guards
     # check metadata only, so those never recompile).
     comm.untraced_record()

@@ -201,3 +201,33 @@ def test_a_compiled_block_is_as_accurate_as_eager_forward_and_backward(one_threa
             err_compiled = (compiled[name] - r).abs().max().item()
             assert err_compiled <= 1.5 * err_eager + scale * 2 ** -8, (name, err_compiled,
                                                                         err_eager)
+
+
+def test_inference_steps_through_compiled_blocks_compile_nothing(one_thread):
+    """The harness scores packed rows (and generates) through the live model's blocks, whose
+    packed length changes from call to call: each new length compiled the block again (up to
+    Dynamo's limit of 8, after which the validation forward ran uncompiled). Inference steps
+    run the blocks eagerly; the training-shaped validation forward still compiles once."""
+    from bloomtrain.model.bloom import packed_attention
+
+    model = build_model(BLOCK_SHAPE, seed=3)
+    compile_blocks([model])
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, BLOCK_SHAPE.vocab_size, (2, 17), generator=g)
+    model.train()
+    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    before = _graphs()
+    model.eval()
+    eager = copy.deepcopy(model)
+    for block in eager.transformer.h:
+        del block.forward  # the class's forward again
+    slopes = model.transformer.alibi_slopes
+    with torch.no_grad():
+        for lengths in ([5, 9, 1], [3, 3], [7, 2, 4], [1], [6, 6, 6], [2, 8], [4], [9, 9], [3]):
+            seqs = torch.randint(0, BLOCK_SHAPE.vocab_size, (1, sum(lengths)), generator=g)
+            meta = packed_attention(lengths, slopes, torch.float32)
+            got = model.transformer(seqs, paged=meta)
+            assert torch.equal(got, eager.transformer(seqs, paged=meta))
+        assert _graphs() == before
+        model(ids[:, :-1], labels=ids[:, 1:])  # validation: grad off, the training shape
+    assert _graphs() == before + 1
