@@ -17,7 +17,7 @@ def checkpoint_tokenizer(checkpoint, explicit: str | None):
         return Path(explicit)
     path = Path(checkpoint)
     if hf.is_hf_dir(path):
-        if (path / "tokenizer.json").is_file():
+        if has_tokenizer(path):
             return path
     else:
         step_dir = ckpt_mod.resolve(path)
@@ -25,3 +25,12 @@ def checkpoint_tokenizer(checkpoint, explicit: str | None):
         if ref and (step_dir / ref / "tokenizer.json").is_file():
             return step_dir / ref
     raise UserError(f"{checkpoint} has no tokenizer; pass --tokenizer PATH")
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether `directory` holds a tokenizer load_tokenizer reads: a tokenizer.json, or
+    Megatron's vocab.json + merges.txt (a GPT-2 model directory may ship only those)."""
+    from bloomtrain.data import gpt2_bpe
+
+    return (directory / "tokenizer.json").is_file() or \
+        gpt2_bpe.find_pair(directory, required=False) is not None

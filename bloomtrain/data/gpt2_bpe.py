@@ -161,14 +161,39 @@ def check_same(tokenizer_json: Path, loaded, vocab_file: Path, merges_file: Path
     vocab = read_vocab(vocab_file, megatron=False)
     merges = read_merges(merges_file, vocab, vocab_file)
     try:
-        model = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("model") or {}
+        doc = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"cannot read {tokenizer_json}: {e}") from None
+    model = doc.get("model") or {} if isinstance(doc, dict) else {}
     theirs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
               for m in model.get("merges") or []]
+    differ = _pipeline_differences(doc if isinstance(doc, dict) else {}, model)
     if model.get("type") != "BPE" or loaded.get_vocab(with_added_tokens=False) != vocab \
             or theirs != merges:
+        differ.insert(0, "its vocabulary or merges")
+    if differ:
         raise UserError(f"{tokenizer_json.parent} holds a tokenizer.json and {vocab_file.name} + "
-                        f"{merges_file.name} that describe different tokenizers; remove the "
-                        f"one that is not the run's tokenizer (a directory with a tokenizer.json "
-                        f"is read from it)")
+                        f"{merges_file.name} that describe different tokenizers "
+                        f"({'; '.join(differ)} differ from Megatron's GPT-2 BPE over the pair); "
+                        f"remove the one that "
+                        f"is not the run's tokenizer (a directory with a tokenizer.json is read "
+                        f"from it)")
+
+
+def _pipeline_differences(doc: dict, model: dict) -> list[str]:
+    """What in a tokenizer.json would encode otherwise than GPT-2's byte-level BPE (`build`)
+    over the same vocabulary and merges: a normalizer, the pre-tokenizer's options, the BPE
+    model's options. (Its added tokens, such as HF GPT-2's special <|endoftext|>, matter only
+    to the literal string in a text, as between HF's and Megatron's own GPT-2.)"""
+    out = []
+    if doc.get("normalizer") is not None:
+        out.append(f"its normalizer ({(doc['normalizer'] or {}).get('type')})")
+    pre = doc.get("pre_tokenizer") or {}
+    if pre.get("type") != "ByteLevel" or pre.get("add_prefix_space") or \
+            not pre.get("use_regex", True):
+        out.append("its pre-tokenizer (not ByteLevel without add_prefix_space)")
+    options = [k for k in ("dropout", "byte_fallback", "continuing_subword_prefix",
+                           "end_of_word_suffix", "ignore_merges") if model.get(k)]
+    if options:
+        out.append(f"its BPE options ({', '.join(options)})")
+    return out

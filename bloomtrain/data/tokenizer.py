@@ -7,10 +7,12 @@ so does Megatron's GPT-2 pair vocab.json + merges.txt (bloomtrain.data.gpt2_bpe)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import operator
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -221,16 +223,44 @@ class Tokenizer:
         self.config = _json_object(file.parent / "tokenizer_config.json")
         self.special_map = _json_object(file.parent / "special_tokens_map.json")
 
-    def _special_id(self, default: str, config_key: str) -> int | None:
-        # As transformers resolves it (Megatron's PretrainedFromHF reads the ids through it):
-        # special_tokens_map.json's token over tokenizer_config.json's (a GPT-2 directory names
-        # <|endoftext|>); the conventional name when neither names one the vocabulary has.
+    def role_id(self, config_key: str, default: str) -> int | None:
+        """The id of a special token by its role (`eos_token`, ...), as transformers resolves
+        it (Megatron's PretrainedFromHF reads the ids through it): special_tokens_map.json's
+        token over tokenizer_config.json's (a GPT-2 directory names <|endoftext|>); the
+        conventional name when neither names one the vocabulary has."""
         for source in (self.special_map, self.config):
             token = _token_content(source.get(config_key))
             token_id = self._tok.token_to_id(token) if token else None
             if token_id is not None:
                 return token_id
         return self._tok.token_to_id(default)
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos/eos/unk/pad tokens by role, for a chat template: special_tokens_map.json's over
+        tokenizer_config.json's, as transformers reads them."""
+        out = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            for source in (self.special_map, self.config):
+                if token := _token_content(source.get(key)):
+                    out[key] = token
+                    break
+        return out
+
+    def special_ids(self) -> frozenset[int]:
+        """The ids transformers' decode(skip_special_tokens=True) leaves out: the added tokens
+        tokenizer.json marks special, the tokens by role, the additional (transformers 4) and
+        extra (5) special tokens of either side file, and the end-of-document token."""
+        names = list(self.special_tokens().values())
+        for source in (self.special_map, self.config):
+            for key in ("additional_special_tokens", "extra_special_tokens"):
+                extra = source.get(key)
+                extra = list(extra.values()) if isinstance(extra, dict) else extra
+                names += [_token_content(t) for t in extra] if isinstance(extra, list) else []
+        ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        ids |= {i for name in names if name and (i := self._tok.token_to_id(name)) is not None}
+        with contextlib.suppress(UserError):
+            ids.add(self.eod_id)
+        return frozenset(ids)
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -241,16 +271,18 @@ class Tokenizer:
 
     @property
     def eod_id(self) -> int:
-        token_id = self._special_id("</s>", "eos_token")
+        token_id = self.role_id("eos_token", "</s>")
+        if token_id is None:  # GPT-2's class default (the Hub's gpt2 names no eos_token)
+            token_id = self._tok.token_to_id(gpt2_bpe.EOD_TOKEN)
         if token_id is None:
-            raise UserError(f"tokenizer {self.path} has no end-of-document token: neither '</s>' "
-                            f"nor an eos_token in special_tokens_map.json or "
-                            f"tokenizer_config.json")
+            raise UserError(f"tokenizer {self.path} has no end-of-document token: neither '</s>', "
+                            f"'{gpt2_bpe.EOD_TOKEN}' nor an eos_token in special_tokens_map.json "
+                            f"or tokenizer_config.json")
         return token_id
 
     @property
     def pad_id(self) -> int | None:
-        return self._special_id("<pad>", "pad_token")
+        return self.role_id("pad_token", "<pad>")
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -258,6 +290,25 @@ class Tokenizer:
         except TypeError:
             _check_text(text, "text to encode")
             raise
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """`text` with its special tokens' strings as their ids (what a chat template writes:
+        `{{ eos_token }}`), the rest encoded as text: transformers' encode of a rendered chat.
+        A tokenizer.json matches its added tokens itself; Megatron's GPT-2 pair has none, and
+        spelled <|endoftext|> out in 12 text tokens."""
+        specials = {}
+        for name in self.special_tokens().values():
+            ids = self.encode(name)
+            if len(ids) > 1 and (token_id := self._tok.token_to_id(name)) is not None:
+                specials[name] = token_id
+        if not specials:
+            return self.encode(text)
+        ids, pos = [], 0
+        pattern = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
+        for m in re.finditer(pattern, text):
+            ids += self.encode(text[pos:m.start()]) + [specials[m.group()]]
+            pos = m.end()
+        return ids + self.encode(text[pos:])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         texts = list(texts)
@@ -335,7 +386,9 @@ class GPT2BPETokenizer(Tokenizer):
         self._tok = gpt2_bpe.build(vocab, gpt2_bpe.read_merges(merges_file, vocab, vocab_file))
         self.path, self.merges_path = vocab_file, merges_file
         self.megatron_files = (vocab_file, merges_file)
-        self.config: dict = {}
+        # What save() writes, and GPT2Tokenizer's defaults: <|endoftext|> is bos, eos and unk.
+        self.config: dict = dict.fromkeys(("bos_token", "eos_token", "unk_token"),
+                                          gpt2_bpe.EOD_TOKEN)
         self.special_map: dict = {}
         self._eod_id = vocab[gpt2_bpe.EOD_TOKEN]
 

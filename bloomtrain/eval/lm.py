@@ -34,10 +34,10 @@ def default_max_length(tokenizer) -> int:
 
 
 def named_token_id(tokenizer, key: str) -> int | None:
-    """The id of the special token tokenizer_config.json names under `key` (bos_token, ...)."""
-    name = tokenizer.config.get(key)
-    name = name.get("content") if isinstance(name, dict) else name
-    if not isinstance(name, str) or not name:
+    """The id of the special token the tokenizer names under `key` (bos_token, ...; see
+    Tokenizer.special_tokens)."""
+    name = tokenizer.special_tokens().get(key)
+    if not name:
         return None
     ids = tokenizer.encode(name)
     return ids[0] if len(ids) == 1 else None

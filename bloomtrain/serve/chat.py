@@ -9,6 +9,7 @@ template can loop and format, not reach Python objects or files.
 """
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -52,19 +53,24 @@ class ChatTemplate:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        # The environment transformers' apply_chat_template renders in: its tojson, its
+        # strftime_now global (Llama 3's templates) and its {% generation %} tag (which only
+        # marks the assistant's part for its masks: here the body renders as it is).
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
-                                                                  indent=indent)
+                                            extensions=["jinja2.ext.loopcontrols",
+                                                        _generation_tag()])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise UserError(f"the chat template does not compile: {e}") from None
         self.source = source
-        self.special = {name: _token(tokenizer.config.get(name)) for name in
-                        ("bos_token", "eos_token", "unk_token", "pad_token")}
-        if self.special["eos_token"] is None:
+        # As transformers passes its special_tokens_map: by role, as the tokenizer resolves
+        # them (special_tokens_map.json over tokenizer_config.json; GPT-2's <|endoftext|>).
+        self.special = dict(tokenizer.special_tokens())
+        if "eos_token" not in self.special:
             try:
                 self.special["eos_token"] = tokenizer.id_to_token(tokenizer.eod_id)
             except UserError:
@@ -74,7 +80,9 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return self.template.render(messages=messages,
+            # tools and documents None, not undefined, as transformers passes them: a
+            # template's `tools is not none` test is then false.
+            return self.template.render(messages=messages, tools=None, documents=None,
                                         add_generation_prompt=add_generation_prompt,
                                         **{k: v for k, v in self.special.items()
                                            if v is not None})
@@ -84,8 +92,27 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed on these messages: {e}") from None
 
 
-def _token(value) -> str | None:
-    # HF configs store a special token either as a string or as an AddedToken dict.
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter, with its arguments."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _generation_tag():
+    """A Jinja extension for `{% generation %}...{% endgeneration %}`, rendering the body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        @staticmethod
+        def _body(caller):
+            return caller()
+
+    return Generation

@@ -78,21 +78,6 @@ class TextStream:
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
-    """The ids of the tokenizer's special tokens, as tokenizer_config.json names them (bos, eos,
-    unk, pad, additional_special_tokens), and its end-of-text token."""
-    config = tokenizer.config
-    names = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-    extra = config.get("additional_special_tokens")
-    names += extra if isinstance(extra, list) else []
-    ids = set()
-    for name in names:
-        name = name.get("content") if isinstance(name, dict) else name
-        if isinstance(name, str) and name:
-            found = tokenizer.encode(name)
-            if len(found) == 1:
-                ids.add(found[0])
-    try:
-        ids.add(tokenizer.eod_id)
-    except Exception:  # a tokenizer without an end-of-text token
-        pass
-    return frozenset(ids)
+    """The ids a stream leaves out of its text, as transformers' decode(skip_special_tokens=True)
+    does (Tokenizer.special_ids)."""
+    return tokenizer.special_ids()

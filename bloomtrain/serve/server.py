@@ -326,7 +326,7 @@ def _chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> l
         text = state.chat.render(messages, add_generation_prompt)
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from None
-    ids = state.tokenizer.encode(text)
+    ids = state.tokenizer.encode_with_specials(text)
     if not ids:
         raise BadRequest("the chat template renders these messages as no tokens", "messages")
     return ids
@@ -412,9 +412,9 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     tok = state.tokenizer
     info = {k: v for k, v in tok.config.items()
             if isinstance(v, (str, int, float, bool)) or v is None}
+    specials = tok.special_tokens()
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        value = tok.config.get(name)
-        info[name] = value.get("content") if isinstance(value, dict) else value
+        info[name] = specials.get(name)
     if info["eos_token"] is None:
         try:
             info["eos_token"] = tok.id_to_token(tok.eod_id)

@@ -154,3 +154,54 @@ def test_a_tokens_bytes_are_its_own_even_where_it_splits_a_character(tiny_tokeni
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text
     split = [i for i in tok.encode("😀") if tok.decode([i]) == "\ufffd"]
     assert split and all(tok.token_bytes(i) != "\ufffd".encode() for i in split)
+
+
+def test_a_stream_skips_every_special_token_transformers_skips(tiny_tokenizer_dir, tmp_path):
+    """transformers' decode(skip_special_tokens=True) is the reference: ChatML markers added as
+    special tokens (transformers 5 writes them as extra_special_tokens, and marks them special
+    in tokenizer.json), and the roles named only in special_tokens_map.json (transformers 4's
+    layout). The stream printed '<|im_start|>assistant\\nhello<|im_end|>' and '<s>hi<pad><unk>'."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from bloomtrain.serve.detokenize import TextStream, special_token_ids
+
+    chatml = tmp_path / "chatml"
+    hf = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.save_pretrained(str(chatml))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(tiny_tokenizer_dir, legacy)
+    (legacy / "tokenizer_config.json").write_text("{}")
+    for directory, text in ((chatml, "<|im_start|>assistant\nhello<|im_end|>"),
+                            (legacy, "<s>hi<pad><unk>")):
+        tok, ref = load_tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
+        ids = tok.encode(text)
+        assert special_token_ids(tok) >= set(ref.all_special_ids)
+        stream = TextStream(tok, (), special_token_ids(tok))
+        out = "".join(stream.push(i) for i in ids) + stream.finish()
+        assert out == ref.decode(ids, skip_special_tokens=True) != text
+
+
+def test_chat_templates_render_in_transformers_environment(tiny_tokenizer_dir):
+    """transformers' apply_chat_template is the reference: its tojson takes sort_keys (and
+    the rest of json.dumps' options), strftime_now is a global (Llama 3's templates), a
+    {% generation %} block renders its body, and tools/documents are None, not undefined
+    (`tools is not none` rendered an empty tools section)."""
+    from transformers import AutoTokenizer
+
+    from bloomtrain.serve.chat import ChatTemplate
+
+    tok, hf = load_tokenizer(tiny_tokenizer_dir), AutoTokenizer.from_pretrained(
+        str(tiny_tokenizer_dir))
+    messages = [{"role": "user", "content": "hi", "meta": {"b": 1, "a": 2}}]
+    for template in (
+            "{{ messages[0]['meta'] | tojson(sort_keys=True, indent=1) }}",
+            "{{ strftime_now('%Y') }}:{{ messages[0]['content'] }}",
+            "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+            "{% endfor %}",
+            "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]"
+            "{% endif %}{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"):
+        ours = ChatTemplate(template, tok).render(messages, False)
+        assert ours == hf.apply_chat_template(messages, chat_template=template, tokenize=False)

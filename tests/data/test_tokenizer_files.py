@@ -281,3 +281,64 @@ def test_vocab_without_merges(gpt2_files, tmp_path):
     # Beside a tokenizer.json, a lone vocab.json is not the tokenizer and is not an error.
     shutil.copyfile(load_tokenizer(gpt2_files).save(tmp_path / "s"), directory / "tokenizer.json")
     assert type(load_tokenizer(directory)) is Tokenizer
+
+
+def test_the_special_tokens_and_chat_prompts_are_transformers(gpt2_files, tmp_path):
+    """GPT2TokenizerFast over the same files is the reference. A Megatron pair's <|endoftext|>
+    is bos, eos and unk to a chat template (it rendered none of them but eos), and a rendered
+    chat's `{{ eos_token }}` is its id (it was spelled out in text tokens). The Hub's GPT-2
+    layout (a tokenizer.json whose tokenizer_config.json names no eos) has <|endoftext|> as its
+    end of document, and a directory with only the pair is a model directory's tokenizer."""
+    from transformers import GPT2TokenizerFast
+
+    from bloomtrain.checkpoint.hf.convert import special_token_ids
+    from bloomtrain.checkpoint.tokenizer import has_tokenizer
+    from bloomtrain.serve.chat import ChatTemplate
+
+    tok = load_tokenizer(gpt2_files)
+    hf = GPT2TokenizerFast(vocab=str(gpt2_files / "vocab.json"),
+                           merges=str(gpt2_files / "merges.txt"))
+    assert hf.encode("hello world") == tok.encode("hello world")  # the same files read
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{{ unk_token }}")
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
+    rendered = ChatTemplate(template, tok).render(messages, False)
+    assert rendered == hf.apply_chat_template(messages, chat_template=template, tokenize=False)
+    want = hf.apply_chat_template(messages, chat_template=template, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert tok.encode_with_specials(rendered) == list(want)
+    assert tok.encode_with_specials(rendered).count(tok.eod_id) == 4
+    assert tok.special_ids() == frozenset(hf.all_special_ids)
+    # The Hub's gpt2: tokenizer.json (with <|endoftext|> added), tokenizer_config.json naming
+    # nothing, no special_tokens_map.json.
+    hub = tmp_path / "hub"
+    hf.save_pretrained(str(hub))
+    (hub / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
+    (hub / "special_tokens_map.json").unlink(missing_ok=True)
+    assert load_tokenizer(hub).eod_id == hf.eos_token_id
+    assert special_token_ids(hub)["eos_token_id"] == hf.eos_token_id
+    pair_only = tmp_path / "model"
+    shutil.copytree(gpt2_files, pair_only)
+    assert has_tokenizer(pair_only)
+
+
+def test_a_tokenizer_json_that_encodes_otherwise_than_its_pair_is_refused(gpt2_files, tmp_path):
+    """The directory is read from its tokenizer.json, and its pair goes with checkpoints for
+    Megatron's --vocab-file: the same vocabulary and merges under a normalizer or another
+    pre-tokenizer encode otherwise (NFKC: "ﬁne" as "fine"), which was let in."""
+    from tokenizers import normalizers
+
+    tok = load_tokenizer(gpt2_files)
+    tok.save(tmp_path / "saved")
+    doc = json.loads((tmp_path / "saved" / "tokenizer.json").read_text())
+    for name, edit in (("normalizer", lambda d: d.update(normalizer={"type": "NFKC"})),
+                       ("pre-tokenizer", lambda d: d["pre_tokenizer"].update(
+                           add_prefix_space=True))):
+        bad = tmp_path / name
+        shutil.copytree(tmp_path / "saved", bad)
+        changed = json.loads(json.dumps(doc))
+        edit(changed)
+        (bad / "tokenizer.json").write_text(json.dumps(changed))
+        with pytest.raises(UserError, match=f"describe different tokenizers \\(its {name}"):
+            load_tokenizer(bad)
+    assert normalizers.NFKC().normalize_str("ﬁne") == "fine"  # what the first one would do

@@ -187,10 +187,12 @@ def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]
 
 
 def _load_tokenizer_or_note(path: Path, log: Callable[[str], None]):
+    from bloomtrain.checkpoint.tokenizer import has_tokenizer
     from bloomtrain.data.tokenizer import load_tokenizer
 
-    if not (path / "tokenizer.json").is_file():
-        log(f"note: {path} has no tokenizer.json; the checkpoint gets no tokenizer")
+    if not has_tokenizer(path):
+        log(f"note: {path} has no tokenizer.json (nor Megatron's vocab.json + merges.txt); the "
+            f"checkpoint gets no tokenizer")
         return None
     try:
         return load_tokenizer(path)
@@ -226,21 +228,18 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
 # ---- writing HF directories ----------------------------------------------------------------------
 
 def special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
-    """bos/eos/pad ids as HF resolves them: tokenizer_config.json's tokens, else BLOOM's
-    `<s>`, `</s>`, `<pad>`."""
-    from tokenizers import Tokenizer as HFTokenizer
+    """bos/eos/pad ids as HF resolves them (special_tokens_map.json over tokenizer_config.json,
+    else BLOOM's `<s>`, `</s>`, `<pad>`, and GPT-2's <|endoftext|> for eos): the tokenizer's
+    own resolution (bloomtrain.data.tokenizer), which the training data's ids came from."""
+    from bloomtrain.data.tokenizer import load_tokenizer
 
-    tok = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    config = {}
-    if (tokenizer_dir / "tokenizer_config.json").is_file():
-        config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    out = {}
-    for key, default in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")):
-        token = config.get(f"{key}_token", default)
-        if isinstance(token, dict):  # an AddedToken
-            token = token.get("content")
-        out[f"{key}_token_id"] = tok.token_to_id(token) if isinstance(token, str) else None
-    return out
+    tok = load_tokenizer(tokenizer_dir)
+    try:
+        eos = tok.eod_id
+    except UserError:
+        eos = None
+    return {"bos_token_id": tok.role_id("bos_token", "<s>"), "eos_token_id": eos,
+            "pad_token_id": tok.pad_id}
 
 
 def _prepare_output(output_dir: Path) -> None:
