@@ -122,7 +122,7 @@ def plan(args) -> list[Section]:
         big = {"tiny": shapes["tiny"][:-1] + ["1"]}  # micro-batch 1
         big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "1", "--device", "cpu"]
         timeouts = {"tests": 90, "eager": 150, "compile": 200, "recompute": 60, "fit": 60,
-                    "profile": 90, "serve": 90, "big": 90, "fusions": 120}
+                    "profile": 90, "serve": 150, "big": 90, "fusions": 120}
     else:
         dev, timing = "cuda", ["--warmup", "2", "--rounds", "2", "--steps", "3",
                                "--device", "cuda", "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
@@ -147,7 +147,7 @@ def plan(args) -> list[Section]:
         big_timing = ["--warmup", "1", "--rounds", "1", "--steps", "2", "--device", "cuda",
                       "--peak-tflops", str(CUDA_PEAK_TFLOPS)]
         timeouts = {"tests": 240, "eager": 150, "compile": 210, "recompute": 150, "fit": 330,
-                    "profile": 90, "serve": 180, "big": 150, "fusions": 90}
+                    "profile": 90, "serve": 240, "big": 150, "fusions": 90}
     junit = str(args.logs / "pytest.xml")
     sections = [Section("tests", "tests",
                         [PY, "-m", "pytest", "-q", "-m", "device", "--device", dev,

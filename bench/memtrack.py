@@ -50,6 +50,13 @@ class LiveMemory(TorchDispatchMode):
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_phase = "setup"
         self.category_peaks: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        # Every update's per-category bytes and phase, and at which update each storage was
+        # made. A gradient autograd hands to a parameter is filed under gradients only when
+        # its hook runs, some ops after the one that made it (the node's other outputs first;
+        # zb-h1's first stage hands its B's gradients at its W): it was one all along, so the
+        # updates since are refiled and the peaks taken again.
+        self._history: list[tuple[dict[str, int], str]] = []
+        self._made_at: dict[int, int] = {}
 
     # ---- what is what --------------------------------------------------------------------------
     def register(self, tensors, category: str) -> None:
@@ -75,8 +82,25 @@ class LiveMemory(TorchDispatchMode):
 
     def _mark_gradient(self, grad):
         if grad is not None:  # None: a gradient left for later (zb-h1's B defers the weights')
-            self._storages[grad.untyped_storage()] = "gradients"
+            st = grad.untyped_storage()
+            was = self._storages.get(st)
+            self._storages[st] = "gradients"
+            if was not in (None, "gradients"):
+                self._refile(id(st), was, st.nbytes())
         return grad
+
+    def _refile(self, storage_id: int, was: str, nbytes: int) -> None:
+        """Take the updates since `storage_id` was made again, its bytes under gradients."""
+        start = self._made_at.get(storage_id)
+        if start is None:
+            return
+        for now, _ in self._history[start:]:
+            now[was] -= nbytes
+            now["gradients"] += nbytes
+        self.peak, self.at_peak, self.peak_phase = 0, dict.fromkeys(CATEGORIES, 0), "setup"
+        self.category_peaks = dict.fromkeys(CATEGORIES, 0)
+        for now, phase in self._history:
+            self._apply(now, phase)
 
     def _open_window(self, p):
         self._in_grad_hooks += 1
@@ -97,12 +121,14 @@ class LiveMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         category = "gradients" if self._in_grad_hooks else _PHASE_CATEGORY[self._phase]
+        made = set()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 if st not in self._storages:
                     self._storages[st] = category
-        self._update()
+                    made.add(id(st))
+        self._update(made)
         return out
 
     def current(self) -> dict[str, int]:
@@ -111,13 +137,19 @@ class LiveMemory(TorchDispatchMode):
             now[category] += st.nbytes()
         return now
 
-    def _update(self) -> None:
+    def _update(self, made: frozenset | set = frozenset()) -> None:
         now = self.current()
+        for storage_id in made:
+            self._made_at[storage_id] = len(self._history)
+        self._history.append((dict(now), self._phase))
+        self._apply(now, self._phase)
+
+    def _apply(self, now: dict[str, int], phase: str) -> None:
         total = sum(now.values())
         for c in CATEGORIES:
             self.category_peaks[c] = max(self.category_peaks[c], now[c])
         if total > self.peak:
-            self.peak, self.at_peak, self.peak_phase = total, now, self._phase
+            self.peak, self.at_peak, self.peak_phase = total, dict(now), phase
 
     def report(self) -> dict:
         return {"peak": self.peak, "peak_phase": self.peak_phase, "at_peak": dict(self.at_peak),

@@ -238,7 +238,7 @@ def report(args, shape, impl, results, times) -> None:
               f"{r['per_layer_bytes'] / sbh:>8.1f} {paper / mib:>10.2f} {paper / sbh:>11.1f} "
               f"{r['peak_bytes'] / mib:>9.1f} {times[mode] * 1e3:>8.0f}")
         rows.append({"mode": mode, **r, "paper_per_layer_bytes": paper,
-                     "peak_memory_gb": r["peak_bytes"] / 1e9, "step_ms": times[mode] * 1e3})
+                     "peak_memory_gb": r["peak_bytes"] / 2 ** 30, "step_ms": times[mode] * 1e3})
     print(f"sbh = s*b*h = {sbh:,}; paper: Korthikanti et al. Table 2 at tp=1 (16-bit "
           f"activations, 1-byte dropout masks, unfused attention)")
     print(json.dumps({"bench": "recompute_memory", "device": args.device,

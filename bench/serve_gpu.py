@@ -13,6 +13,8 @@ Figures:
   prompt alone, so that the timed runs meet no shape for the first time (a decode kernel's
   compile and a graph's capture happen once per batch size and key width); that first run is
   reported too, as `engine_cold` and `engine_eager_cold`;
+- every timed run `--rounds` (3) times, their order alternated round by round, HF warmed at
+  the timed shapes as the engine is; the median round's figures, with each round's tokens/s;
 - fp32 checks on a few prompts: the engine's prompt logprobs against HF fp32's log_softmax, and
   greedy tokens equal to HF fp32 generate's.
 
@@ -134,6 +136,22 @@ def fp32_checks(path: Path, hf32, prompts, new: int, device) -> dict:
             "greedy_checked": len(prompts)}
 
 
+def median_rounds(runs: dict, rounds: int) -> dict:
+    """Each run `rounds` times, the order alternated (forward, then reversed) so that no side
+    always comes first; per run, the figures of its median round by tokens/s, with every
+    round's tokens/s beside them."""
+    seen: dict[str, list[dict]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            seen[name].append(runs[name]())
+    out = {}
+    for name, results in seen.items():
+        ordered = sorted(results, key=lambda res: res["tokens_per_s"])
+        out[name] = {**ordered[(len(ordered) - 1) // 2],
+                     "rounds_tokens_per_s": [res["tokens_per_s"] for res in results]}
+    return out
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny shape on the CPU")
@@ -143,6 +161,8 @@ def parse_args(argv=None):
     ap.add_argument("--alone", type=int, default=None,
                     help="prompts HF generates one at a time (4; smoke 2)")
     ap.add_argument("--checks", type=int, default=4, help="prompts of the fp32 checks")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds of every run, alternating their order; the median")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
     args.prompts = args.prompts or (8 if smoke else 64)
@@ -166,23 +186,33 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         hf16 = hf_model(shape, path, device, torch.bfloat16)
+        engines = {}
         for eager, name in ((False, "engine"), (True, "engine_eager")):
-            engine = engine_for(path, device, "bf16", args.prompts, args.prompt_len + args.new,
-                                enforce_eager=eager)
+            engine = engines[name] = engine_for(path, device, "bf16", args.prompts,
+                                                args.prompt_len + args.new, enforce_eager=eager)
             # Warm-up: the same load once, then one sequence alone. Each (batch size, key
             # width) pair a run meets costs a compile of the decode kernel (FlexAttention, per
             # shape) and a graph capture the first time: the timed runs meet none of them new,
             # as a server past its first minutes. The first run's figures are kept (`_cold`).
             out[name + "_cold"] = timed_engine(engine, prompts, args.new, device)
             timed_engine(engine, prompts[:1], args.new, device)
-            out[name] = timed_engine(engine, prompts, args.new, device)
-            out[name + "_alone"] = timed_engine(engine, prompts[:1], args.new, device)
-        timed_hf(hf16, prompts[:2], 4, device)
-        out["hf_batched"] = timed_hf(hf16, prompts, args.new, device)
-        alone = [timed_hf(hf16, [p], args.new, device) for p in prompts[:args.alone]]
-        out["hf_alone"] = {"tokens_per_s": statistics.median(a["tokens_per_s"] for a in alone),
-                           "prompts": args.alone}
-        del hf16, engine
+        # HF warmed at the timed shapes too (its first batch-64 run allocates its cache).
+        timed_hf(hf16, prompts, args.new, device)
+        timed_hf(hf16, prompts[:1], args.new, device)
+        runs = {
+            "engine": lambda: timed_engine(engines["engine"], prompts, args.new, device),
+            "engine_alone": lambda: timed_engine(engines["engine"], prompts[:1], args.new,
+                                                 device),
+            "engine_eager": lambda: timed_engine(engines["engine_eager"], prompts, args.new,
+                                                 device),
+            "engine_eager_alone": lambda: timed_engine(engines["engine_eager"], prompts[:1],
+                                                       args.new, device),
+            "hf_batched": lambda: timed_hf(hf16, prompts, args.new, device),
+            "hf_alone": lambda: {"tokens_per_s": statistics.median(
+                timed_hf(hf16, [p], args.new, device)["tokens_per_s"]
+                for p in prompts[:args.alone]), "prompts": args.alone}}
+        out.update(median_rounds(runs, args.rounds))
+        del hf16, engines
         hf32 = hf_model(shape, Path(tmp) / "model32", device, torch.float32)
         out["fp32"] = fp32_checks(Path(tmp) / "model32", hf32, prompts[:args.checks],
                                   min(args.new, 32), device)

@@ -29,8 +29,9 @@ the cores); after `--warmup` steps per side, `--rounds` rounds alternate the sid
 `--steps` steps one by one between barriers; the median per side is reported.
 
 Peak memory: in fresh processes per side and stage, each importing the same modules (torch,
-transformers, deepspeed, bloomtrain) and joining the process group first, the growth of the
-resident set's high-water mark (VmHWM, /proc/self/status) over the resident set before the
+transformers, deepspeed, bloomtrain), joining the process group and building and stepping both
+sides once at a toy size first (what they import lazily), the growth of the resident set's
+high-water mark (VmHWM, /proc/self/status) over the resident set before the
 model is built, through building the side and `--mem-steps` steps. The same measure on both
 sides: everything the side allocates (model, gradients, optimizer states, buffers, activations,
 communication staging), whatever allocator it goes through.
@@ -213,6 +214,15 @@ def memory_rank(rank, world, stage, side, args):
     """The growth of this process's resident high-water mark through building `side` and
     `--mem-steps` steps, from a fresh process that has imported everything already."""
     _init_deepspeed()
+    # Both sides built and stepped once at a toy size first: each imports modules lazily as it
+    # builds and steps (DeepSpeed's FusedAdam alone brings sympy and networkx, 75 MiB), and
+    # those imports, not ZeRO's states, were 35-39% of each side's figure, more of DeepSpeed's.
+    toy = argparse.Namespace(**{**vars(args), "hidden": 32, "layers": 1, "heads": 4,
+                                "vocab": 256, "seq": 8, "micro_batch": 1})
+    for warm in SIDES.values():
+        toy_step, _ = warm(stage, _batches(rank, toy), toy)
+        toy_step()
+        del toy_step
     batches = _batches(rank, args)
     gc.collect()
     comm.barrier(comm.world_group(), "bench")
