@@ -523,8 +523,9 @@ def static_bytes(cand, work, node_size: int = 8) -> float:
 def representative_ranks(layout: ParallelLayout, num_layers: int) -> list[int]:
     """The ranks whose memory or time can be the largest: the first and the last, and the first
     of each block count between them (1F1B holds the most in flight on the earliest). Every rank
-    under the interleaved schedule."""
-    if layout.num_virtual_stages > 1:
+    under the interleaved schedule, and under zb-h1, whose held W stores do not fall with the
+    rank (BLOOM-176B's layout at zb-h1 peaked on rank 10, past the first of its block count)."""
+    if layout.num_virtual_stages > 1 or layout.schedule == "zb-h1":
         return list(range(layout.pp))
     ranges = layout.stage_ranges(num_layers)
     seen, out = set(), [0, layout.pp - 1]

@@ -251,7 +251,10 @@ def test_comm_bytes_per_step_equal_the_comm_counters(tmp_path):
 @pytest.mark.slow
 def test_the_step_time_bench_predicts_its_calibration_run_exactly(tmp_path):
     from bench import planner_steptime as bench
-    out = bench.measure(tmp_path, hidden=64, rounds=1)
+    # Three rounds, not one: the memory rate comes from the optimizer's timed traffic, and one
+    # noisy round could put the planner's memory floor above the measured step (the run's own
+    # loss got faster in place), which no efficiency reproduces.
+    out = bench.measure(tmp_path, hidden=64, rounds=3)
     assert set(out["ratios"]) == set(bench.STEP_LAYOUTS)
     assert out["ratios"][bench.CALIBRATION] == pytest.approx(1.0, rel=1e-3)
     assert out["gemm_efficiency"] > 0
