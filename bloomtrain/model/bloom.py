@@ -222,8 +222,11 @@ class BloomModel(nn.Module):
         if paged is not None:
             # An inference step: its packed length changes from call to call, and a block
             # compiled for training (train.compile, dynamic=False) recompiled for each one, up
-            # to Dynamo's limit, after which the training-shaped eval ran uncompiled too.
-            with torch.compiler.set_stance("force_eager"):
+            # to Dynamo's limit, after which the training-shaped eval ran uncompiled too. Inside
+            # a trace of its own (the serving engine's captured step) it is that trace's.
+            eager = contextlib.nullcontext() if torch.compiler.is_compiling() else \
+                torch.compiler.set_stance("force_eager")
+            with eager:
                 for block in blocks:
                     x = block(x, paged)
             return x
