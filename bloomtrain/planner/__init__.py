@@ -44,8 +44,10 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
     overrides = list(overrides)
     if model:
         overrides = [f"model.preset={model}"] + overrides
-    if not config and not model:
-        raise UserError("give a model: --model PRESET or --config FILE")
+    if not config and not model and not _model_in(overrides):
+        raise UserError("give a model: --model PRESET, --config FILE, or the overrides "
+                        "model.preset=PRESET or model.hidden_size=H model.num_layers=L "
+                        "model.num_heads=N (with model.preset=null for a shape of your own)")
     if not config and (global_batch is None or seq is None):
         raise UserError("give the batch: --global-batch B and --seq S (or --config FILE, whose "
                         "train.global_batch_size and data.seq_length are used)")
@@ -63,6 +65,15 @@ def make_inputs(*, model: str | None = None, config: str | None = None, override
         fitted = calibrate_efficiency(calibrate, cluster)
         cluster = cluster.with_efficiency(fitted.efficiency)
     return cfg, work, cluster
+
+
+def _model_in(overrides) -> bool:
+    """Whether the overrides name a model: a preset (model.preset=..., null included), or the
+    three numbers of a shape. Anything less would plan the default config's toy model, which
+    nobody asked for."""
+    keys = {str(o).split("=", 1)[0].strip() for o in overrides}
+    return "model.preset" in keys or {"model.hidden_size", "model.num_layers",
+                                      "model.num_heads"} <= keys
 
 
 def check_request(top: int | None, layout: str | None, only: str | None,

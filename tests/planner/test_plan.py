@@ -641,6 +641,29 @@ def test_plan_refuses_a_top_below_one_and_only_with_a_layout(capsys):
         assert said in capsys.readouterr().err
 
 
+def test_plan_takes_a_model_given_as_overrides_alone(capsys):
+    """A shape of one's own (model.preset=null plus hidden/layers/heads), or a preset, given as
+    overrides is a model: plan refused it with "give a model". The plan is the same as the one
+    for the same model given as --model; overrides that name no model are still refused rather
+    than planning the default config's toy model."""
+    from bloomtrain.cli import main
+
+    kw = dict(gpus=8, global_batch=16, seq=512, top=None)
+    shape = ["model.preset=null", "model.hidden_size=1024", "model.num_layers=24",
+             "model.num_heads=16", "model.vocab_size=250880"]
+    by_name = bloomtrain.plan("bloom-560m", **kw)
+    for overrides in (shape, ["model.preset=bloom-560m"]):
+        got = bloomtrain.plan(overrides=overrides, **kw)
+        assert [p.label for p in got] == [p.label for p in by_name]
+        assert [p.step_time_s for p in got] == [p.step_time_s for p in by_name]
+        assert [p.memory_per_gpu for p in got] == [p.memory_per_gpu for p in by_name]
+    base = ["plan", "--gpus", "8", "--global-batch", "16", "--seq", "512", "--top", "1"]
+    assert main(base + shape) == 0
+    assert "L=24, h=1024, heads=16, vocab=250880" in capsys.readouterr().out
+    assert main(base + ["model.hidden_dropout=0.1"]) == 2
+    assert "give a model" in capsys.readouterr().err
+
+
 def test_every_layout_the_search_recommends_is_one_train_accepts():
     """The search applies `bloomtrain train`'s rules between the layout and the rest of the
     config: the ramp-up's batch sizes split over dp (BLOOM's own ramp refused the search's best
