@@ -832,6 +832,34 @@ def test_shards_without_param_slice_mappings_are_read_from_param_shapes(tmp_path
             assert torch.equal(got.load(name, kind), old.load(name, kind)), (name, kind)
 
 
+def test_a_rank_file_copied_over_another_is_refused(tmp_path):
+    """A ZeRO-3 shard (and a stage 1/2 shard without param_slice_mappings, as BLOOM's 2022 saves
+    are) records no dp rank: rank 0's file copied over rank 1's imported rank 0's slice of every
+    parameter twice, as the model's weights, without a word. Now it names both files."""
+    from bloomtrain.checkpoint.interop.safe_load import load
+
+    src = _copy(tmp_path, "hf_zero3_fp32")
+    step = src / "global_step3"
+    for kind in ("optim", "model"):
+        shutil.copy(step / f"zero_pp_rank_0_mp_rank_00_{kind}_states.pt",
+                    step / f"zero_pp_rank_1_mp_rank_00_{kind}_states.pt")
+    for weights_only in (False, True):
+        out = tmp_path / f"out{weights_only}"
+        with pytest.raises(InteropError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt and "
+                           r".*zero_pp_rank_1_mp_rank_00_optim_states\.pt hold the same fp32 "
+                           r"partition"):
+            import_deepspeed(src, out, weights_only=weights_only, log=lambda *a: None)
+        assert not out.exists() or not any(out.iterdir())
+    src2 = _copy(tmp_path / "b", MEGATRON)
+    files = sorted((src2 / "global_step3").glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    for f in files:
+        state = load(f)
+        del state["optimizer_state_dict"]["param_slice_mappings"]
+        torch.save(state, f)
+    shutil.copy(files[0], files[1])
+    _refused(src2, tmp_path / "out2", "hold the same fp32 partition")
+
+
 def test_zero3_sub_groups_import_as_their_groups(tmp_path):
     """ZeRO-3 cuts a parameter group whose partition exceeds zero_optimization.sub_group_size
     (DeepSpeed's default 1e9 elements: bloom-7b1 below dp 8) into sub-groups (stage3.py

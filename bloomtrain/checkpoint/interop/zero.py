@@ -95,6 +95,7 @@ class ZeroShards:
                                    f"belong together")
         self.has_moments = self.unstepped or all("exp_avg" in g and "exp_avg_sq" in g
                                                  for b in self._base for g in b)
+        self._check_distinct()
         self._where = self._locate()
 
     # ---- layout ------------------------------------------------------------------------------
@@ -107,6 +108,33 @@ class ZeroShards:
                                f"data-parallel parts (partition_count), but {len(self.files)} "
                                f"shard file(s) are here ({', '.join(f.name for f in self.files)}); "
                                f"copy the missing zero_pp_rank_* files of this rank")
+
+    def _check_distinct(self) -> None:
+        """Two dp ranks' files holding the same fp32 partition are one file copied over the
+        other (a shard fetched twice, a rank's file restored from its neighbour). Nothing else
+        tells them apart: a ZeRO-3 shard, or a stage 1/2 one without param_slice_mappings,
+        records no rank, and the import would stitch one rank's slices in twice as the model's
+        weights. Two real ranks' partitions are never equal in every group once any group holds
+        initialised matrices (a group of norms and biases alone can match at step 0, which is
+        why all groups must agree). A strided sample of each partition finds the candidates;
+        only those are compared in full, so a large save is not read twice."""
+        def sample(flat: torch.Tensor) -> torch.Tensor:
+            flat = flat.reshape(-1)
+            step = max(1, flat.numel() // 1024)
+            return flat[::step][:1024].clone()
+
+        prints = {}
+        for r, groups in enumerate(self._flat):
+            key = tuple((tuple(t.shape), tuple(sample(t).tolist())) for t in groups)
+            prints.setdefault(key, []).append(r)
+        for ranks in prints.values():
+            for i, a in enumerate(ranks):
+                for b in ranks[i + 1:]:
+                    if all(torch.equal(x, y) for x, y in zip(self._flat[a], self._flat[b])):
+                        raise InteropError(
+                            f"{self.files[a]} and {self.files[b]} hold the same fp32 "
+                            f"partition: one is a copy of the other, not dp ranks {a} and {b} "
+                            f"of one save; copy each rank's own file from the save")
 
     def _locate(self) -> dict[str, tuple[int, list[tuple[int, int, int]]]]:
         """name -> (group, [(dp rank, start, numel) in the rank's flat part, in order])."""
