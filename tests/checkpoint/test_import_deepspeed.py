@@ -469,6 +469,59 @@ def test_fp16_loss_scaler_state_continues_deepspeeds():
     assert loss_scaler_state({"dynamic": False, "scale": 1.0}) is None
 
 
+def _fake_deepspeed_scaler(monkeypatch, **fields):
+    """An object that pickles as DeepSpeed's DynamicLossScaler does (its module path and its
+    attributes), without DeepSpeed installed: the import must read it through its allow-list."""
+    import sys
+    import types
+
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
+             "deepspeed.runtime.fp16.loss_scaler"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    cls = type("DynamicLossScaler", (), {"__module__": names[-1]})
+    sys.modules[names[-1]].DynamicLossScaler = cls
+    obj = cls()
+    obj.__dict__.update(fields)
+    return obj
+
+
+def test_a_universal_checkpoint_of_an_fp16_run_keeps_its_loss_scaler(tmp_path, monkeypatch):
+    """DeepSpeed's universal conversion keeps an fp16 run's loss scaler in zero/
+    optimizer_state.pt; the import dropped it, so the resumed run started from the initial scale
+    (2^16 here for 2^11, overflowing for many steps). The bf16 fixture turned fp16 in its
+    ds_config, with a scaler as DeepSpeed pickles it, now continues DeepSpeed's scale and growth
+    count."""
+    from bloomtrain.checkpoint.interop.importer import loss_scaler_state
+
+    src = tmp_path / "universal"
+    shutil.copytree(FIXTURES / "hf_bf16_zero1" / "universal", src)
+    step = src / "global_step3_universal"
+    models = step / "mp_rank_00_model_states.pt"
+    meta = torch.load(models, weights_only=False)
+    meta["ds_config"]["fp16"] = {"enabled": True, "loss_scale": 0}
+    del meta["ds_config"]["bf16"]
+    torch.save(meta, models)
+    fields = dict(cur_scale=2048.0, cur_iter=1203, last_overflow_iter=1100, scale_factor=2.0,
+                  scale_window=500, min_scale=1.0, delayed_shift=2, cur_hysteresis=1,
+                  consecutive_hysteresis=False, raise_error_at_min_scale=True, dynamic=True)
+    opt = step / "zero" / "optimizer_state.pt"
+    state = torch.load(opt, weights_only=False)
+    state["loss_scaler"] = _fake_deepspeed_scaler(monkeypatch, **fields)
+    torch.save(state, opt)
+    # The converter's copy of the tied head is the module's weight: the embedding in fp16 now.
+    emb = torch.load(step / "zero" / "transformer.word_embeddings.weight" / "fp32.pt")["param"]
+    torch.save({"param": emb.half().float()}, step / "zero" / "lm_head.weight" / "fp32.pt")
+    out = tmp_path / "out"
+    import_deepspeed(src, out, log=lambda *a: None)
+    manifest = ckpt.CheckpointReader(out, kinds=ckpt.MODEL_KINDS).manifest
+    want = loss_scaler_state({"scale": 2048.0, "dynamic": True, "hysteresis": 1, "window": 500,
+                              "iter": 1203, "last_overflow": 1100})
+    assert want == {"scale": 2048.0, "growth_tracker": 102, "hysteresis_tracker": 1}
+    assert manifest["optimizer"]["scaler"] == want
+    assert manifest["source"]["layout"]["precision"] == "fp16"
+
+
 def test_zero3_weights_only_come_from_the_shards(tmp_path):
     # ZeRO-3's model-states files hold empty placeholders: the weights are the fp32 masters in
     # the optimizer shards, as DeepSpeed's zero_to_fp32 consolidates them.
