@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 INDEX_FORMAT_VERSION = 1
 
 # Megatron's rule: a last epoch needing fewer than this fraction of an epoch's samples is shuffled
-# separately (gpt_dataset.py `_build_index_mappings`).
-SEPARATE_LAST_EPOCH_FRACTION = 0.80
+# separately (gpt_dataset.py `_build_index_mappings`). 0.95 is the bigscience fork's
+# `cutoff_last_epoch`, which BLOOM trained with; NVIDIA Megatron-LM's is 0.80.
+SEPARATE_LAST_EPOCH_FRACTION = 0.95
 
 
 # ---- splits --------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def _ref_index_mappings(documents, sizes, num_samples, seq_length, seed):
         from_minus_one = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
         last = num_samples - from_minus_one
         per_epoch = (tokens_per_epoch - 1) // seq_length
-        separate = last < int(0.80 * per_epoch)
+        separate = last < int(0.95 * per_epoch)  # the bigscience fork's cutoff_last_epoch
     doc_idx = _ref_doc_idx(documents, num_epochs, rng, separate)
     sample_idx = _ref_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
     first = from_minus_one if separate else sample_idx.shape[0] - 1
@@ -151,6 +151,15 @@ def test_index_build_equals_reference_loops():
             assert g.dtype == r.dtype
         seen_separate.add(separate)
     assert seen_separate == {True, False}
+    # A last epoch of 0.80-0.95 of one is separate in the fork BLOOM used (its fixture:
+    # test_samples_equal_megatron_fixtures[...ns395]); Megatron-LM's 0.80 cutoff would not be.
+    sizes = np.full(100, 33, dtype=np.int32)  # 103 samples of 32 an epoch
+    documents = np.arange(100, dtype=np.int32)
+    for extra, separate in ((82, True), (90, True), (97, False)):
+        *ref, want = _ref_index_mappings(documents, sizes, 103 + extra, 32, 7)
+        assert want is separate
+        for r, g in zip(ref, gd.build_index_mappings(documents, sizes, 103 + extra, 32, 7)):
+            np.testing.assert_array_equal(g, r)
 
 
 def test_num_epochs_closed_form():
