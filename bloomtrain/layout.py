@@ -294,6 +294,29 @@ class BatchSchedule:
     def smallest(self) -> int:
         return self.rampup[0] if self.rampup else self.global_batch_size
 
+    def fits(self, consumed_samples: int, train_samples: int) -> bool:
+        """Whether the next step's whole batch lies within `train_samples`. Megatron's
+        train_iters (training.py update_train_iters) throws away a partial last batch: 41
+        samples at a batch of 8 are 5 steps, and a sixth read samples the datasets were never
+        built for."""
+        return consumed_samples + self.global_batch_size_at(consumed_samples) <= train_samples
+
+    def steps_until(self, train_samples: int, consumed_samples: int = 0) -> int:
+        """The steps from `consumed_samples` while `fits` holds: Megatron's train_iters for a
+        run of `train_samples` (the ramp's batches one by one, then the constant phase's whole
+        batches)."""
+        steps, consumed = 0, consumed_samples
+        while True:
+            b = self.global_batch_size_at(consumed)
+            if b <= 0:
+                raise UserError(f"the batch size at {consumed} samples is {b}; "
+                                f"train.rampup_batch_size must start above 0")
+            if b == self.global_batch_size:  # past the ramp: the rest is one division
+                return steps + max(train_samples - consumed, 0) // b
+            if consumed + b > train_samples:
+                return steps
+            consumed, steps = consumed + b, steps + 1
+
 
 def rampup_batch_size_at(consumed_samples: int, global_batch_size: int,
                          rampup: tuple[int, int, int] | None) -> int:

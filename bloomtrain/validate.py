@@ -106,6 +106,11 @@ def validate(cfg: Config, world_size: int, *, max_restarts: int = 0,
     else:
         try:
             batches = BatchSchedule.from_config(cfg.train, layout)
+            t = cfg.train
+            if t.train_samples is not None and not batches.fits(0, t.train_samples):
+                problems.append(f"train.train_samples ({t.train_samples}) is less than the "
+                                f"first global batch ({batches.global_batch_size_at(0)}): "
+                                f"no step would run; raise it")
         except UserError as e:
             problems += each_problem(e)
     problems += layout.problems(shape, cfg)

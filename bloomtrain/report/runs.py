@@ -166,18 +166,13 @@ def planned_steps(train: dict, step: int, consumed: int) -> int | None:
     if rampup is not None and (not isinstance(rampup, list) or len(rampup) != 3 or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in rampup)):
         return None  # not a ramp training could run; no total rather than a wrong one
-    # Only global_batch_size_at is used, which needs no parallel layout.
+    # Only the batch sizes are used, which need no parallel layout.
     batches = BatchSchedule(gbs, train.get("micro_batch_size") or 1, None,
                             tuple(rampup) if rampup else None)
-    while consumed < samples:  # the trainer's loop condition
-        b = batches.global_batch_size_at(consumed)
-        if b <= 0:  # a ramp training would have refused; no total rather than no end
-            return None
-        if b == gbs:  # past the ramp: the rest is one division
-            return step + math.ceil((samples - consumed) / gbs)
-        consumed += b
-        step += 1
-    return step
+    try:
+        return step + batches.steps_until(samples, consumed)  # the trainer's rule
+    except UserError:  # a ramp training would have refused; no total rather than no end
+        return None
 
 
 def planned_samples(train: dict) -> int | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,8 +63,11 @@ class TrainData:
         self.cfg, self.topo, self.device, self.batches = cfg, topo, device, run.batches
         self.train_samples = (t.train_samples if t.train_samples is not None
                               else t.train_iters * t.global_batch_size)
-        upper_steps = t.train_iters or math.ceil(self.train_samples / run.batches.smallest())
-        evals = upper_steps // t.eval_interval + 1 if t.eval_interval else 1
+        self.train_iters = t.train_iters or run.batches.steps_until(self.train_samples)
+        # Megatron's valid split (training.py build_train_valid_test_data_iterators): a window
+        # of eval_iters global batches for every evaluation of the run, the one at the end
+        # included. The count sets the split's epochs, so its sample order too.
+        evals = self.train_iters // t.eval_interval + 1 if t.eval_interval else 1
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             d, tokenizer, [self.train_samples, t.eval_iters * t.global_batch_size * evals, 0],
             d.seq_length)
@@ -83,14 +85,21 @@ class TrainData:
     def next_batch(self) -> list[dict]:
         return self._to_device(self.stream.next_global_batch())
 
-    def eval_batches(self):
-        """The micro-batches of each of the `eval_iters` global batches of the valid split."""
+    def has_batch(self, consumed_samples: int) -> bool:
+        """Whether another step runs: its whole batch within train_samples (Megatron throws
+        away a partial last batch)."""
+        return self.batches.fits(consumed_samples, self.train_samples)
+
+    def eval_batches(self, window: int = 0):
+        """The micro-batches of the `eval_iters` global batches of the valid split's `window`-th
+        window: Megatron's evaluations read on through the valid split (one iterator,
+        consumed_valid_samples), so the k-th evaluation of a run reads the k-th window."""
         from bloomtrain.data.loader import get_micro_batches
         t = self.cfg.train
         if self.valid_ds is None:
             return
         for i in range(t.eval_iters):
-            start = i * t.global_batch_size
+            start = (window * t.eval_iters + i) * t.global_batch_size
             if start + t.global_batch_size > len(self.valid_ds):
                 return
             yield self._to_device(get_micro_batches(
@@ -266,10 +275,10 @@ class Trainer:
         return Timeline() if due else None
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self, window: int = 0) -> float | None:
         self.parts.train(False)
         total, count = 0.0, 0
-        for mbs in self.data.eval_batches():
+        for mbs in self.data.eval_batches(window):
             self.watchdog.progress()
             loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks, mbs,
                                       self.topo, **self._schedule_kwargs(mbs))
@@ -287,7 +296,7 @@ class Trainer:
             # "stalled?" an hour later.
             self.metrics.stopped(state.step, state.consumed_samples, "kill switch")
             return result
-        if state.consumed_samples >= self.data.train_samples:
+        if not self.data.has_batch(state.consumed_samples):
             # A resumed run at its end: say so, rather than exit 0 having done nothing.
             total = t.train_iters if t.train_iters is not None else state.step
             self.print(f"[train] already at step {state.step} of {total}; nothing to train "
@@ -299,7 +308,7 @@ class Trainer:
                            t.activation_checkpointing == "full", peak_tflops(self.device, t))
         with self.control.active(), comm.stats_scope(cfg.parallel.comm_stats) as stats, \
                 contextlib.closing(self.data.stream), contextlib.closing(self.metrics):
-            while state.consumed_samples < self.data.train_samples:
+            while self.data.has_batch(state.consumed_samples):
                 if self.spikes.jump(state):  # samples a loss-spike rollback took out
                     continue
                 # The step clock of the hang watchdog runs while this loop does.
@@ -341,7 +350,7 @@ class Trainer:
         self.steplog.step(meter, state, (loss, lr, res, gbs, stats),
                           due=state.step % t.log_interval == 0 or res.skipped or spike is not None)
         if t.eval_interval and state.step % t.eval_interval == 0:
-            self._eval_and_log(result)
+            self._eval_and_log(result, state.step // t.eval_interval - 1)
         if self.harness is not None and self.harness.due(state.step):
             self._harness_eval()
 
@@ -349,7 +358,9 @@ class Trainer:
         """The end of the samples: the evaluations not run at the last step, the last save."""
         t, state = self.cfg.train, self.state
         if not (t.eval_interval and state.step % t.eval_interval == 0):
-            self._eval_and_log(result)
+            # After the run's periodic evaluations, the next window (Megatron's evaluation at
+            # the end of training reads on from them too).
+            self._eval_and_log(result, state.step // t.eval_interval if t.eval_interval else 0)
         if self.harness is not None and not self.harness.due(state.step):
             self._harness_eval()
         # A resumed step, or one whose interval save committed, needs no new save.
@@ -361,8 +372,8 @@ class Trainer:
         self.harness.run(self.parts, self.engine.compute_dtype, self.device, self.state,
                          self.metrics)
 
-    def _eval_and_log(self, result: TrainResult) -> None:
-        loss = self.evaluate()
+    def _eval_and_log(self, result: TrainResult, window: int) -> None:
+        loss = self.evaluate(window)
         if loss is not None:
             result.eval_loss = loss
             self.metrics.eval(self.state.step, self.state.consumed_samples, loss)
@@ -382,7 +393,7 @@ def stop_or_save(trainer: Trainer, result: TrainResult) -> str | None:
         if path is not None:
             result.checkpoint = str(path)
         trainer.control.saved()
-    if stop and trainer.state.consumed_samples >= trainer.data.train_samples:
+    if stop and not trainer.data.has_batch(trainer.state.consumed_samples):
         # The stop came at the last step: saved first, the run then ends as it would have
         # (its final evaluations), not as a stop, which no resume would make up for
         # ("nothing to train").

@@ -127,9 +127,10 @@ class MetricsLog:
             return
         if "step_time_s" in rec and self.train_samples is not None:
             # Under train_iters, train_samples is train_iters x the global batch (a ramp-up
-            # needs train_samples), so this is train_iters - step.
-            left = math.ceil(max(self.train_samples - rec["consumed_samples"], 0)
-                             / rec["global_batch_size"])
+            # needs train_samples), so this is train_iters - step; a partial last batch is
+            # not trained (BatchSchedule.fits).
+            left = max(self.train_samples - rec["consumed_samples"], 0) \
+                // rec["global_batch_size"]
             rec["eta_s"] = left * rec["step_time_s"]
         with open(self.path, "a") as f:
             f.write(jsonl.dumps(rec) + "\n")  # strict JSON: NaN and inf as strings

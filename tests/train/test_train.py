@@ -390,3 +390,94 @@ def test_records_carry_mfu_against_the_devices_peak(dataset, tmp_path, monkeypat
     Trainer(cfg, log=lambda *a: None).run()
     recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert recs and all(r["mfu"] == r["tflops_per_device"] / 1e-3 for r in recs)
+
+
+def _megatron_train_iters(train_samples: int, gbs: int, rampup=None) -> int:
+    """Megatron-DeepSpeed's training.py update_train_iters, written out: the ramp's batches one
+    by one while consumed <= ramp_samples (RampupBatchsizeNumMicroBatches.update's batch), then
+    whole batches; a partial last batch is thrown away."""
+    if rampup is None:
+        return train_samples // gbs
+    start, inc, ramp = rampup
+    increments = (gbs - start) // inc
+    iters = consumed = 0
+    while consumed <= ramp:
+        steps = int(consumed / (ramp / increments))
+        consumed += min(start + steps * inc, gbs)
+        iters += 1
+    return iters + (train_samples - consumed) // gbs
+
+
+def test_a_partial_last_batch_is_not_trained_and_valid_is_sized_as_megatrons(dataset, tmp_path,
+                                                                              monkeypatch):
+    """41 samples at a batch of 8 are Megatron's 5 steps (update_train_iters floors): a sixth
+    step read samples 40-47, past what the datasets were built for (a UserError at its end
+    when a split had no slack). The valid split is built for Megatron's count, a window of
+    eval_iters batches per evaluation of its train_iters and one for the end; it was sized from
+    ceil(samples / smallest batch) steps (2000 for Megatron's 1000 below)."""
+    from bloomtrain.data import loader
+    from bloomtrain.layout import BatchSchedule
+
+    asked = []
+    real = loader.build_train_valid_test_datasets
+
+    def spy(data_cfg, tokenizer, counts, seq):
+        asked.append(list(counts))
+        return real(data_cfg, tokenizer, counts, seq)
+    monkeypatch.setattr(loader, "build_train_valid_test_datasets", spy)
+    cfg = make_cfg(dataset, tmp_path / "a", train__train_iters=None, train__train_samples=41,
+                   train__eval_interval=2, train__eval_iters=1)
+    res = train(cfg, log=lambda *a: None)
+    assert res.exit_reason == "finished"
+    assert res.state.step == _megatron_train_iters(41, 8) == 5
+    assert res.state.consumed_samples == 40
+    assert asked[-1][:2] == [41, (5 // 2 + 1) * 1 * 8]
+    # The rule (BatchSchedule.steps_until) against Megatron's, constant and ramped, as the
+    # trainer sizes the valid split from it (the review's case: 1050 samples, batch 100,
+    # eval_interval 11, eval_iters 10 -> 1000 valid samples).
+    for samples, gbs, ramp in ((1050, 100, None), (41, 8, None), (8, 8, None),
+                               (10_000, 64, (16, 16, 3000)), (3337, 64, (16, 8, 1000)),
+                               (220_000_000, 2048, (192, 16, 9_765_625))):
+        batches = BatchSchedule(gbs, 1, None, ramp)
+        assert batches.steps_until(samples) == _megatron_train_iters(samples, gbs, ramp)
+    assert (_megatron_train_iters(1050, 100) // 11 + 1) * 10 * 100 == 1000
+    # Fewer samples than one batch is no run: refused with the config.
+    from bloomtrain.config import UserError
+    with pytest.raises(UserError, match=r"train.train_samples \(5\) is less than the first "
+                                        r"global batch \(8\)"):
+        Trainer(make_cfg(dataset, tmp_path / "b", train__train_iters=None,
+                         train__train_samples=5), log=lambda *a: None)
+
+
+def test_each_evaluation_reads_the_next_window_of_the_valid_split(dataset, tmp_path,
+                                                                   monkeypatch):
+    """Megatron's evaluations read on through the valid split (one iterator; evaluate() adds
+    eval_iters x the global batch to consumed_valid_samples), the one at the end of training
+    included: the valid split is sized for exactly that. Every evaluation here read its first
+    window. The window follows from the step, so a resumed run reads what the whole one did."""
+    import bloomtrain.data.loader as loader
+
+    starts, valid = [], {}
+    real = loader.get_micro_batches
+
+    def spy(ds, consumed, gbs, *a, **k):  # the train stream's reads may run on its thread
+        if ds is valid.get("ds"):
+            starts.append(consumed)
+        return real(ds, consumed, gbs, *a, **k)
+    monkeypatch.setattr(loader, "get_micro_batches", spy)
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=5, train__eval_interval=2,
+                   train__eval_iters=2)
+    trainer = Trainer(cfg, log=lambda *a: None)
+    valid["ds"] = trainer.data.valid_ds
+    trainer.run()
+    # Megatron: evaluations at iterations 2 and 4, then the end of training, each reading
+    # eval_iters = 2 batches of 8 from consumed_valid_samples, which starts at 0.
+    consumed_valid, want = 0, []
+    for _ in range(3):
+        for _ in range(2):
+            want.append(consumed_valid)
+            consumed_valid += 8
+    assert starts == want == [0, 8, 16, 24, 32, 40]
+    assert len(trainer.data.valid_ds) >= (5 // 2 + 1) * 2 * 8
+    evals = [r["step"] for r in metrics(tmp_path / "run") if "eval_loss" in r]
+    assert evals == [2, 4, 5]
