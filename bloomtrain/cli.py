@@ -9,6 +9,7 @@ torch.distributed with it). The one-line helps of `bloomtrain --help` live here 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import signal
@@ -248,15 +249,28 @@ class Terminated(KeyboardInterrupt):
     save-and-stop, the launcher, the server's drain) install their own handler over this one."""
 
 
-def _terminated(signum, frame):
+def _terminated(owner: int, signum, frame):
+    if os.getpid() != owner:
+        # A forked child (a multiprocessing pool's worker: lm-eval's bootstrap pool is ended
+        # with SIGTERM when it is done) inherits the handler; it dies as by default, not with a
+        # Terminated traceback on the command's stderr.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     raise Terminated()
+
+
+def take_sigterm():
+    """SIGTERM raises Terminated in this process from now on (not in the children it forks);
+    the handler it replaces."""
+    return signal.signal(signal.SIGTERM, functools.partial(_terminated, os.getpid()))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     here = threading.current_thread() is threading.main_thread()  # handlers: main thread only
-    previous = signal.signal(signal.SIGTERM, _terminated) if here else None
+    previous = take_sigterm() if here else None
     try:
         rc = args.func(args)
     except UserError as e:

@@ -179,3 +179,30 @@ def test_a_demo_run_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     assert cli.main(["demo", "--run-dir", str(tmp_path / "f")]) == 2
     assert "is a file; give a directory" in capsys.readouterr().err
+
+
+def test_sigterm_to_a_forked_pool_worker_ends_it_quietly(tmp_path):
+    """A command's SIGTERM handler (Terminated, for its cleanup) was inherited by the workers of
+    a forked multiprocessing pool: leaving `with Pool()` SIGTERMs them (pool.terminate), and
+    each raised Terminated wherever it was, printing its traceback on the command's stderr
+    (`bloomtrain eval`'s bootstrap pool, rc 0). The process that took the signal still gets
+    Terminated."""
+    script = textwrap.dedent("""
+        import multiprocessing, os, signal, sys, time
+        from bloomtrain import cli
+
+        cli.take_sigterm()
+        for _ in range(6):  # each round leaves workers that pool.terminate() SIGTERMs
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                pool.map(abs, range(2000))
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except cli.Terminated:
+            print("owner: Terminated")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "owner: Terminated"
+    assert "Terminated" not in out.stderr and "Traceback" not in out.stderr, out.stderr

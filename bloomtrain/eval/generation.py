@@ -23,6 +23,8 @@ from bloomtrain.serve.sampling import SamplingParams
 # included); anything else is refused rather than silently ignored.
 SUPPORTED = ("until", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
              "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+# transformers' GenerationConfig default: sampling keeps the 50 most likely tokens.
+HF_DEFAULT_TOP_K = 50
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,16 @@ class GenerationSettings:
                              f"it takes {', '.join(SUPPORTED)}")
         kw = normalize_gen_kwargs(gen_kwargs, default_max)
         stops = handle_stop_sequences(kw.get("until"), eos=eos_text)
-        temperature = float(gen_kwargs.get("temperature", 1.0)) if kw["do_sample"] else 0.0
-        top_k = kw.get("top_k")
+        if kw["do_sample"] and gen_kwargs.get("temperature") is None:
+            # The backend passes temperature 0.0 when none is given, which transformers
+            # refuses with do_sample; sampling at 1.0 instead would be a number it never gives.
+            raise ValueError(f"generation kwargs {gen_kwargs}: do_sample needs a temperature "
+                             f"(the harness's HF backend refuses it without one too); give "
+                             f"temperature > 0, or drop do_sample for greedy")
+        temperature = float(gen_kwargs["temperature"]) if kw["do_sample"] else 0.0
+        # transformers' generate, which the HF backend calls without top_k, samples from the
+        # 50 most likely tokens unless told otherwise (GenerationConfig's default top_k).
+        top_k = kw.get("top_k", HF_DEFAULT_TOP_K)
         top_p = kw.get("top_p")
         params = SamplingParams(
             max_tokens=kw["max_gen_toks"], temperature=temperature,

@@ -138,6 +138,13 @@ class BloomtrainLM(TemplateLM):
                 # is scored on its own last len(continuation) positions.
                 for member_str, member_cont, _ in collator.get_cache(
                         req_str=req_str, cxt_toks=ctx, cont_toks=cont, logits=_NO_LOGITS):
+                    if not member_cont:
+                        # Nothing to score: it summed to 0.0 and greedy, a choice certain
+                        # to win. The harness's HF backend asserts a continuation too.
+                        raise ValueError(f"a loglikelihood continuation encodes to no tokens "
+                                         f"(request {member_str!r}): an empty target, or one "
+                                         f"the context's last token absorbs; fix the task's "
+                                         f"targets (or target_delimiter)")
                     first = len(whole) - 1 - len(member_cont)
                     plans.append((member_str, [queries.setdefault((row, first + j, t), len(queries))
                                                for j, t in enumerate(member_cont)]))

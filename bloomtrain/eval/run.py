@@ -73,10 +73,25 @@ def check_task_data(tasks: list[str], include_paths) -> None:
             continue  # a harness task, or a group: its tasks' data are checked as they load
         try:
             config = load_yaml(path, resolve_func=False, recursive=True)
-        except Exception:  # noqa: BLE001 - find_tasks reports unreadable YAMLs
-            continue
+        except Exception as e:  # noqa: BLE001 - whatever the parser raised
+            if entry is not None:
+                continue  # find_tasks reports the include paths' unreadable YAMLs
+            raise UserError(f"task file {path} cannot be read: {one_line(e)}") from None
         if isinstance(config, dict):
+            check_output_type(config, path)
             resolve_data_paths(config, path)
+
+
+OUTPUT_TYPES = ("loglikelihood", "loglikelihood_rolling", "generate_until", "multiple_choice")
+
+
+def check_output_type(config: dict, path) -> None:
+    """The harness refuses any other output_type only once the model has loaded, with a
+    traceback."""
+    kind = config.get("output_type")
+    if kind is not None and kind not in OUTPUT_TYPES:
+        raise UserError(f"task file {path}: output_type {kind!r} is not one of "
+                        f"{', '.join(OUTPUT_TYPES)}")
 
 
 def _manager(include_paths, include_defaults: bool = True):
@@ -133,13 +148,13 @@ def resolve_data_paths(config: dict, task_file) -> dict:
             return path
         if Path(path).is_absolute():
             if _exists(Path(path)):
-                return path
+                return _nonempty(path, task)
             raise UserError(f"task {task}: data file {path} not found")
         beside = base / path
         if _exists(beside):
-            return str(beside)
+            return _nonempty(str(beside), task)
         if _exists(Path(path)):
-            return path
+            return _nonempty(path, task)
         raise UserError(f"task {task}: data file {path} not found: data_files are relative to "
                         f"the task file's directory {base} (or else to the current directory, "
                         f"{os.getcwd()})")
@@ -159,6 +174,17 @@ def one_line(error: BaseException) -> str:
     """An exception's message on one line: its first line, or its type when it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _nonempty(path: str, task: str) -> str:
+    """`path`, unless it is a file with nothing but whitespace: the datasets library then
+    fails deep in its builder (a StopIteration traceback), after the model has loaded."""
+    p = Path(path)
+    if p.is_file() and p.stat().st_size < (1 << 20):
+        with open(p, "rb") as f:
+            if not f.read().strip():
+                raise UserError(f"task {task}: data file {path} is empty")
+    return path
 
 
 def _exists(path: Path) -> bool:

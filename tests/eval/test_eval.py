@@ -635,6 +635,41 @@ def test_unsupported_generation_kwargs_are_refused(model_dirs):
         local_lm(model_dirs[0]).generate_until(instances({"num_beams": 4, "max_gen_toks": 4}))
 
 
+def test_sampling_takes_transformers_defaults_and_needs_a_temperature(model_dirs):
+    """The harness's HF backend calls transformers' generate without top_k, which then keeps the
+    50 most likely tokens (GenerationConfig's default); bloomtrain drew from the whole
+    vocabulary (103 of 300 draws outside the top 50 at temperature 3). do_sample without a
+    temperature is refused, as the backend's temperature 0.0 is by transformers."""
+    from transformers import GenerationConfig
+
+    from bloomtrain.eval.generation import GenerationSettings
+
+    # transformers 5 applies its defaults at generate time (unset in the config); 4.x sets
+    # them on the config.
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    hf = defaults() if defaults else vars(GenerationConfig())
+    hot = {"do_sample": True, "temperature": 3.0, "max_gen_toks": 8, "until": ["\n"]}
+    s = GenerationSettings.from_gen_kwargs(hot, 16, None).sampling
+    assert (s.top_k, s.top_p) == (hf["top_k"], hf["top_p"]) == (50, 1.0)
+    assert GenerationSettings.from_gen_kwargs({**hot, "top_k": 0}, 16, None).sampling.top_k == 0
+    with pytest.raises(ValueError, match="do_sample needs a temperature"):
+        GenerationSettings.from_gen_kwargs({"do_sample": True}, 16, None)
+    lm = local_lm(model_dirs[0])
+
+    def run(kwargs):
+        torch.manual_seed(99)
+        return lm.generate_until(instances(kwargs))
+    assert run(hot) == run({**hot, "top_k": 50}) != run({**hot, "top_k": 0})
+
+
+def test_a_continuation_of_no_tokens_is_refused(model_dirs):
+    """An empty target (or one the context's last token absorbs) was scored 0.0 and greedy: a
+    multiple-choice option certain to win. The harness's HF backend asserts a continuation."""
+    lm = local_lm(model_dirs[0])
+    with pytest.raises(ValueError, match="continuation encodes to no tokens"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("The quick brown", ""), 0)])
+
+
 # ---- batching ----------------------------------------------------------------------------------
 
 class _Spy:
@@ -770,6 +805,10 @@ def test_the_docs_tasks_run_from_any_directory(model_dirs, tmp_path, capsys, mon
     assert rc == 0 and "choice_example" in capsys.readouterr().out
 
 
+def _no_model_load(*a, **k):
+    raise AssertionError("the model loaded before the task files were checked")
+
+
 def test_task_data_errors_are_one_line(model_dirs, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ckpt = str(model_dirs[0])
@@ -790,6 +829,27 @@ def test_task_data_errors_are_one_line(model_dirs, tmp_path, capsys, monkeypatch
     assert rc == 2 and err.count("\n") == 1
     assert (f"task choice_example: data file nowhere.jsonl not found: data_files are relative "
             f"to the task file's directory {tasks}") in err
+    # A task file given by path that does not parse, an output_type the harness has not, an
+    # empty data file: tracebacks (rc 1) after the model had loaded.
+    import yaml
+    choice = yaml.safe_load((DOCS_TASKS / "choice_example.yaml").read_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: bad\noutput_type: {loglikelihood\n")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({**choice, "task": "typo", "output_type": "loglikelihod"}))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(yaml.safe_dump({**choice, "task": "empty",
+                                     "dataset_kwargs": {"data_files": {"test": "empty.jsonl"}}}))
+    for task, said in ((bad, f"task file {bad} cannot be read: "),
+                       (typo, f"task file {typo}: output_type 'loglikelihod' is not one of "
+                              f"loglikelihood, loglikelihood_rolling, generate_until, "
+                              f"multiple_choice"),
+                       (empty, f"task empty: data file {tmp_path / 'empty.jsonl'} is empty")):
+        with monkeypatch.context() as m:
+            m.setattr("bloomtrain.eval.model.load_eval_model", _no_model_load)
+            rc, err = run_cli(["eval", "--checkpoint", ckpt, "--tasks", str(task)], capsys)
+        assert rc == 2 and err.count("\n") == 1 and said in err, err
     # A dataset the harness cannot fetch (offline): its error, on one line.
     (tasks / "choice_example.yaml").unlink()
     (tasks / "hub_task.yaml").write_text(
