@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 
 import torch
@@ -18,6 +17,7 @@ from bloomtrain.config import Config, parse_tasks
 from bloomtrain.errors import UserError
 from bloomtrain.eval.model import EvalModel
 from bloomtrain.eval.protocol import Executor, worker_loop
+from bloomtrain.parallel.tensor.rng import kept_rng
 
 
 class HarnessHook:
@@ -60,7 +60,7 @@ class HarnessHook:
         # attention draws one number from the default generator per call even in eval
         # (bloomtrain.parallel.tensor.rng), and a rank that kept the draws would drop other
         # elements of the replicated activations than its peers from then on.
-        with _kept_rng():
+        with kept_rng():
             try:
                 if parts.topo.rank != 0:
                     worker_loop(model, self.micro_rows)
@@ -112,25 +112,6 @@ class HarnessHook:
                 self.log(f"[eval-harness] {text}")
                 alerts.append(text)
         return values, alerts
-
-
-@contextlib.contextmanager
-def _kept_rng():
-    """Python's, NumPy's and torch's (CPU and CUDA) generator states as they were, on every
-    rank: the harness seeds rank 0's, tensor-parallel forwards draw from all of them, and
-    training must not depend on whether the evaluation ran."""
-    import numpy as np
-
-    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        yield
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-        if saved[3] is not None:
-            torch.cuda.set_rng_state_all(saved[3])
 
 
 @contextlib.contextmanager

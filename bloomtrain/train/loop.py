@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from bloomtrain.config import Config
-from bloomtrain.errors import UserError
 from bloomtrain.data.check import check_data
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.model.attention import resolve_attention
@@ -24,7 +23,7 @@ from bloomtrain.optim import LRSchedule
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.parallelize import parallelize
 from bloomtrain.parallel.pipeline import Timeline, pipeline_eval_step, pipeline_train_step
-from bloomtrain.parallel.tensor.rng import stage_seed
+from bloomtrain.parallel.tensor.rng import kept_rng, stage_seed
 from bloomtrain.planner import plan_for_run
 from bloomtrain.planner.hardware import device_peak_tflops
 from bloomtrain.planner.host import check_host, node_ranks, resident_bytes
@@ -71,10 +70,6 @@ class TrainData:
         self.train_ds, self.valid_ds, _ = build_train_valid_test_datasets(
             d, tokenizer, [self.train_samples, t.eval_iters * t.global_batch_size * evals, 0],
             d.seq_length)
-        if t.eval_interval and self.valid_ds is None:  # no evaluation would ever run
-            raise UserError(f"train.eval_interval is {t.eval_interval}, but data.split "
-                            f"{d.split!r} gives the validation split no documents: give it a "
-                            f"share (e.g. data.split=949,50,1) or unset train.eval_interval")
         self.eod_id = tokenizer.eod_id if tokenizer else None
         self.stream = DataIterator(self.train_ds, run.batches, topo.dp_rank, 0, self.eod_id,
                                    d.eod_mask_loss, prefetch=True)
@@ -278,11 +273,12 @@ class Trainer:
     def evaluate(self, window: int = 0) -> float | None:
         self.parts.train(False)
         total, count = 0.0, 0
-        for mbs in self.data.eval_batches(window):
-            self.watchdog.progress()
-            loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks, mbs,
-                                      self.topo, **self._schedule_kwargs(mbs))
-            total, count = total + loss * len(mbs), count + len(mbs)
+        with kept_rng():  # training's dropout must not depend on whether evaluations ran
+            for mbs in self.data.eval_batches(window):
+                self.watchdog.progress()
+                loss = pipeline_eval_step(self.cfg.parallel.pp_schedule, self.parts.chunks,
+                                          mbs, self.topo, **self._schedule_kwargs(mbs))
+                total, count = total + loss * len(mbs), count + len(mbs)
         return mean_over_dp(total / count, self.topo, self.device) if count else None
 
     # ---- the loop -----------------------------------------------------------------------------

@@ -724,3 +724,30 @@ def test_a_sharded_load_puts_each_shard_on_the_device_as_it_reads_it(tmp_path, m
     largest = max(t.numel() * t.element_size() for t in state.values())
     total = sum(t.numel() * t.element_size() for t in state.values())
     assert live["peak"] <= largest < total // 4, (live, largest, total)
+
+
+def _extend_worker(rank, world, dataset, tmp, iters, eval_interval):
+    """tp 2 with dropout, saving only at its end: `iters` steps (resumed from the run dir's
+    checkpoint if there is one). Its losses."""
+    cfg = layout_cfg(dataset, tmp, (2, 1, 1, 0), train__train_iters=iters,
+                     train__eval_interval=eval_interval, train__eval_iters=1,
+                     model={"preset": "tiny", "vocab_size": 256, "hidden_dropout": 0.1,
+                            "attention_dropout": 0.1},
+                     checkpoint={"dir": str(Path(tmp) / "ck"), "async_save": False})
+    return Trainer(cfg, **QUIET).run().losses
+
+
+def test_a_run_extended_from_its_final_save_continues_bitwise(dataset, tmp_path):
+    """The end-of-run save came after the final evaluation, whose tensor-parallel forwards draw
+    from the default generator (the attention-dropout fork, even in eval mode): the saved
+    generator was one evaluation ahead, and a run extended from it (raise train_iters, as
+    "nothing to train" says) drew other dropout masks from step 4 on. Evaluations now leave
+    the generators as they were, so neither the save nor the training's masks depend on them:
+    a run evaluating every 2 steps trains as one evaluating only at its end."""
+    whole = run_ranks(2, _extend_worker, dataset, str(tmp_path / "whole"), 6, None)[0]
+    evals = run_ranks(2, _extend_worker, dataset, str(tmp_path / "evals"), 6, 2)[0]
+    first = run_ranks(2, _extend_worker, dataset, str(tmp_path / "split"), 3, None)[0]
+    rest = run_ranks(2, _extend_worker, dataset, str(tmp_path / "split"), 6, None)[0]
+    assert len(whole) == 6 and len(first) == 3 and len(rest) == 3
+    assert first + rest == whole
+    assert evals == whole

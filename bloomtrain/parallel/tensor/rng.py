@@ -4,6 +4,7 @@ stream forked around the regions whose activations are split over tp.
 from __future__ import annotations
 
 import contextlib
+import random
 
 import torch
 from torch import nn
@@ -92,3 +93,24 @@ def fork_rng_around_forward(module: nn.Module, fork) -> None:
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+@contextlib.contextmanager
+def kept_rng():
+    """Python's, NumPy's and torch's (CPU and CUDA) generator states as they were, on every
+    rank, around an evaluation: the harness seeds rank 0's, and a tensor-parallel forward
+    draws from the default generator even in eval mode (`fork`). Training must not depend on
+    whether an evaluation ran: the end-of-run save, made after the final evaluation, recorded
+    a generator one evaluation ahead, and the run extended from it diverged at tp > 1."""
+    import numpy as np
+
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+        if saved[3] is not None:
+            torch.cuda.set_rng_state_all(saved[3])
