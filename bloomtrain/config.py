@@ -568,6 +568,8 @@ def parse_split(s: str) -> list[float]:
     total = sum(values)
     if total <= 0:
         raise ValueError(f"split {s!r} sums to zero; at least one part must be positive")
+    if values[0] <= 0:  # the run would build no training data (a traceback on its first step)
+        raise ValueError(f"split {s!r} gives training (the first part) no share")
     return [v / total for v in values]
 
 
@@ -627,10 +629,33 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """libyaml's safe loader where PyYAML has it (it refuses deep nesting at once, where the pure
+    Python scanner takes quadratic time on it: seconds for a few thousand "["), refusing a key
+    given twice in one mapping. YAML keeps the last silently: a second `parallel:` section
+    dropped the first's tp and zero_stage, and the run started on another layout."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges, as YAML says
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+                seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class says so
+                continue
+            if first is not None:
+                raise yaml.YAMLError(
+                    f"{key!r} is given twice in one mapping (line {first.line + 1} column "
+                    f"{first.column + 1}, and line {key_node.start_mark.line + 1} column "
+                    f"{key_node.start_mark.column + 1}); keep one")
+        return super().construct_mapping(node, deep)
+
+
 def _yaml_load(text: str):
-    # libyaml's safe loader where PyYAML has it: it refuses deep nesting at once, where the pure
-    # Python scanner takes quadratic time on it (seconds for a few thousand "[").
-    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 @functools.lru_cache(maxsize=None)

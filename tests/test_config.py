@@ -26,6 +26,34 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert again == cfg
 
 
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
+    """YAML keeps the last of a repeated key without a word: a second `parallel:` section
+    dropped the first's tp and zero_stage, and the run started on another layout. A merge key
+    (`<<: *base`) still merges, and the same key in two mappings is two keys."""
+    import yaml
+
+    cases = {"sections.yaml": ("parallel: {tp: 2, zero_stage: 1}\ntrain: {train_iters: 1}\n"
+                               "parallel: {pp: 1}\n",
+                               "'parallel' is given twice in one mapping (line 1 column 1, and "
+                               "line 3 column 1); keep one"),
+             "keys.yaml": ("optim: {lr: 1e-3, lr: 2e-3}\n",
+                           "'lr' is given twice in one mapping (line 1 column 9, and line 1 "
+                           "column 19); keep one")}
+    for name, (text, said) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert yaml.safe_load(text)  # PyYAML itself takes it, keeping the last
+        with pytest.raises(UserError) as e:
+            Config.load(str(tmp_path / name))
+        assert str(e.value) == f"config file {tmp_path / name} is not valid YAML: {said}"
+    (tmp_path / "merge.yaml").write_text(
+        "x-common: &lr {lr: 1.0e-3}\noptim:\n  <<: *lr\n  min_lr: 1.0e-5\n"
+        "model: {preset: tiny}\ntrain: {train_iters: 2}\n")
+    with pytest.raises(UserError, match=r"unknown config section\(s\) \['x-common'\]"):
+        Config.load(str(tmp_path / "merge.yaml"))  # merged fine; the anchor's key is unknown
+    apply_override(d := {}, "optim={lr: 1, min_lr: 0.1}")
+    assert d == {"optim": {"lr": 1, "min_lr": 0.1}}
+
+
 @pytest.mark.parametrize("over,match", [
     ({"train.global_batch_size": 10, "train.micro_batch_size": 4}, "divisible by"),
     ({"train.precision": "fp8"}, "bf16, fp16 or fp32"),

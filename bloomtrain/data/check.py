@@ -187,6 +187,28 @@ def vocab_source(model_cfg, tokenizer, padded: int) -> str:
     return source
 
 
+def split_problems(cfg, datasets) -> list[str]:
+    """What data.split leaves empty that the run needs, from each dataset's sequence count (the
+    loader's split, Megatron's): every dataset's training split (Megatron's blend asserts one
+    per weight; a lone dataset crashed on the first step), and some validation split when
+    train.eval_interval asks for evaluations. Said here, in the launcher, before any worker
+    or directory exists."""
+    from bloomtrain.data.gpt_dataset import split_documents
+    out, any_valid = [], False
+    for (_, prefix), ds in zip(parse_data_paths(cfg.data.paths), datasets):
+        n = len(ds.sizes)
+        bounds = split_documents(cfg.data.split, n)
+        if bounds[1] <= bounds[0]:
+            out.append(f"data.split {cfg.data.split!r} gives the training split of {prefix} "
+                       f"no documents (of its {n} sequences); give training a larger share")
+        any_valid = any_valid or bounds[2] > bounds[1]
+    if cfg.train.eval_interval and not any_valid:
+        out.append(f"train.eval_interval is {cfg.train.eval_interval}, but data.split "
+                   f"{cfg.data.split!r} gives the validation split no documents: give it a "
+                   f"share (e.g. data.split=949,50,1) or unset train.eval_interval")
+    return out
+
+
 def check_data(cfg, run):
     """Load data.tokenizer, give `run` (what bloomtrain.validate.validate returned) its
     vocabulary, and check the datasets against it. Returns (tokenizer or None, run). A missing tokenizer and
@@ -202,6 +224,9 @@ def check_data(cfg, run):
         datasets = open_datasets(cfg.data.paths)
     except UserError as e:
         problems.append(str(e))
+    if problems:
+        raise UserError("; ".join(problems))
+    problems = split_problems(cfg, datasets)
     if problems:
         raise UserError("; ".join(problems))
     if tokenizer is not None:  # the model's vocabulary follows the tokenizer's

@@ -256,6 +256,30 @@ def test_an_eval_interval_without_a_validation_split_is_refused(dataset, tmp_pat
                        train__train_iters=2), log=lambda *a: None)
 
 
+def test_a_split_without_what_the_run_needs_is_refused_before_the_launch(dataset, tmp_path,
+                                                                          capsys):
+    """The launcher says it, in one line, before any worker or directory exists: an empty
+    validation split under eval_interval came from every worker (35 lines of tracebacks, lock
+    files left); a training share of 0, or one that rounds to no documents, crashed on the
+    first step with a TypeError."""
+    from bloomtrain.cli import main
+    from tests.helpers import write_config
+
+    cfg = write_config(tmp_path, dataset, "run")
+    for extra, said in (
+            (["--nproc", "2", "data.split=100,0,0", "train.eval_interval=2"],
+             "train.eval_interval is 2, but data.split '100,0,0' gives the validation split no "
+             "documents"),
+            (["data.split=0,1,0"], "data.split: split '0,1,0' gives training (the first part) "
+                                   "no share"),
+            (["data.split=1,10000,0"], f"data.split '1,10000,0' gives the training split of "
+                                       f"{dataset} no documents")):
+        assert main(["train", "--config", str(cfg), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_finished_run_says_there_is_nothing_to_train(dataset, tmp_path):
     # Run again at its end (train_iters, then the same end as train_samples), it trains nothing,
     # says so, and leaves metrics.jsonl as the finished run wrote it (no second eval record).
