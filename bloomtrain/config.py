@@ -5,6 +5,7 @@ rules that tie sections together are bloomtrain.layout's."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import functools
 import math
@@ -307,6 +308,10 @@ NON_NEGATIVE = Domain("interval", low=0)
 FRACTION = Domain("interval", low=0, high=1, high_open=True)  # dropout, Adam's betas
 SEED = Domain("interval", low=0, high=2 ** 32 - 1)  # numpy's RandomState (Megatron's sample order)
 BOOL = Domain("free", note="true or false")
+# What users of Megatron (--data-parallel-size is derived there too) and DeepSpeed try to set.
+DERIVED_DP = ("dp", "dp_size", "data_parallel_size")
+# bool | None keys whose None default means "decide by itself", spelled `auto` as the README does.
+AUTO_SWITCHES = ("run.tensorboard",)
 
 
 def choice(literal) -> Domain:
@@ -626,7 +631,40 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(nxt, dict):
             raise UserError(f"override {override!r}: {part} is not a section")
         node = nxt
+    if not isinstance(value, (str, list, dict)) and value is not None:
+        # A number, boolean or date as YAML reads it; a string-typed key takes the text as typed
+        # instead (run_dir=0100 made a directory named 64, run_dir=2026-12-07 a date).
+        value = _Typed(raw.strip(), value)
     node[parts[-1]] = value
+
+
+class _Typed:
+    """An override's text and its YAML value: `_coerce` gives a string-typed key the text, any
+    other key the value."""
+
+    __slots__ = ("text", "value")
+
+    def __init__(self, text: str, value):
+        self.text, self.value = text, value
+
+    def __repr__(self) -> str:  # errors show the value as it was read
+        return repr(self.value)
+
+    def __eq__(self, other) -> bool:
+        return self.value == (other.value if isinstance(other, _Typed) else other)
+
+    __hash__ = None
+
+
+def _takes_text(tp) -> bool:
+    """Whether a field of type `tp` is a string (str, str | None, a Literal of strings)."""
+    if tp is str:
+        return True
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return all(isinstance(a, str) for a in args)
+    return typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType",
+                                                           None)) and str in args
 
 
 class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
@@ -693,6 +731,11 @@ def did_you_mean(names: list[str], section: str) -> str:
     sections = [f.name for f in fields(Config)]
     every = [*DOMAINS, *sections]
     pool = [k for k in DOMAINS if k.startswith(section + ".")] if section else sections
+    derived = [n for n in names if n.rpartition(".")[2] in DERIVED_DP]
+    if derived:  # Megatron and DeepSpeed users reach for it; the closest key, tp, is another axis
+        return (f" ({derived[0]} is not a key: the data-parallel size is the number of "
+                f"processes / (parallel.tp * parallel.pp); set it with --nproc, or torchrun's "
+                f"--nproc-per-node and --nnodes)")
     guesses = []
     for name in names:
         leaf = name.rpartition(".")[2]
@@ -705,11 +748,15 @@ def did_you_mean(names: list[str], section: str) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    if isinstance(value, _Typed):
+        value = value.text if _takes_text(tp) else value.value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if value is None and type(None) in args:
             return None
+        if args == (bool, type(None)) and isinstance(value, str) and value.lower() == "auto":
+            return None  # a switch whose unset default decides by itself (run.tensorboard)
         non_none = [a for a in args if a is not type(None)]
         last_err = None
         for a in non_none:
@@ -734,7 +781,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise UserError(f"{key} must be true or false, got {value!r}")
+        raise UserError(f"{key} must be true or false{' (or auto)' if key in AUTO_SWITCHES else ''}"
+                        f", got {value!r}")
     if tp is int:
         return _to_int(value, key)
     if tp is float:
@@ -742,6 +790,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, datetime.date):  # a file's `run_dir: 2026-12-07`, as written
+            return value.isoformat()
         raise UserError(f"{key} must be a string, got {value!r}")
     return value
 

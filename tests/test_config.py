@@ -299,3 +299,32 @@ def test_a_minimum_loss_scale_above_the_initial_is_refused():
     with pytest.raises(UserError, match=r"optim.min_loss_scale \(64\) must not exceed "
                                         r"optim.initial_loss_scale \(2\)"):
         cfg.check()
+
+
+def test_a_string_key_takes_an_override_as_typed():
+    """Overrides are YAML, but a string-typed key keeps the text typed: run_dir=0100 wrote the
+    run into a directory named 64 (YAML's octal), run_dir=2026-12-07 was refused as a date,
+    data.tokenizer=1.10 read 1.1. Other keys still read YAML's value."""
+    cfg = Config.load(None, ["run_dir=0100", "data.tokenizer=1.10", "parallel.tp=2.0",
+                             "train.train_iters=0x10", "optim.lr=1e-4",
+                             "checkpoint.dir=~", "run.tensorboard=yes"])
+    assert (cfg.run_dir, cfg.data.tokenizer, cfg.parallel.tp, cfg.train.train_iters,
+            cfg.optim.lr, cfg.checkpoint.dir, cfg.run.tensorboard) == \
+        ("0100", "1.10", 2, 16, 1e-4, None, True)
+    assert Config.load(None, ["run_dir=2026-12-07"]).run_dir == "2026-12-07"
+    with pytest.raises(UserError, match="parallel.tp must be an integer, got True"):
+        Config.load(None, ["parallel.tp=true"])
+
+
+def test_run_tensorboard_auto_and_a_dp_key_say_what_they_mean(tmp_path):
+    """`auto`, the default the README names for run.tensorboard, was refused; parallel.dp was
+    told to be parallel.tp, another axis."""
+    assert Config.load(None, ["run.tensorboard=auto"]).run.tensorboard is None
+    (tmp_path / "c.yaml").write_text("run: {tensorboard: auto}\n")
+    assert Config.load(str(tmp_path / "c.yaml")).run.tensorboard is None
+    with pytest.raises(UserError, match=r"run.tensorboard must be true or false \(or auto\)"):
+        Config.load(None, ["run.tensorboard=maybe"])
+    with pytest.raises(UserError, match=r"\(parallel.dp is not a key: the data-parallel size is "
+                                        r"the number of processes / \(parallel.tp \* "
+                                        r"parallel.pp\); set it with --nproc"):
+        Config.load(None, ["parallel.dp=2"])
