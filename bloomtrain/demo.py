@@ -118,16 +118,21 @@ def _prepare_data(data_dir: Path, max_docs: int | None, log) -> tuple[Path, Path
     return corpus, tok_dir, dataset
 
 
-def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
-    """Step 4: the demo config with the layout fitted to this machine, trained on as many
-    processes as that layout needs. Returns (config, metrics records)."""
+def demo_data_paths(root: Path) -> tuple[Path, Path]:
+    """Where _prepare_data puts the demo's dataset (its prefix) and tokenizer."""
+    return root / "data" / "stdlib_text_document", root / "data" / "tokenizer"
+
+
+def _demo_config(root: Path, overrides):
+    """The demo config with the layout fitted to this machine and the user's overrides,
+    validated: before the corpus, the tokenizer and the dataset are built, so that a mistyped
+    override is said at once, not after minutes of data preparation. Returns (config, the
+    processes to run, validate's run, why the precision is fp32 if it is)."""
     from bloomtrain.config import Config, apply_override
     from bloomtrain.validate import validate
     from bloomtrain.launch import world_size_from_env
-    from bloomtrain.train import launch_local, train
-    from bloomtrain.train.cli import worker_entry
-    from bloomtrain.files import atomic_output
 
+    dataset, tok_dir = demo_data_paths(root)
     data = yaml.safe_load(DEMO_CONFIG)
     data["run_dir"] = str(root / "run")
     data["data"]["paths"] = [str(dataset)]
@@ -139,11 +144,21 @@ def _train(root: Path, dataset: Path, tok_dir: Path, overrides, log):
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = Config.from_dict(data)
-    if why and cfg.train.precision == "fp32":  # not overridden
-        log(f"[demo] precision fp32: {why}")
     # Under torchrun the job joins its world; else the demo launches the layout's processes.
     nproc = nproc if "WORLD_SIZE" not in os.environ else 1
     run = validate(cfg, world_size_from_env() if "WORLD_SIZE" in os.environ else nproc)
+    return cfg, nproc, run, why
+
+
+def _train(root: Path, cfg, nproc: int, run, why: str | None, log):
+    """Step 4: the demo config trained on as many processes as its layout needs. Returns
+    (config, metrics records)."""
+    from bloomtrain.train import launch_local, train
+    from bloomtrain.train.cli import worker_entry
+    from bloomtrain.files import atomic_output
+
+    if why and cfg.train.precision == "fp32":  # not overridden
+        log(f"[demo] precision fp32: {why}")
     config_path = root / "demo_config.yaml"
     with atomic_output(config_path, "w") as f:
         f.write(cfg.to_yaml())
@@ -181,11 +196,12 @@ def run_demo(run_dir: str = "bloomtrain_demo", overrides: list[str] | None = Non
     if root.exists() and not root.is_dir():
         raise UserError(f"--run-dir {run_dir} is a file; give a directory (new, or a demo's "
                         f"earlier run)")
+    cfg, nproc, run, why = _demo_config(root, overrides)
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus, tok_dir, dataset = _prepare_data(data_dir, max_docs, log)
     tokenizer = load_tokenizer(tok_dir)
-    cfg, records = _train(root, dataset, tok_dir, overrides, log)
+    cfg, records = _train(root, cfg, nproc, run, why, log)
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     checkpoint = str(ckpt.resolve(cfg.checkpoint.dir))

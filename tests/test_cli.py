@@ -181,6 +181,18 @@ def test_a_demo_run_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     assert "is a file; give a directory" in capsys.readouterr().err
 
 
+def test_a_demo_override_is_checked_before_its_data_is_built(tmp_path, capsys):
+    """A mistyped or impossible override was said only after the demo had built its corpus,
+    trained its tokenizer and preprocessed (minutes on the full corpus)."""
+    for bad, said in (("train.micro_batch_sise=2", "did you mean train.micro_batch_size?"),
+                      ("parallel.tp=3", "must be divisible by parallel.tp (3)")):
+        run_dir = tmp_path / bad.partition("=")[0]
+        assert cli.main(["demo", "--run-dir", str(run_dir), bad]) == 2
+        out = capsys.readouterr()
+        assert said in out.err and "[demo] 1/6" not in out.out
+        assert not (run_dir / "data").exists()
+
+
 def test_sigterm_to_a_forked_pool_worker_ends_it_quietly(tmp_path):
     """A command's SIGTERM handler (Terminated, for its cleanup) was inherited by the workers of
     a forked multiprocessing pool: leaving `with Pool()` SIGTERMs them (pool.terminate), and
