@@ -15,8 +15,12 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 from bloomtrain.errors import UserError
+
+# Where bloomtrain's modules are: warnings from them get its one-line form.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # name -> (the cli module whose register(subparsers) adds it, as "module" or
 # "module:function" where one cli module registers several commands, and its line in
@@ -271,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     here = threading.current_thread() is threading.main_thread()  # handlers: main thread only
     previous = take_sigterm() if here else None
+    formatter = warnings.formatwarning
+    warnings.formatwarning = functools.partial(_warning_line, args.command_prog, formatter)
     try:
         rc = args.func(args)
     except UserError as e:
@@ -293,9 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.command_prog}: error: {e.strerror or e}: {where}", file=sys.stderr)
         return 2
     finally:
+        warnings.formatwarning = formatter
         if here:
             signal.signal(signal.SIGTERM, previous)
     return int(rc or 0)
+
+
+def _warning_line(prog: str, default, message, category, filename, lineno, line=None) -> str:
+    """bloomtrain's own warnings (a layout with fewer micro-batches than stages, a kernel
+    fallen back) as one line, like its errors; Python's form (a file path and the source line
+    that warned) is kept for everyone else's."""
+    if issubclass(category, UserWarning) and \
+            os.path.dirname(os.path.abspath(filename)).startswith(PACKAGE_DIR):
+        return f"{prog}: warning: {message}\n"
+    return default(message, category, filename, lineno, line)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ def load_step(run_dir, step: int | None = None) -> tuple[int, list[dict]]:
         if m:
             found.setdefault(int(m.group(1)), []).append(path)
     if not found:
-        raise UserError(f"no pipeline timeline in {folder}; training writes one when a Timeline "
-                        f"is passed to pipeline_train_step and saved")
+        raise UserError(f"no pipeline timeline in {folder}; a run with pp > 1 writes one every "
+                        f"log interval when parallel.pp_timeline=true")
     if step is None:
         step = max(found)
     if step not in found:

@@ -193,6 +193,28 @@ def test_a_demo_override_is_checked_before_its_data_is_built(tmp_path, capsys):
         assert not (run_dir / "data").exists()
 
 
+def test_bloomtrains_warnings_are_one_line_and_others_keep_pythons_form(tmp_path):
+    """A layout warning printed as Python's `/path/bloomtrain/layout.py:256: UserWarning: ...`
+    and the source line that warned, unlike every other message of the command."""
+    import warnings
+
+    (tmp_path / "w.yaml").write_text("model: {preset: tiny}\nparallel: {pp: 2}\n"
+                                     "data: {paths: [nope]}\ntrain: {train_iters: 1, "
+                                     "global_batch_size: 2, micro_batch_size: 2}\n")
+    out = subprocess.run([sys.executable, "-m", "bloomtrain", "train", "--config",
+                          str(tmp_path / "w.yaml"), "--nproc", "2"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    err = out.stderr.splitlines()
+    assert err[0] == ("bloomtrain train: warning: 1 micro-batches for 2 pipeline stages: most "
+                      "of each step is pipeline bubble ((p-1)/m = 1.00); raise "
+                      "train.global_batch_size or lower train.micro_batch_size")
+    assert err[1].startswith("bloomtrain train: error: data.paths: no dataset at nope")
+    line = cli._warning_line("bloomtrain x", warnings.formatwarning, "m", UserWarning,
+                             "/elsewhere/mod.py", 3)
+    assert line.startswith("/elsewhere/mod.py:3: UserWarning: m")
+
+
 def test_sigterm_to_a_forked_pool_worker_ends_it_quietly(tmp_path):
     """A command's SIGTERM handler (Terminated, for its cleanup) was inherited by the workers of
     a forked multiprocessing pool: leaving `with Pool()` SIGTERMs them (pool.terminate), and
