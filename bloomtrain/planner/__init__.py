@@ -116,8 +116,9 @@ def plan(model: str | None = None, *, gpus: int, gpu: str = "a100-80g",
 
 def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str]:
     """The prediction for a training run's own layout on its own device, and the line
-    `bloomtrain train` logs. On CUDA a layout predicted to need more than the device's memory is
-    refused (UserError) unless train.ignore_plan is set."""
+    `bloomtrain train` logs. A layout predicted to need more than the device's memory (on the
+    CPU, the host's available memory over this node's processes) is refused (UserError) unless
+    train.ignore_plan is set."""
     import torch
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -141,16 +142,24 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
             f"{'+'.join(map(str, s['in_flight']))} micro-batch(es) in flight, transients "
             f"{sum(s['transients'].values()) / GIB:.2f}, allocator and context "
             f"{(s['allocator'] + s['context']) / GIB:.2f}); ")
-    if total is None:
-        return p, text + f"{device.type}: no device memory limit to check"
-    text += f"the device has {total / GIB:.2f} GiB"
+    if total is not None:
+        text += f"the device has {total / GIB:.2f} GiB"
+        where, unit = f"the {total / GIB:.2f} GiB this GPU has", "GPU"
+    else:
+        # On the CPU the device is the host: its available memory, shared by this node's
+        # processes (a run past it ended in an allocator traceback, the plan unread).
+        from bloomtrain.planner.host import available_host_memory
+        avail, source = available_host_memory()
+        total = avail // max(1, min(per_node, world_size))
+        text += f"{source} gives each of this node's processes {total / GIB:.2f} GiB"
+        where, unit = (f"the {total / GIB:.2f} GiB this host has for each of its processes "
+                       f"({source})"), "process"
     if p.memory_per_gpu > total:
         if not cfg.train.ignore_plan:
             raise UserError(
-                f"the planner predicts {p.memory_per_gpu / GIB:.2f} GiB per GPU on pipeline "
-                f"stage {p.worst_stage}, more than the {total / GIB:.2f} GiB this GPU has; run "
-                f"`bloomtrain plan` for a layout that fits (more pp or tp, ZeRO stage 2-3, "
-                f"activation checkpointing, a smaller micro-batch), or set "
-                f"train.ignore_plan=true to start anyway")
+                f"the planner predicts {p.memory_per_gpu / GIB:.2f} GiB per {unit} on pipeline "
+                f"stage {p.worst_stage}, more than {where}; run `bloomtrain plan` for a layout "
+                f"that fits (more pp or tp, ZeRO stage 2-3, activation checkpointing, a smaller "
+                f"micro-batch or sequence), or set train.ignore_plan=true to start anyway")
         text += " (over; starting anyway: train.ignore_plan=true)"
     return p, text

@@ -506,8 +506,8 @@ def test_trainer_logs_the_prediction_and_cuda_refuses_a_layout_that_does_not_fit
     lines = []
     from bloomtrain.train import train
     train(cfg, log=lambda *a: lines.append(" ".join(map(str, a))))
-    assert any("plan:" in line and "GiB per device predicted" in line and "cpu" in line
-               for line in lines), lines
+    assert any("plan:" in line and "GiB per device predicted" in line and
+               "gives each of this node's processes" in line for line in lines), lines
 
     class Props:
         total_memory = 2 ** 20  # a 1 MiB "GPU"
@@ -526,6 +526,18 @@ def test_trainer_logs_the_prediction_and_cuda_refuses_a_layout_that_does_not_fit
     plan, text = plan_for_run(cfg, shape, 1, "cuda")
     assert plan.fits and "the device has 1024.00 GiB" in text
     assert all(s["context"] == 2 ** 30 for s in plan.stages)
+    # On the CPU the host is the device: its available memory over the node's processes (a
+    # sequence of 100,000 ended in an allocator traceback, the 176 GiB plan logged and unheeded).
+    monkeypatch.setenv("BLOOMTRAIN_HOST_MEMORY", "4MiB")
+    with pytest.raises(UserError, match=r"GiB per process on pipeline stage 0, more than the "
+                                        r"0.00 GiB this host has for each of its processes "
+                                        r"\(BLOOMTRAIN_HOST_MEMORY\).*train.ignore_plan=true"):
+        plan_for_run(cfg, shape, 1, "cpu")
+    monkeypatch.setenv("BLOOMTRAIN_HOST_MEMORY", "64GiB")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    plan, text = plan_for_run(cfg, shape, 2, "cpu")
+    assert plan.fits and "BLOOMTRAIN_HOST_MEMORY gives each of this node's processes 32.00 GiB" \
+        in text
 
 
 def test_ties_are_every_plan_within_the_error_band():
@@ -564,7 +576,8 @@ def test_a_runs_own_plan_knows_its_nodes(monkeypatch):
     cfg = Config.load(None, ["train.train_iters=1", "model.preset=bloom-560m",
                              "model.vocab_size=250880", "parallel.zero_stage=3",
                              "parallel.zero_secondary_shard=true",
-                             "train.global_batch_size=16", "data.seq_length=512"])
+                             "train.global_batch_size=16", "data.seq_length=512",
+                             "train.ignore_plan=true"])  # more than this host has: a plan only
     shape = resolve_model_config(cfg.model, 250880)
     spec = dc_replace(GPUS["cpu"], memory_bytes=1 << 62)
     work = workload_from_config(cfg, device="cpu", shape=shape)
