@@ -50,7 +50,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Sequence] = []
         self._aborts: set[int] = set()
-        self._queued = 0            # submitted, not yet admitted once
+        self._queued = 0            # submitted, not yet admitted once (--max-queue counts these)
+        self._requeued = 0          # preempted, waiting to be admitted again
         self._live: set[int] = set()
         self._closed = False
         self._stop = False
@@ -68,7 +69,10 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return self._queued
+        """Sequences waiting to be admitted: new ones, and preempted ones waiting to be again
+        (vLLM counts both in num_requests_waiting; under cache pressure the gauge read 0 while
+        every sequence but one waited)."""
+        return self._queued + self._requeued
 
     @property
     def num_running(self) -> int:
@@ -209,16 +213,26 @@ class Engine:
                 self._finish(seq, "abort", release=False)
 
     def _preempted(self, seq: Sequence) -> None:
+        with self._lock:
+            seq.requeued = True
+            self._requeued += 1
         if self.metrics is not None:
             self.metrics.preempted()
 
     def _admitted(self, seq: Sequence) -> None:
+        self._not_requeued(seq)
         if not seq.admitted:
             seq.admitted = True
             with self._lock:
                 self._queued -= 1
             if self.metrics is not None:
                 self.metrics.admitted(seq.num_prompt)
+
+    def _not_requeued(self, seq: Sequence) -> None:
+        with self._lock:
+            if seq.requeued:
+                seq.requeued = False
+                self._requeued -= 1
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -259,6 +273,7 @@ class Engine:
             self._live.discard(seq.id)
             if not seq.admitted:
                 self._queued -= 1
+        self._not_requeued(seq)  # a preempted sequence aborted (or failed) while waiting
         out = out or SeqOutput(seq.id, [], "")
         out.finish_reason, out.error = reason, error
         if self.metrics is not None:

@@ -42,6 +42,7 @@ class Sequence:
         self.prompt_logprobs = [None] if params.prompt_logprobs else None
         self.prompt_logprobs_sent = False
         self.admitted = False
+        self.requeued = False  # preempted and waiting to be admitted again (the engine's count)
         self.arrival = time.monotonic()
         self.last_token_time: float | None = None
 

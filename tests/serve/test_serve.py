@@ -155,6 +155,40 @@ def test_preemption_recomputes_the_same_tokens(model_dir):
         assert got["token_ids"] == hf_greedy(ref, prompt, 30)
 
 
+def test_the_queue_gauge_counts_preempted_sequences_waiting_again(model_dir):
+    """bloomtrain_queue_depth ("sequences waiting to be admitted") counted only sequences never
+    admitted: under cache pressure it read 0 while three of four live sequences waited to run
+    again (vLLM's num_requests_waiting counts preempted requests, which go back on its waiting
+    queue). --max-queue still counts new requests only."""
+    _, path = model_dir
+    cfg = EngineConfig(max_model_len=64, block_size=8, kv_cache_tokens=64, max_num_seqs=8,
+                       max_batched_tokens=40, prefill_chunk=16, max_queue=4)
+    metrics = ServeMetrics()
+    engine = make_engine(path, cfg, metrics=metrics)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i in range(4):
+        engine.submit([i + 1] * 8, params, lambda out: None)
+    seen = []
+    while engine.num_live:
+        engine.step()
+        waiting = len(engine.scheduler.waiting)
+        assert engine.num_waiting == waiting  # the inbox is empty between steps
+        seen.append(waiting)
+    assert metrics.preemptions.values[()] > 0 and max(seen) >= 2
+    assert engine.num_waiting == 0
+    # An abort of a preempted sequence while it waits leaves the count right.
+    for i in range(4):
+        engine.submit([i + 1] * 8, params, lambda out: None)
+    while not any(s.requeued for s in engine.scheduler.waiting):
+        engine.step()
+    victim = next(s for s in engine.scheduler.waiting if s.requeued)
+    engine.abort(victim.id)
+    while engine.num_live:
+        engine.step()
+        assert engine.num_waiting == len(engine.scheduler.waiting)
+    assert engine.num_waiting == 0 and engine.pool.num_used == 0
+
+
 def test_scheduler_joins_leaves_and_chunks_beside_decodes(model_dir):
     """A request joins the batch at the step after it arrives; a long prompt is prefilled in
     chunks at fixed positions while the running sequence decodes every step; a finished
