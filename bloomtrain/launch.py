@@ -26,10 +26,19 @@ from typing import Callable
 from bloomtrain.errors import UserError
 
 
+def srun_task(env=os.environ) -> bool:
+    """Whether this process is one of several tasks of an srun step. srun's tasks carry a step
+    id; the batch script itself, which sbatch gives SLURM_PROCID and SLURM_NTASKS too, does
+    not: a plain `bloomtrain train` there runs alone (or launches with --nproc), not as rank 0
+    of SLURM_NTASKS ranks that never start."""
+    return ("SLURM_STEP_ID" in env and "SLURM_PROCID" in env
+            and int(env.get("SLURM_NTASKS", "1")) > 1)
+
+
 def env_from_slurm(env=os.environ) -> None:
     """Under a plain `srun` (one task per GPU, no torchrun), translate SLURM's task variables into
     torchrun's. MASTER_ADDR/MASTER_PORT must come from the job script (see the README)."""
-    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+    if "RANK" in env or not srun_task(env):
         return
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
@@ -47,14 +56,16 @@ def env_from_slurm(env=os.environ) -> None:
 
 
 def slurm_tasks_on_node(env=os.environ) -> int | None:
-    """The tasks SLURM runs on this node (SLURM_NODEID): SLURM_NTASKS_PER_NODE where the job
-    asked for a fixed count, else this node's entry of SLURM_TASKS_PER_NODE ("8", "8(x2)" for
-    two nodes of 8, "2,3" or "4(x2),1" when the nodes differ); None when neither says."""
-    fixed = env.get("SLURM_NTASKS_PER_NODE", "")
-    if fixed.isdigit():
-        return int(fixed)
+    """The tasks SLURM runs on this node (SLURM_NODEID): this node's entry of the step's (else
+    the job's) SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("8", "8(x2)" for two nodes of
+    8, "2,3" or "4(x2),1" when the nodes differ), else SLURM_NTASKS_PER_NODE, which with
+    --ntasks is only a maximum (sbatch(1)); None when none says."""
+    spread = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    if not spread:
+        fixed = env.get("SLURM_NTASKS_PER_NODE", "")
+        return int(fixed) if fixed.isdigit() else None
     counts = []
-    for item in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+    for item in spread.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if m is None:
             return None
@@ -358,6 +369,11 @@ class _AgentNoise(logging.Filter):
               "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL")
     LOGGERS = ("torch.distributed.elastic.agent.server.api",
                "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    # A worker that raised: torch logs its whole traceback (about 30 lines) before the
+    # launcher's own last line. For a UserError (a config the worker refused, a run lock held
+    # by another run) that line says it all, as it does without a launcher.
+    WORKER_FAILED = ("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s "
+                     "(start_method: %s)")
 
     def __init__(self):
         super().__init__()
@@ -365,6 +381,9 @@ class _AgentNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         self.forced += record.msg in self.FORCED
+        if record.msg == self.WORKER_FAILED and record.exc_info and \
+                f"{UserError.__module__}.{UserError.__name__}:" in str(record.exc_info[1]):
+            return False
         return record.msg not in self.MESSAGES + self.FORCED
 
     @contextlib.contextmanager

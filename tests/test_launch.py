@@ -25,7 +25,7 @@ from bloomtrain import checkpoint as ckpt
 from bloomtrain import launch
 from bloomtrain.launch import _AgentNoise
 from tests import faults
-from tests.chaos import Job, compare, group_left_after
+from tests.chaos import Job, alive, compare, group_left_after, group_members
 from tests.helpers import read_rest
 from tests.synthetic import write_synthetic_dataset
 
@@ -42,6 +42,30 @@ def test_the_filtered_messages_are_torchs_own():
     for message in _AgentNoise.MESSAGES + _AgentNoise.FORCED:
         assert f'"{message}"' in source, message
     assert {agent.logger.name, processes.logger.name, spawn.log.name} == set(_AgentNoise.LOGGERS)
+
+
+def test_a_workers_user_error_is_its_last_line_alone():
+    """torch logs a failed worker's traceback (about 30 lines) before the launcher's last line;
+    for a UserError that line is the whole story. Other failures keep their traceback."""
+    import inspect as ins
+
+    import torch.distributed.elastic.multiprocessing.api as api
+
+    assert " ".join(_AgentNoise.WORKER_FAILED.split()) in " ".join(
+        ins.getsource(api).replace('"\n', "").replace('"', "").split())
+    noise = _AgentNoise()
+
+    def record(error):
+        try:
+            raise error
+        except Exception:
+            return logging.LogRecord("torch.distributed.elastic.multiprocessing.api",
+                                     logging.ERROR, __file__, 1, _AgentNoise.WORKER_FAILED,
+                                     (1, 0, 4242, "worker_entry", "spawn"), sys.exc_info())
+    refused = RuntimeError("Traceback (most recent call last):\n  ...\n"
+                           "bloomtrain.errors.UserError: ck is in use by another run")
+    assert not noise.filter(record(refused))
+    assert noise.filter(record(RuntimeError("Traceback ...\nZeroDivisionError: division by zero")))
 
 
 def test_the_noise_is_left_out_and_the_rest_kept():
@@ -354,3 +378,89 @@ def test_a_second_ctrl_c_ends_the_workers_at_once_without_a_partial_checkpoint(s
     assert ckpt.find_latest_valid(ck) == ckpt.resolve(ck) == two
     _resume_and_compare(sigint_job, tmp_path, 2)
     assert not list(ck.glob(".step_*")), sorted(p.name for p in ck.iterdir())  # cleaned up
+
+
+@pytest.mark.slow
+def test_workers_of_a_killed_launcher_save_and_end(tmp_path):
+    """SIGKILL to the --nproc launcher (the OOM killer, a hard scancel of the step): torch's
+    death signal stops the workers, which save, but each then waited forever in torch's
+    wrapper for the launcher to collect its result, an orphan holding its memory."""
+    dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bloomtrain", "train", "--nproc", "2", "model.preset=tiny",
+             "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
+             "train.global_batch_size=4", "train.precision=fp32", "train.log_interval=1",
+             "train.device=cpu", f"run_dir={tmp_path / 'run'}", "train.train_iters=100000",
+             "optim.decay_samples=10000000", f"checkpoint.dir={tmp_path / 'ck'}"],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline and proc.poll() is None, \
+            (tmp_path / "out.txt").read_text()
+        time.sleep(0.2)
+    workers = [pid for pid in group_members(proc.pid) if pid != proc.pid]
+    assert workers
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = (tmp_path / "out.txt").read_text()
+    assert left == [], text
+    assert ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None) is not None, text
+
+
+def _config_rank(rank, world, tp_on_rank_1):
+    from bloomtrain.config import Config
+    from bloomtrain.errors import UserError
+    from bloomtrain.train.launch import same_config_everywhere
+
+    over = ["train.train_iters=4"] + ([f"parallel.tp={tp_on_rank_1}"] if rank == 1 else [])
+    try:
+        same_config_everywhere(Config.load(None, over))
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_configs_are_refused_in_one_line():
+    """A rank with another config (an override given to one task, a file edited between node
+    starts) issued other collectives than its peers: both waited out parallel.timeout_minutes
+    and ended with torch's tracebacks. One gather of the configs at the join says it."""
+    from tests.dist import run_ranks
+
+    assert run_ranks(2, _config_rank, 1) == [None, None]  # the same config: nothing said
+    said = run_ranks(2, _config_rank, 2)
+    assert said[0] == ("the job's ranks were given different configs: rank(s) [1] differ from "
+                       "rank 0; start every rank with the same config and overrides")
+    assert said[1] == ("the job's ranks were given different configs: rank(s) [1] differ from "
+                       "rank 0 (this rank in parallel.tp); start every rank with the same "
+                       "config and overrides")
+
+
+def test_a_rank_that_never_joins_is_one_line(monkeypatch):
+    """A rank waiting for one that never starts ended, after the timeout, in torch's
+    DistStoreError traceback; it is a UserError naming the rank, the job and the address."""
+    import socket
+
+    import torch
+
+    from bloomtrain.config import Config
+    from bloomtrain.errors import UserError
+    from bloomtrain.train.launch import init_distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(key, value)
+    cfg = Config.load(None, ["train.train_iters=1", "parallel.timeout_minutes=0.03"])
+    with pytest.raises(UserError, match=rf"rank 0 of 2 could not join the job at "
+                                        rf"127.0.0.1:{port} within parallel.timeout_minutes "
+                                        rf"\(0.03\): .*every rank must start"):
+        init_distributed(cfg, torch.device("cpu"))

@@ -128,8 +128,12 @@ def plan_for_run(cfg: Config, shape, world_size: int, device) -> tuple[Plan, str
     spec = replace(base, name=str(device), memory_bytes=total or 1 << 62)
     # The launcher's processes per node (torchrun's LOCAL_WORLD_SIZE; srun's tasks per node
     # through env_from_slurm): node-local groups such as ZeRO's hpZ are sized by it.
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    cluster = Cluster(spec, world_size, max(1, min(per_node, world_size)))
+    per_node = max(1, min(int(os.environ.get("LOCAL_WORLD_SIZE") or world_size), world_size))
+    # Nodes of different sizes (srun's "2,1"): the model counts equal nodes, so the largest
+    # that divide the job stand in (a prediction, where `plan`'s refusal of uneven nodes
+    # failed the run with an error about options it has not got).
+    per_node = max(d for d in range(1, per_node + 1) if world_size % d == 0)
+    cluster = Cluster(spec, world_size, per_node)
     p = evaluate(candidate_from_config(cfg, world_size), work, cluster,
                  memory_limit=float(spec.memory_bytes))
     if not p.stages:  # validation passed, so this is a planner gap: say so, do not block

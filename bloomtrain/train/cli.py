@@ -9,7 +9,7 @@ from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.validate import validate
 from bloomtrain.launch import (end_by_signal, env_from_slurm, LaunchSpec, node_address,
-                               STOP_FILE_ENV, world_size_from_env)
+                               srun_task, STOP_FILE_ENV, world_size_from_env)
 
 # The launcher's options and their defaults: given under torchrun, they would do nothing.
 LAUNCH_DEFAULTS = {"nproc": None, "nnodes": 1, "node_rank": 0, "rdzv_endpoint": None,
@@ -28,6 +28,13 @@ def worker_entry(config_path, overrides, run):
     from bloomtrain.train.control import summary
     from bloomtrain.train.loop import train
 
+    launcher = os.getppid()
+    if world_size_from_env() != run.layout.world_size:
+        # The launcher checked the layout at --nproc x --nnodes; a node started with another
+        # --nproc makes another world, which the layout's rules never saw.
+        raise UserError(f"the job has {world_size_from_env()} workers, but this node's launcher "
+                        f"was started for {run.layout.world_size} (--nproc x --nnodes): give "
+                        f"every node the same --nproc")
     cfg = Config.load(config_path, overrides)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("RANK") == "0":
@@ -39,6 +46,13 @@ def worker_entry(config_path, overrides, run):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if os.getppid() != launcher:
+        # The launcher is gone (SIGKILLed: its death signal stopped this run, which has saved).
+        # Returning would wait in torch's wrapper, forever, for it to collect the result, and
+        # hold this process (and on a GPU its memory) as an orphan.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     agent_ends = "SIGTERM" in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM")
     if result.stop_signal == signal.SIGTERM and agent_ends:
         # A torch whose agent takes SIGTERM itself (one without LaunchConfig.signals_to_handle)
@@ -66,8 +80,7 @@ def launch_spec(args, cfg: Config) -> LaunchSpec | None:
     # env_from_slurm translates later): each task starting a launch of its own would make as
     # many independent jobs writing the same run directory. srun's tasks carry a step id; the
     # batch script itself, where bloomtrain's launcher may run, does not.
-    srun = ("SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
-            and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+    srun = srun_task()
     if "WORLD_SIZE" in os.environ or srun:
         given = [f"--{k.replace('_', '-')}" for k, v in LAUNCH_DEFAULTS.items()
                  if getattr(args, k) != v]

@@ -7,6 +7,7 @@ or its error. A rendezvous that times out says which nodes never arrived.
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from datetime import timedelta
@@ -16,8 +17,10 @@ import torch.distributed as dist
 
 from bloomtrain import devices
 from bloomtrain import launch as launcher
+from bloomtrain.parallel import comm
 from bloomtrain.config import Config
 from bloomtrain.devices import process_group_backend
+from bloomtrain.errors import UserError
 from bloomtrain.launch import env_from_slurm, LaunchSpec, world_size_from_env
 from bloomtrain.train import watchdog
 from bloomtrain.train.control import stopped_text
@@ -41,7 +44,38 @@ def init_distributed(cfg: Config, device: torch.device) -> None:
     if world_size_from_env() == 1 or dist.is_initialized():
         return
     kw = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes), **kw)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
+                                **kw)
+    except (dist.DistStoreError, dist.DistNetworkError) as e:
+        # A rank that never came (not started, crashed, another WORLD_SIZE or address): torch's
+        # traceback after the whole timeout said it in its last line only.
+        env = os.environ
+        raise UserError(
+            f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')} could not join the job at "
+            f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} within "
+            f"parallel.timeout_minutes ({cfg.parallel.timeout_minutes:g}): "
+            f"{str(e).strip().splitlines()[0]}; every rank must start, with the same "
+            f"WORLD_SIZE, MASTER_ADDR and MASTER_PORT") from None
+    same_config_everywhere(cfg)
+
+
+def same_config_everywhere(cfg: Config) -> None:
+    """Refuse a job whose ranks were given different configs (a per-rank override, an edited
+    file between node starts): they would issue different collectives and wait on each other
+    until the timeout, then fail with torch's tracebacks. One gather of every rank's config."""
+    mine = cfg.to_dict()
+    every = comm.all_gather_object(mine, comm.world_group(), "config")
+    differ = [r for r, theirs in enumerate(every) if theirs != every[0]]
+    if differ:
+        keys = sorted(f"{section}.{k}" for section, values in mine.items()
+                      if isinstance(values, dict)
+                      for k in values if values[k] != (every[0].get(section) or {}).get(k))
+        keys += [k for k, v in mine.items() if not isinstance(v, dict) and v != every[0].get(k)]
+        raise UserError(f"the job's ranks were given different configs: rank(s) {differ} "
+                        f"differ from rank 0" + (f" (this rank in {', '.join(keys)})" if keys
+                                                 else "") +
+                        "; start every rank with the same config and overrides")
 
 
 def launch_local(nproc: int, entry, *args, spec: LaunchSpec | None = None,

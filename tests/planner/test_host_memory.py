@@ -300,7 +300,7 @@ def test_the_node_is_torchruns_or_slurms():
     # The srun translation gives the same LOCAL_WORLD_SIZE, which node_ranks then reads.
     from bloomtrain.launch import env_from_slurm
     env = {"SLURM_PROCID": "4", "SLURM_NTASKS": "5", "SLURM_LOCALID": "2", "MASTER_ADDR": "a",
-           "MASTER_PORT": "1", **slurm}
+           "MASTER_PORT": "1", "SLURM_STEP_ID": "0", **slurm}
     env_from_slurm(env)
     assert env["LOCAL_WORLD_SIZE"] == "3" and node_ranks(5, env) == range(2, 5)
 

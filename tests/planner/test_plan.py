@@ -591,6 +591,14 @@ def test_a_runs_own_plan_knows_its_nodes(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     alone, _ = plan_for_run(cfg, shape, 16, "cpu")
     assert secondary(alone) == secondary(want) / 2  # one node of 16
+    # Nodes of different sizes (srun's "2,1" for 3 tasks): plan's refusal of uneven nodes
+    # ("--gpus (3) is not a whole number of nodes of --gpus-per-node (2)") failed the run; the
+    # prediction takes equal nodes that divide the job.
+    cfg3 = Config.load(None, ["train.train_iters=1", "model.preset=tiny", "train.ignore_plan=true",
+                              "train.global_batch_size=12", "train.micro_batch_size=4"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    uneven, _ = plan_for_run(cfg3, resolve_model_config(cfg3.model, 256), 3, "cpu")
+    assert uneven.stages
 
 
 def test_a_layout_with_sizes_below_one_is_refused_by_name():

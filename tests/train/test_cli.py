@@ -46,3 +46,18 @@ def test_a_task_of_srun_or_torchrun_launches_nothing_of_its_own(cfg, monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match="--nproc are .*WORLD_SIZE is set"):
         launch_spec(_args(nproc=4), cfg)
+
+
+def test_a_worker_of_nodes_with_different_nproc_says_so(cfg, monkeypatch):
+    """Two nodes launched with --nproc 2 and --nproc 1 make a job of 3 workers, which the
+    launcher validated as 4 (--nproc x --nnodes): node 0 failed with the planner's "--gpus (3)
+    is not a whole number of nodes", node 1 with a C++ traceback."""
+    from bloomtrain.train.cli import worker_entry
+    from bloomtrain.validate import validate
+
+    run = validate(cfg, 4)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UserError, match=r"the job has 3 workers, but this node's launcher was "
+                                        r"started for 4 \(--nproc x --nnodes\): give every node "
+                                        r"the same --nproc"):
+        worker_entry(None, [], run)
