@@ -164,6 +164,10 @@ class OptimConfig:
     loss_scale_window: int = 500
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # A resume whose learning-rate schedule (lr, min_lr, warm-up, decay samples, style) differs
+    # from the checkpoint's is refused, as Megatron's AnnealingLR refuses it; true takes the
+    # config's (Megatron's --override-lr-scheduler).
+    override_schedule: bool = False
 
 
 @dataclass
@@ -386,6 +390,7 @@ DOMAINS: dict[str, Domain] = {
     "optim.loss_scale_window": POSITIVE,
     "optim.hysteresis": POSITIVE,
     "optim.min_loss_scale": POSITIVE,
+    "optim.override_schedule": BOOL,
     "train.micro_batch_size": POSITIVE,
     "train.global_batch_size": POSITIVE,
     "train.train_iters": POSITIVE,

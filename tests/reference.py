@@ -116,10 +116,14 @@ def reference_train(cfg: Config) -> ReferenceRun:
     total = num_train_samples(cfg)
     decay_samples = o.decay_samples or total
     out = ReferenceRun()
-    consumed = 0
-    while consumed < total:
+    # Megatron steps its scheduler by the batch only after an applied update (training.py
+    # train_step: lr_scheduler.step(increment) if update_successful): `applied` is where the LR
+    # is. A partial last batch is not trained (update_train_iters floors).
+    consumed = applied = 0
+    while consumed + rampup_batch_size(consumed, t.global_batch_size,
+                                       t.rampup_batch_size) <= total:
         gbs = rampup_batch_size(consumed, t.global_batch_size, t.rampup_batch_size)
-        lr = megatron_lr(consumed, o.lr, o.min_lr, o.warmup_samples, decay_samples,
+        lr = megatron_lr(applied, o.lr, o.min_lr, o.warmup_samples, decay_samples,
                          o.decay_style)
         num_micro = gbs // t.micro_batch_size
         acc = {n: torch.zeros_like(m) for n, m in masters.items()}
@@ -149,6 +153,7 @@ def reference_train(cfg: Config) -> ReferenceRun:
                 if hysteresis <= 0:
                     scale = max(scale / 2, o.min_loss_scale)
         if finite:
+            applied += gbs
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()

@@ -270,13 +270,26 @@ def schedule(c: Conversion) -> None:
     else:
         warmup, warmup_from = c.int("lr_warmup_samples"), ["lr_warmup_samples"]
     _set_samples(c, "optim.warmup_samples", warmup, warmup_from)
-    if c.has("lr_decay_tokens") and not c.has("lr_warmup_tokens"):
-        _token_decay_after_warmup(c, warmup)
+    if c.has("lr_decay_tokens"):
+        _token_decay(c, warmup, decay)
     for dest in ("lr_decay_iters", "lr_decay_samples", "lr_decay_tokens", "lr_warmup_iters",
                  "lr_warmup_samples", "lr_warmup_tokens"):
         if dest not in c.accounted:
             c.ignore(dest, "superseded by the arguments named for optim.decay_samples and "
                            "optim.warmup_samples")
+
+
+def _token_decay(c: Conversion, warmup: float, decay: float) -> None:
+    """What bloomtrain's decay by samples does not reproduce of Megatron's by tokens."""
+    if not c.has("lr_warmup_tokens"):
+        _token_decay_after_warmup(c, warmup)
+    if decay > 0:
+        # training.py adds a step's tokens to consumed_train_tokens after the scheduler has
+        # stepped, so AnnealingLR's token count is one global batch behind its samples.
+        c.unchecked(f"Megatron decays by tokens one global batch late (it counts a step's "
+                    f"tokens after stepping the scheduler); bloomtrain decays by samples on "
+                    f"time, so its LR leads Megatron's by one batch, {c.gbs / decay:.2%} of the "
+                    f"decay (at most about that relative difference in the LR)")
 
 
 def _token_decay_after_warmup(c: Conversion, warmup: float) -> None:

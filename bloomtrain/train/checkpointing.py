@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import torch
 
 from bloomtrain import checkpoint as ckpt
 from bloomtrain.checkpoint.writer import CheckpointSaveError
-from bloomtrain.config import Config
+from bloomtrain.config import Config, OptimConfig
 from bloomtrain.errors import UserError
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.tensor.rng import stage_seed
@@ -36,6 +37,12 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     skipped_steps: int = 0
+    # The samples of the steps whose update was applied: where the learning-rate schedule is.
+    # Megatron steps its scheduler by the batch only when the update was applied (training.py
+    # train_step; DeepSpeed's engine the same on an overflow), so skipped steps (an fp16
+    # overflow, a non-finite norm, a vetoed loss spike) and samples a rollback skipped do not
+    # move the LR.
+    lr_samples: int = 0
     # The sample ranges loss-spike rollbacks took out of the data order, one dict per rollback:
     # `start`, `end` (the samples [start, end) are never trained on), `step` (the spike's),
     # `checkpoint_step` (the one rolled back to), `loss`, `zscore`. Also in
@@ -49,17 +56,61 @@ class TrainState:
         manifest of a run that never rolled back reads as it always did) and `loss_window`.
         Copies, taken now: an async save writes them after training has gone on appending."""
         state = {"step": self.step, "consumed_samples": self.consumed_samples,
-                 "skipped_steps": self.skipped_steps}
+                 "skipped_steps": self.skipped_steps, "lr_samples": self.lr_samples}
         if self.skipped_samples:
             state["skipped_samples"] = [dict(r) for r in self.skipped_samples]
         return {"train_state": state, "loss_window": list(self.loss_window)}
 
     @classmethod
     def from_manifest(cls, manifest: dict) -> "TrainState":
-        return cls(**manifest["train_state"], loss_window=list(manifest.get("loss_window", [])))
+        state = dict(manifest["train_state"])
+        # A checkpoint from before lr_samples was saved: its LR followed consumed_samples.
+        state.setdefault("lr_samples", state["consumed_samples"])
+        return cls(**state, loss_window=list(manifest.get("loss_window", [])))
 
     def skipped_ranges(self) -> list[tuple[int, int]]:
         return [(r["start"], r["end"]) for r in self.skipped_samples]
+
+
+def learning_rate_schedule(optim: dict, train: dict) -> dict:
+    """The schedule a config's sections (as saved in a manifest) give: the keys that set the LR
+    at a sample, the decay's length resolved (an unset decay_samples is the run's length)."""
+    default = OptimConfig()
+
+    def get(key):
+        return optim.get(key, getattr(default, key))
+    length = train.get("train_samples") or \
+        (train.get("train_iters") or 0) * (train.get("global_batch_size") or 0)
+    return {"optim.lr": get("lr"), "optim.min_lr": get("min_lr"),
+            "optim.warmup_samples": get("warmup_samples"),
+            # None: unknown (an imported checkpoint's config may say no run length)
+            "optim.decay_samples": get("decay_samples") or length or None,
+            "optim.decay_style": get("decay_style")}
+
+
+def check_schedule(path, manifest: dict, cfg) -> None:
+    """Refuse a resume whose learning-rate schedule is not the checkpoint's, as Megatron's
+    AnnealingLR.load_state_dict does (unless optim.override_schedule, its
+    --override-lr-scheduler): the LR would jump (with decay_samples unset, lengthening the run
+    to continue it stretched the decay: 1.9e-4 at the last step, 6.1e-4 at the next)."""
+    saved = manifest.get("config")
+    if not manifest.get("train_state") or not isinstance(saved, dict) or \
+            cfg.optim.override_schedule:
+        return
+    was = learning_rate_schedule(saved.get("optim") or {}, saved.get("train") or {})
+    now = learning_rate_schedule(dataclasses.asdict(cfg.optim), dataclasses.asdict(cfg.train))
+    changed = [k for k in now if was[k] != now[k] and None not in (was[k], now[k])]
+    if not changed:
+        return
+    unset = "optim.decay_samples" in changed and cfg.optim.decay_samples is None
+    raise UserError(
+        f"the learning-rate schedule differs from checkpoint {path}'s: "
+        + ", ".join(f"{k} {was[k]} -> {now[k]}" for k in changed)
+        + (" (optim.decay_samples is unset: the decay follows the run's length)" if unset
+           else "")
+        + "; the LR would jump. Keep the checkpoint's ("
+        + " ".join(f"{k}={was[k]}" for k in changed)
+        + "), or set optim.override_schedule=true to take the new one")
 
 
 def rng_state() -> dict:
@@ -104,13 +155,16 @@ def _train_state_problem(manifest: dict) -> str | None:
         return None
     if not isinstance(state, dict):
         return "train_state must be an object"
-    known = {"step", "consumed_samples", "skipped_steps", "skipped_samples"}
+    known = {"step", "consumed_samples", "skipped_steps", "skipped_samples", "lr_samples"}
     unknown = sorted(map(str, set(state) - known))
     if unknown:
         return f"train_state has unknown keys {unknown}"
     for key in ("step", "consumed_samples", "skipped_steps"):
         if not _is_int(state.get(key)):
             return f"train_state.{key} must be a non-negative integer, got {state.get(key)!r}"
+    if "lr_samples" in state and not _is_int(state["lr_samples"]):
+        return f"train_state.lr_samples must be a non-negative integer, got " \
+               f"{state['lr_samples']!r}"
     ranges = state.get("skipped_samples", [])
     if not isinstance(ranges, list) or not all(
             isinstance(r, dict) and _is_int(r.get("start")) and _is_int(r.get("end"))
@@ -340,6 +394,7 @@ class TrainCheckpoints:
         if path is None:
             return None
         state, manifest = self._load(path)
+        check_schedule(path, manifest, self.cfg)
         saved = manifest.get("topology")
         moved = "" if saved in (None, self.topology_meta()) else \
             f" (resharded from {json.dumps(saved)})"

@@ -124,15 +124,16 @@ def preflight(cfg: Config, run: RunLayout, world: int) -> Preflight:
     # The kernel depends on the device and shape: resolved before any process group starts.
     attention = resolve_attention(cfg.train.attention, cfg.model.attention_dropout, device,
                                   cfg.train.precision, cfg.data.seq_length, run.shape.head_dim)
-    # The planner's memory prediction for this layout, before any process group: on CUDA a
-    # layout it predicts not to fit is refused here, not by an OOM at the first step.
-    plan, plan_text = plan_for_run(cfg, run.shape, world, device)
     # ZeRO-Offload's host memory on this node, checked before anything is allocated: the
     # node's ranks are all here (none passes init_distributed before the others arrive),
-    # each holding what this one holds now.
+    # each holding what this one holds now. First: its line names offload's own parts.
     resident = resident_bytes()  # the process before it allocates
     host = check_host(cfg, run.shape, run.layout, "cuda" if device.type == "cuda" else "cpu",
                       node_ranks(world), resident)
+    # The planner's memory prediction for this layout, before any process group: a layout it
+    # predicts not to fit the device (on the CPU, the host) is refused here, not by an OOM at
+    # the first step.
+    plan, plan_text = plan_for_run(cfg, run.shape, world, device)
     return Preflight(device, tokenizer, run, attention, plan, plan_text, resident, host)
 
 
@@ -234,7 +235,7 @@ class Trainer:
         with self.engine.waits.waiting():
             loss = global_loss(loss, self.topo, self.device)
         self.spike = self.spikes.check(self.state, loss)  # before the step it may veto
-        lr = self.lr_schedule(self.state.consumed_samples)
+        lr = self.lr_schedule(self.state.lr_samples)
         self.engine.reduce_gradients()
         if self.spike is not None and self.spike.action != "log":
             return loss, self.optimizer.discard(), lr
@@ -295,8 +296,11 @@ class Trainer:
         if not self.data.has_batch(state.consumed_samples):
             # A resumed run at its end: say so, rather than exit 0 having done nothing.
             total = t.train_iters if t.train_iters is not None else state.step
+            keep = ("" if self.cfg.optim.decay_samples is not None else
+                    f", with optim.decay_samples={self.data.train_samples} to keep this run's "
+                    f"decay")
             self.print(f"[train] already at step {state.step} of {total}; nothing to train "
-                       f"(raise train.train_iters or train.train_samples to continue)")
+                       f"(raise train.train_iters or train.train_samples to continue{keep})")
             result.exit_reason = "nothing to train"
             return result
         self.spikes.load(state, self.resumed)
@@ -335,6 +339,8 @@ class Trainer:
             state.step += 1
             state.consumed_samples += gbs
             state.skipped_steps += res.skipped
+            if not res.skipped:  # the LR schedule moves with applied updates only
+                state.lr_samples += gbs
         result.losses.append(loss)
         meter.add(loss, res.skipped, time.time() - t0, gbs)
         if spike is not None:

@@ -144,10 +144,12 @@ class LossSpikes:
     Rollback semantics. Rolled back to the checkpoint's: the weights, the optimizer (moments,
     Adam's step count, the loss scale), the RNG and the loss window. Not rolled back: the data
     position and the step counter. The samples [checkpoint's consumed_samples, end of the
-    spike's batch) are skipped and consumed_samples counts them, so the learning rate (it
-    follows consumed samples) goes on from where the spike was; the steps from the checkpoint's
-    to the spike's count as skipped steps, so training goes on at the spike's step, as under
-    Megatron's --skip-train-iteration-range. Step numbers in metrics and checkpoints never go
+    spike's batch) are skipped and consumed_samples counts them; the learning rate, which
+    follows the samples of applied updates (TrainState.lr_samples, Megatron's scheduler), goes
+    on from the checkpoint's, as it did for BLOOM's restarts under Megatron's
+    --skip-train-iteration-range, whose skipped iterations step no scheduler. The steps from
+    the checkpoint's to the spike's count as skipped steps, so training goes on at the spike's
+    step. Step numbers in metrics and checkpoints never go
     back, and train_iters ends the run at the same step and sample as without the rollback,
     with those steps' updates not applied. A resume from a checkpoint older than the rollback
     makes the same jump when its data order reaches the range (jump)."""
@@ -192,7 +194,7 @@ class LossSpikes:
                                       "step": spike.step, "checkpoint_step": ckpt.step,
                                       "loss": spike.loss, "zscore": spike.zscore})
         state.step, state.consumed_samples = ckpt.step, ckpt.consumed_samples
-        state.skipped_steps = ckpt.skipped_steps
+        state.skipped_steps, state.lr_samples = ckpt.skipped_steps, ckpt.lr_samples
         state.loss_window[:] = ckpt.loss_window
         self._write(state)
         self.log(spike.line())

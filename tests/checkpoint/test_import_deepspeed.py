@@ -92,8 +92,11 @@ def test_masters_and_moments_equal_deepspeeds_extraction(tmp_path, fixture, what
             assert torch.equal(reader.load(name, "model"), ref["zero_to_fp32"][name]), name
     m = reader.manifest
     assert m["optimizer"]["step_count"] == ref["step"] == 3
+    # Megatron's scheduler position, where its checkpoint records one (AnnealingLR.num_steps:
+    # the samples of applied steps, all of them here).
+    lr = {"lr_samples": consumed(fixture)} if fixture.startswith("megatron") else {}
     assert m["train_state"] == {"step": 3, "consumed_samples": consumed(fixture),
-                                "skipped_steps": 0}
+                                "skipped_steps": 0, **lr}
     assert reader.path.name == "step_00000003"
     reader.check_complete()
 
@@ -1056,3 +1059,17 @@ def test_a_save_with_frozen_parameters_is_refused_naming_them(tmp_path, monkeypa
     _refused(_copy(tmp_path, "hf_zero2_fp32"), tmp_path / "out",
              r"1 parameter\(s\) were frozen in this run \(requires_grad=False: "
              r"transformer.word_embeddings.weight\)", "bloomtrain trains every parameter")
+
+
+def test_a_megatron_run_with_skipped_steps_imports_its_schedules_position():
+    """AnnealingLR.num_steps counts the samples of applied steps only (Megatron steps it when
+    the update was applied); the import read it only without consumed_train_samples, so a run
+    that had skipped steps came over with its LR ahead of Megatron's (1e-4 where Megatron's next
+    LR is 7.5e-4 in the review's case)."""
+    from bloomtrain.checkpoint.interop.megatron import train_position
+
+    args = {"consumed_train_samples": 32, "iteration": 4}
+    meta = {"lr_scheduler": {"num_steps": 24, "max_lr": 1e-3}, "skipped_steps": 1}
+    assert train_position(args, meta) == {"step": 4, "consumed_samples": 32,
+                                          "skipped_steps": 1, "lr_samples": 24}
+    assert "lr_samples" not in train_position(args, {"skipped_steps": 0})

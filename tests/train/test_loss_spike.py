@@ -147,7 +147,8 @@ def test_log_writes_the_line_the_record_and_the_alert(dataset, tmp_path):
 # ---- skip ---------------------------------------------------------------------------------------
 def _never_ran(dataset, tmp_path, spike_step: int, steps: int):
     """The reference: the same run driven by hand, the spike's batch read and never trained on
-    (no forward, no backward, no optimizer step), the step and samples still counted."""
+    (no forward, no backward, no optimizer step), the step and samples still counted; the
+    learning rate moves by the batches of applied updates only, as Megatron's scheduler."""
     ref = Trainer(make_cfg(dataset, tmp_path / "ref", train__train_iters=steps),
                   log=lambda *a: None)
     losses = []
@@ -156,6 +157,7 @@ def _never_ran(dataset, tmp_path, spike_step: int, steps: int):
         if step != spike_step:
             losses.append(ref.train_step(batch)[0])
             assert ref.spike is None  # and nothing else in this run is a spike
+            ref.state.lr_samples += GBS
         ref.state.step += 1
         ref.state.consumed_samples += GBS
     return ref, losses
@@ -227,8 +229,9 @@ def test_rollback_skips_the_samples_and_a_resume_does_too(dataset, tmp_path):
     assert {k: entry[k] for k in SKIPPED} == SKIPPED and entry["loss"] == res.losses[12]
     final = ckpt.read_manifest(res.checkpoint)
     assert final["step"] == 16
+    # The LR's position: the 12 applied updates' samples (Megatron's scheduler).
     assert final["train_state"] == {"step": 16, "consumed_samples": 128, "skipped_steps": 4,
-                                    "skipped_samples": [entry]}
+                                    "lr_samples": 96, "skipped_samples": [entry]}
     recs = steps_of(tmp_path / "run")
     assert sorted(recs) == [4, 8, 12, 13, 14, 16]
     r13, r14 = recs[13], recs[14]

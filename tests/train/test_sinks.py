@@ -121,7 +121,9 @@ def test_tensorboard_and_wandb_mirror_every_record_and_resume_replaces(dataset, 
     assert fake.logged == [(r["step"], expected_scalars(r)) for r in first]
     assert fake.finished == 1
 
-    train(make_cfg(dataset, tmp_path, optim__lr=5e-4, run={"tensorboard": True, "wandb": "proj"},
+    # (another schedule on purpose: optim.override_schedule, Megatron's --override-lr-scheduler)
+    train(make_cfg(dataset, tmp_path, optim__lr=5e-4, optim__override_schedule=True,
+                   run={"tensorboard": True, "wandb": "proj"},
                    checkpoint={**over["checkpoint"], "resume": str(tmp_path / "ck" /
                                                                 "step_00000003")},
                    **{k: v for k, v in over.items() if k != "checkpoint"}), log=quiet)

@@ -166,8 +166,9 @@ def test_data_parallel_matches_single_process(dataset, tmp_path):
 def test_slurm_environment_mapping():
     from bloomtrain.train import env_from_slurm
     from bloomtrain.errors import UserError
+    step = {"SLURM_STEP_ID": "0"}  # a task srun started
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-           "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+           "MASTER_ADDR": "node1", "MASTER_PORT": "29500", **step}
     env_from_slurm(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "16", "1")
     assert "LOCAL_WORLD_SIZE" not in env  # nothing says how many tasks a node has
@@ -175,14 +176,29 @@ def test_slurm_environment_mapping():
     # memory): without it the whole job counted as one node.
     for per_node in ({"SLURM_NTASKS_PER_NODE": "8"}, {"SLURM_TASKS_PER_NODE": "8(x2)"}):
         env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
-               "MASTER_ADDR": "node1", "MASTER_PORT": "29500", **per_node}
+               "MASTER_ADDR": "node1", "MASTER_PORT": "29500", **per_node, **step}
         env_from_slurm(env)
         assert env["LOCAL_WORLD_SIZE"] == "8"
-    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    # --ntasks-per-node is only a maximum with --ntasks (sbatch(1)): a job of 6 tasks at most 4
+    # a node runs 4 and 2, which SLURM_(STEP_)TASKS_PER_NODE says; the node of 2 counted 4.
+    for spread in ("SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"):
+        env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
+               "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "4", spread: "4,2",
+               "MASTER_ADDR": "node1", "MASTER_PORT": "29500", **step}
+        env_from_slurm(env)
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", **step}
     env_from_slurm(torchrun)  # torchrun's variables win
     assert torchrun["RANK"] == "3"
     with pytest.raises(UserError, match="MASTER_ADDR"):
-        env_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+        env_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", **step})
+    # The batch script sbatch runs has SLURM_PROCID and SLURM_NTASKS but no step id: a plain
+    # `bloomtrain train` there is one process, not rank 0 of 4 that never start (it refused
+    # for lack of MASTER_ADDR, or waited for them until the timeout).
+    batch = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+             "SLURM_TASKS_PER_NODE": "4"}
+    env_from_slurm(batch)
+    assert "RANK" not in batch and "WORLD_SIZE" not in batch
 
 
 def test_exit_duration_saves_and_stops(dataset, tmp_path):
@@ -505,3 +521,79 @@ def test_each_evaluation_reads_the_next_window_of_the_valid_split(dataset, tmp_p
     assert len(trainer.data.valid_ds) >= (5 // 2 + 1) * 2 * 8
     evals = [r["step"] for r in metrics(tmp_path / "run") if "eval_loss" in r]
     assert evals == [2, 4, 5]
+
+
+def test_skipped_steps_do_not_move_the_learning_rate(dataset, tmp_path):
+    """Megatron steps its LR scheduler by the batch only when the update was applied
+    (training.py train_step, and DeepSpeed's engine on an overflow): an fp16 run that overflows
+    its first steps starts warm-up from 0 at its first applied update. bloomtrain followed
+    consumed samples, so 7 overflowed steps of 8 put the first update at 5.5e-4, mid-decay. The
+    position is saved (lr_samples) and a resumed run goes on from it."""
+    from tests.reference import megatron_lr
+
+    over = dict(train__precision="fp16", train__train_iters=10, train__log_interval=1,
+                optim__initial_loss_scale=2.0 ** 27, optim__hysteresis=1,
+                optim__warmup_samples=32, optim__decay_samples=80,
+                optim__lr=1e-3, optim__min_lr=1e-4)
+    cfg = make_cfg(dataset, tmp_path / "a", **over, checkpoint={"dir": str(tmp_path / "ck"),
+                                                                "save_interval": 8})
+    train(cfg, log=lambda *a: None)
+    recs = [r for r in metrics(tmp_path / "a" / "run") if "loss" in r]
+    skipped = [bool(r.get("skipped")) for r in recs]
+    assert skipped[0] and not skipped[-1]
+    applied, want = 0, []
+    for s in skipped:
+        want.append(megatron_lr(applied, 1e-3, 1e-4, 32, 80, "cosine"))
+        applied += 0 if s else 8
+    assert [r["lr"] for r in recs] == pytest.approx(want, rel=1e-12, abs=0)
+    # Resumed from step 8's checkpoint: the same LRs for steps 9 and 10.
+    from bloomtrain import checkpoint as ckpt
+    step8 = tmp_path / "ck" / ckpt.step_dir_name(8)
+    cfg = make_cfg(dataset, tmp_path / "b", **over, checkpoint={"dir": str(tmp_path / "ck2"),
+                                                                "resume": str(step8)})
+    state = ckpt.read_manifest(step8)["train_state"]
+    assert state["lr_samples"] == 8 * (8 - sum(skipped[:8])) < state["consumed_samples"]
+    train(cfg, log=lambda *a: None)
+    again = [r for r in metrics(tmp_path / "b" / "run") if "loss" in r]
+    assert [r["lr"] for r in again] == pytest.approx(want[8:], rel=1e-12, abs=0)
+
+
+def test_a_resume_with_another_learning_rate_schedule_is_refused(dataset, tmp_path):
+    """Megatron's AnnealingLR refuses a checkpoint whose schedule differs from the arguments
+    unless --override-lr-scheduler; bloomtrain resumed silently, and with decay_samples unset
+    (the run's length), lengthening a run as "nothing to train" says moved the decay: the LR
+    jumped from 1.9e-4 back to 6.1e-4. Now it is refused, naming the change and the value to
+    keep; optim.override_schedule takes the new schedule."""
+    from bloomtrain.errors import UserError
+
+    ck = {"dir": str(tmp_path / "ck")}
+    base = dict(optim__decay_samples=None, optim__warmup_samples=8, checkpoint=ck)
+    train(make_cfg(dataset, tmp_path / "a", train__train_iters=2, **base), log=lambda *a: None)
+    lines = []
+    train(make_cfg(dataset, tmp_path / "a", train__train_iters=2, **base),
+          log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert "[train] already at step 2 of 2; nothing to train (raise train.train_iters or " \
+           "train.train_samples to continue, with optim.decay_samples=16 to keep this run's " \
+           "decay)" in lines
+    with pytest.raises(UserError, match=r"the learning-rate schedule differs from checkpoint "
+                                        r".*: optim.decay_samples 16 -> 32 \(optim.decay_samples "
+                                        r"is unset: the decay follows the run's length\); the LR "
+                                        r"would jump. Keep the checkpoint's "
+                                        r"\(optim.decay_samples=16\), or set "
+                                        r"optim.override_schedule=true"):
+        Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=4, **base),
+                log=lambda *a: None)
+    with pytest.raises(UserError, match=r"optim.lr 0.001 -> 0.002, optim.min_lr 0.0001 -> 0.0"):
+        Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=2, optim__lr=2e-3,
+                         optim__min_lr=0.0, **base), log=lambda *a: None)
+    # Pinned to the checkpoint's decay, the extended run's LRs are the uninterrupted one's.
+    whole = make_cfg(dataset, tmp_path / "w", train__train_iters=4, optim__decay_samples=16,
+                     optim__warmup_samples=8, checkpoint={"dir": str(tmp_path / "ckw")})
+    train(whole, log=lambda *a: None)
+    train(make_cfg(dataset, tmp_path / "a", train__train_iters=4,
+                   **{**base, "optim__decay_samples": 16}), log=lambda *a: None)
+    lrs = [r["lr"] for r in metrics(tmp_path / "a" / "run") if "loss" in r]
+    assert lrs[-2:] == [r["lr"] for r in metrics(tmp_path / "w" / "run") if "loss" in r][2:]
+    res = train(make_cfg(dataset, tmp_path / "a", train__train_iters=5, optim__lr=2e-3,
+                         optim__override_schedule=True, **base), log=lambda *a: None)
+    assert res.state.step == 5

@@ -156,8 +156,14 @@ def train_position(args: dict, meta: dict) -> dict:
     step = next((v for v in (meta.get("iteration"), args.get("iteration"),
                              meta.get("global_steps")) if v is not None), 0)
     consumed = args.get("consumed_train_samples")
+    sched = meta.get("lr_scheduler") or {}
+    scheduled = sched.get("num_steps") if isinstance(sched, dict) else None
     if consumed is None:
-        sched = meta.get("lr_scheduler") or {}
-        consumed = sched.get("num_steps", meta.get("global_samples"))
-    return {"step": int(step or 0), "consumed_samples": int(consumed or 0),
-            "skipped_steps": int(meta.get("skipped_steps") or 0)}
+        consumed = scheduled if scheduled is not None else meta.get("global_samples")
+    out = {"step": int(step or 0), "consumed_samples": int(consumed or 0),
+           "skipped_steps": int(meta.get("skipped_steps") or 0)}
+    if scheduled is not None:
+        # AnnealingLR's position: the samples of applied steps only (Megatron steps it when
+        # the update was applied), behind consumed_samples after skipped ones.
+        out["lr_samples"] = int(scheduled)
+    return out
