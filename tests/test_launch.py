@@ -91,7 +91,9 @@ def test_the_noise_is_left_out_and_the_rest_kept():
     assert noise.forced == 1
 
 
-def _train(tmp_path, *overrides):
+def _train(tmp_path, *overrides, stdout=subprocess.PIPE, start_new_session=False):
+    """`bloomtrain train --nproc 2` of the tiny model in tmp_path/run; the launcher's Popen
+    (start_new_session: its own process group, the workers' too, to look for after)."""
     dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(
@@ -99,7 +101,14 @@ def _train(tmp_path, *overrides):
          "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
          "train.global_batch_size=4", "train.precision=fp32", "train.log_interval=1",
          "train.device=cpu", f"run_dir={tmp_path / 'run'}", *overrides],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
+        start_new_session=start_new_session)
+
+
+def _long_run(tmp_path) -> tuple[str, ...]:
+    """Overrides for a run that trains until stopped, saving to tmp_path/ck."""
+    return ("train.train_iters=100000", "optim.decay_samples=10000000",
+            f"checkpoint.dir={tmp_path / 'ck'}")
 
 
 @pytest.mark.slow
@@ -110,16 +119,7 @@ def test_a_stop_signal_to_the_launcher_lets_the_workers_save_and_exit(tmp_path, 
     exit 0, and so does the launcher. torch's agent SIGKILLed the workers 30 s after a SIGTERM
     whatever they were doing (mid-save for a large model), and SIGUSR1 ended the launcher at
     once (exit 138), leaving its workers orphaned."""
-    dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bloomtrain", "train", "--nproc", "2", "model.preset=tiny",
-         "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
-         "train.global_batch_size=4", "train.precision=fp32", "train.log_interval=1",
-         "train.device=cpu", f"run_dir={tmp_path / 'run'}", "train.train_iters=100000",
-         "optim.decay_samples=10000000", f"checkpoint.dir={tmp_path / 'ck'}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)  # its own process group: the workers' too, to look for after
+    proc = _train(tmp_path, *_long_run(tmp_path), start_new_session=True)
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -385,17 +385,8 @@ def test_workers_of_a_killed_launcher_save_and_end(tmp_path):
     """SIGKILL to the --nproc launcher (the OOM killer, a hard scancel of the step): torch's
     death signal stops the workers, which save, but each then waited forever in torch's
     wrapper for the launcher to collect its result, an orphan holding its memory."""
-    dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.txt", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bloomtrain", "train", "--nproc", "2", "model.preset=tiny",
-             "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
-             "train.global_batch_size=4", "train.precision=fp32", "train.log_interval=1",
-             "train.device=cpu", f"run_dir={tmp_path / 'run'}", "train.train_iters=100000",
-             "optim.decay_samples=10000000", f"checkpoint.dir={tmp_path / 'ck'}"],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        proc = _train(tmp_path, *_long_run(tmp_path), stdout=out, start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text().strip()):
