@@ -305,16 +305,24 @@ class BatchSchedule:
         """The steps from `consumed_samples` while `fits` holds: Megatron's train_iters for a
         run of `train_samples` (the ramp's batches one by one, then the constant phase's whole
         batches)."""
-        steps, consumed = 0, consumed_samples
+        return self._walk(train_samples, consumed_samples)[0]
+
+    def trained_samples(self, train_samples: int) -> int:
+        """The samples those steps consume: train_samples less a partial last batch."""
+        return self._walk(train_samples, 0)[1]
+
+    def _walk(self, train_samples: int, consumed: int) -> tuple[int, int]:
+        steps = 0
         while True:
             b = self.global_batch_size_at(consumed)
             if b <= 0:
                 raise UserError(f"the batch size at {consumed} samples is {b}; "
                                 f"train.rampup_batch_size must start above 0")
             if b == self.global_batch_size:  # past the ramp: the rest is one division
-                return steps + max(train_samples - consumed, 0) // b
+                more = max(train_samples - consumed, 0) // b
+                return steps + more, consumed + more * b
             if consumed + b > train_samples:
-                return steps
+                return steps, consumed
             consumed, steps = consumed + b, steps + 1
 
 

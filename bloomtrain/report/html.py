@@ -94,7 +94,9 @@ def _summary_rows(runs: list[Run], sums: list[Summary]) -> list[tuple[str, list[
 
     return [
         ("run dir", [str(r.path) for r in runs]),
-        ("steps", [fmt_steps(s) + (" finished" if s.finished else "") for s in sums]),
+        ("steps", [fmt_steps(s) + (" finished" if s.finished else
+                                   f" stopped ({s.stopped})" if s.stopped else "")
+                   for s in sums]),
         ("samples", [fmt(s.consumed_samples, ",") for s in sums]),
         ("last loss", [fmt(s.loss) for s in sums]),
         ("last eval loss", [eval_text(s) for s in sums]),

@@ -83,8 +83,9 @@ def _parse_line(path: Path, num: int, raw: bytes) -> dict:
 def load_run(path: str | Path, label: str | None = None) -> Run:
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"run directory {path} does not exist; give the run_dir of a training "
-                        f"run (it holds metrics.jsonl and config.yaml)")
+        what = "is a file, not a run directory" if path.exists() else "does not exist"
+        raise UserError(f"run directory {path} {what}; give the run_dir of a training run (it "
+                        f"holds metrics.jsonl and config.yaml)")
     mpath = path / "metrics.jsonl"
     if not mpath.is_file():
         raise UserError(f"{path} has no metrics.jsonl; give the run_dir of a training run "
@@ -97,7 +98,10 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         try:
             config = yaml.safe_load(config_text)
         except yaml.YAMLError as e:
-            raise UserError(f"{cpath} is not valid YAML: {e}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise UserError(f"{cpath} is not valid YAML{where}: "
+                            f"{getattr(e, 'problem', None) or e}") from None
         if not isinstance(config, dict):
             raise UserError(f"{cpath} does not hold a config (a mapping of sections)")
     return Run(path=path, label=label or path.resolve().name,
@@ -154,34 +158,45 @@ def recent_median(steps: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _schedule(train: dict) -> BatchSchedule | None:
+    """The batch schedule of a config's train section as the trainer runs it (only the batch
+    sizes, which need no parallel layout); None for values training would have refused."""
+    gbs, rampup = train.get("global_batch_size"), train.get("rampup_batch_size")
+    if not isinstance(gbs, int) or isinstance(gbs, bool) or gbs <= 0:
+        return None
+    if rampup is not None and (not isinstance(rampup, list) or len(rampup) != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in rampup)
+            or rampup[0] > gbs):
+        return None  # not a ramp training could run; no total rather than a wrong one
+    return BatchSchedule(gbs, train.get("micro_batch_size") or 1, None,
+                         tuple(rampup) if rampup else None)
+
+
 def planned_steps(train: dict, step: int, consumed: int) -> int | None:
     """The step the run ends at, from its config's train section: train_iters, or the steps
     until train_samples are consumed at the batch schedule (with ramp-up) from where it is."""
     if isinstance(train.get("train_iters"), int):
         return train["train_iters"]
-    samples, gbs = train.get("train_samples"), train.get("global_batch_size")
-    if not isinstance(samples, int) or not isinstance(gbs, int) or samples <= 0 or gbs <= 0:
+    samples, batches = train.get("train_samples"), _schedule(train)
+    if not isinstance(samples, int) or samples <= 0 or batches is None:
         return None
-    rampup = train.get("rampup_batch_size")
-    if rampup is not None and (not isinstance(rampup, list) or len(rampup) != 3 or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in rampup)):
-        return None  # not a ramp training could run; no total rather than a wrong one
-    # Only the batch sizes are used, which need no parallel layout.
-    batches = BatchSchedule(gbs, train.get("micro_batch_size") or 1, None,
-                            tuple(rampup) if rampup else None)
     try:
         return step + batches.steps_until(samples, consumed)  # the trainer's rule
-    except UserError:  # a ramp training would have refused; no total rather than no end
+    except (UserError, ArithmeticError):  # no total rather than no end
         return None
 
 
 def planned_samples(train: dict) -> int | None:
-    """The samples the run consumes in all: train_samples, or train_iters global batches (a
-    ramp-up needs train_samples)."""
+    """The samples the run consumes in all: train_samples less a partial last batch (which is
+    not trained), or train_iters global batches (a ramp-up needs train_samples)."""
     samples, iters, gbs = (train.get(k) for k in ("train_samples", "train_iters",
                                                     "global_batch_size"))
     if isinstance(samples, int) and samples > 0:
-        return samples
+        batches = _schedule(train)
+        try:
+            return batches.trained_samples(samples) if batches is not None else samples
+        except (UserError, ArithmeticError):
+            return samples
     if isinstance(iters, int) and isinstance(gbs, int) and gbs > 0:
         return iters * gbs
     return None
@@ -230,7 +245,9 @@ def summarize(run: Run) -> Summary:
     if records:
         last_any = max(records, key=lambda r: r["step"])
         s.step = last_any["step"]
-        s.consumed_samples = last_any.get("consumed_samples")
+        consumed = number(last_any, "consumed_samples")  # a hand-edited "abc" is no number
+        s.consumed_samples = int(consumed) if consumed is not None and math.isfinite(consumed) \
+            else None
     stops = [r for r in run.stops if s.step is None or r["step"] >= s.step]
     if stops:  # not resumed past since (a resume drops the records after its checkpoint)
         s.step = stops[-1]["step"] if s.step is None else s.step

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bloomtrain.checkpoint import find_latest_valid
 from bloomtrain.config import TrainConfig
+from bloomtrain.train.runlock import ended_holder
 from bloomtrain.report.runs import (Run, Summary, fmt, fmt_duration, fmt_mem, fmt_spike,
                                     fmt_steps, load_run, summarize)
 
@@ -63,7 +64,9 @@ def checkpoint_root(run: Run) -> tuple[str | None, Path | None]:
 def _checkpoint_rows(run: Run, now: float) -> list[str]:
     configured, root = checkpoint_root(run)
     if configured is None:
-        return [_row("checkpoint", "none (checkpoint.dir is not set)")]
+        why = "checkpoint.dir is not set" if run.config is not None else \
+            "no config.yaml in the run dir to say where"
+        return [_row("checkpoint", f"none ({why})")]
     if root is None:
         return [_row("checkpoint", f"none yet ({configured} does not exist)")]
     skipped: list[str] = []
@@ -99,6 +102,9 @@ def _state(run: Run, s: Summary, now: float) -> str:
         return f"finished (last record {fmt_duration(age)} ago)"
     if s.stopped:
         return f"stopped at step {s.step:,} ({s.stopped}), {fmt_duration(age)} ago"
+    gone = ended_holder(run.path)
+    if gone is not None:  # its records alone read "in progress" for ten minutes or more
+        return f"killed or crashed at step {s.step:,} (pid {gone} is gone); rerun to resume"
     train = (run.config or {}).get("train")
     every = train.get("log_interval") if isinstance(train, dict) else None
     if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
@@ -137,7 +143,8 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     samples = f"   samples {s.consumed_samples:,}" if s.consumed_samples is not None else ""
     rows.append(_row("step", fmt_steps(s) + samples))
     # No ETA row once the run finished, or before its first step (nothing to estimate from).
-    running = not s.finished and not s.stopped and s.step is not None
+    running = not s.finished and not s.stopped and s.step is not None and \
+        ended_holder(run.path) is None
     if running and s.eta_s is not None:
         gbs = ((run.config or {}).get("train") or {}).get("global_batch_size")
         ramping = run.steps and run.steps[-1].get("global_batch_size") != gbs

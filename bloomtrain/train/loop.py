@@ -286,7 +286,8 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg, t, state = self.cfg, self.cfg.train, self.state
         result = TrainResult(state=state, run_dir=str(self.run_dir))
-        self.steplog.announce(self.shape, self.data.train_samples, self.run_dir, self.plan_text)
+        self.steplog.announce(self.shape, self.batches.trained_samples(self.data.train_samples),
+                              self.run_dir, self.plan_text)
         if self.control.kill_switch_at_start(self.print):
             result.exit_reason = "kill switch"
             # Said in the metrics too: a fresh run's report read "finished", its status
@@ -310,6 +311,7 @@ class Trainer:
                 contextlib.closing(self.data.stream), contextlib.closing(self.metrics):
             while self.data.has_batch(state.consumed_samples):
                 if self.spikes.jump(state):  # samples a loss-spike rollback took out
+                    self.metrics.replay(state.step)
                     continue
                 # The step clock of the hang watchdog runs while this loop does.
                 self.watchdog.heartbeat(state.step + 1)

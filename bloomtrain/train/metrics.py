@@ -74,6 +74,10 @@ class MetricsLog:
         self.console = Console(log)
         self.path = Path(run_dir) / "metrics.jsonl"
         history = []
+        # A resume drops the records after its checkpoint; a rollback's among them is written
+        # again when the resumed run jumps its samples (replay), or the spike would vanish
+        # from the file, status and the plots (skipped_samples.json alone kept it).
+        self.rollbacks: dict[int, dict] = {}
         if enabled and resume_step is None:
             with atomic_output(self.path, "w"):
                 pass
@@ -100,6 +104,8 @@ class MetricsLog:
                         "stopped" in rec and rec.get("step") == resume_step):
                     keep.append(line)
                     history.append(rec)
+                elif (rec.get("loss_spike") or {}).get("action") == "rollback":
+                    self.rollbacks[rec["step"]] = rec  # the resume jumps its samples again
             with atomic_output(self.path, "w") as f:
                 f.write("".join(line + "\n" for line in keep))
         elif enabled:
@@ -136,6 +142,12 @@ class MetricsLog:
             f.write(jsonl.dumps(rec) + "\n")  # strict JSON: NaN and inf as strings
         for sink in self.sinks:
             sink.write(rec)
+
+    def replay(self, step: int) -> None:
+        """The resumed run jumped the samples of the rollback at `step`: its record again."""
+        rec = self.rollbacks.pop(step, None)
+        if rec is not None:
+            self.record(rec)
 
     def eval(self, step: int, consumed: int, loss: float) -> None:
         # exp overflows past ~709: inf, as a diverged run's perplexity is (a cap would write a

@@ -22,7 +22,6 @@ import weakref
 from pathlib import Path
 
 from bloomtrain.errors import UserError
-from bloomtrain.parallel import comm
 
 LOCK_NAME = ".bloomtrain.lock"
 # This process's locks: real path of the directory -> [open fd, holders].
@@ -59,6 +58,8 @@ def lock_run(run_dir: str, checkpoint_dir: str | None, topo, warn, owner=None) -
             if error:
                 break
             taken.append(d)
+    from bloomtrain.parallel import comm  # torch; `bloomtrain status` reads ended_holder only
+
     locks = RunLocks([d for d in taken if d in _HELD])
     error = comm.broadcast_object(error, 0, comm.world_group(), "run lock")
     if error:
@@ -67,6 +68,28 @@ def lock_run(run_dir: str, checkpoint_dir: str | None, topo, warn, owner=None) -
     if owner is not None:
         weakref.finalize(owner, locks.release)
     return locks
+
+
+def ended_holder(d) -> int | None:
+    """The pid of the process that last held `d`'s lock, when it ran on this host and runs no
+    more (a run killed or crashed, whose lock the kernel dropped); None when it still runs,
+    ran elsewhere, or nothing says."""
+    try:
+        text = (Path(d) / LOCK_NAME).read_text(errors="replace")
+    except OSError:
+        return None
+    parts = text.split()
+    if len(parts) < 4 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != "on" or \
+            parts[3].rstrip(",") != socket.gethostname():
+        return None
+    pid = int(parts[1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except OSError:  # it runs, as another user
+        return None
+    return None
 
 
 def _take(d: str, warn) -> str | None:

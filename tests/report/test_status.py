@@ -232,8 +232,8 @@ def test_eta_and_done_during_a_batch_size_rampup_go_by_samples(tmp_path):
         consumed += b
         recs.append(step_record(step, consumed_samples=consumed, global_batch_size=b,
                                 step_time_s=0.01 * b))
-    true_left, c = 0.0, consumed  # every step left at its own batch
-    while c < samples:
+    true_left, c = 0.0, consumed  # every step left at its own batch; a partial last batch
+    while c + schedule.global_batch_size_at(c) <= samples:  # is not trained (Megatron floors)
         b = schedule.global_batch_size_at(c)
         c, true_left = c + b, true_left + 0.01 * b
     run = write_run(tmp_path / "ramp", recs, {"train": {
@@ -287,3 +287,59 @@ def test_a_hand_edited_config_with_strings_for_numbers_is_read_around(tmp_path):
         "rampup_batch_size": ["2", "2", "100"]}})
     assert rows(status_text(run))["state"].startswith("in progress")
     assert closing_lines(run, None)[0].startswith("[train] ")
+
+
+def test_a_partial_last_batch_is_not_counted_as_left(dataset, tmp_path):
+    """A run of 41 samples at a batch of 8 trains 5 steps, 40 samples (a partial last batch is
+    not trained, as Megatron's update_train_iters floors): its status read 97.6% and counted
+    the sample never trained in the ETA. Ramped, 101 samples train 98."""
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=None, train__train_samples=41)
+    train(cfg, log=lambda *a: None)
+    row = rows(status_text(tmp_path / "run"))["step"]
+    assert row.startswith("5 / 5 (100.0%)") and "samples 40" in row
+    from bloomtrain.report.runs import planned_samples
+    assert planned_samples({"train_samples": 101, "global_batch_size": 8,
+                            "rampup_batch_size": [2, 2, 40]}) == 98
+
+
+def test_a_killed_run_reads_as_not_running(tmp_path):
+    """A run killed mid-way (kill -9: its lock dropped by the kernel) read "in progress" with an
+    ETA for ten minutes or more. Its lock file names the process; on this host, one that runs no
+    more is said, and no ETA is given."""
+    import subprocess
+    import sys
+    import socket
+
+    run = tmp_path / "run"
+    write_run(run, [step_record(s) for s in range(1, 5)],
+              {"train": {"train_iters": 100, "global_batch_size": 8, "log_interval": 1}})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / ".bloomtrain.lock").write_text(f"pid {dead.pid} on {socket.gethostname()}, since "
+                                          f"2026-12-07 08:00:00\n")
+    got = rows(status_text(run))
+    assert got["state"] == f"killed or crashed at step 4 (pid {dead.pid} is gone); rerun to resume"
+    assert "ETA" not in got
+    (run / ".bloomtrain.lock").write_text(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                                          f"2026-12-07 08:00:00\n")  # alive: still running
+    assert rows(status_text(run))["state"].startswith("in progress")
+
+
+def test_hand_edited_records_and_paths_are_one_line(tmp_path, capsys):
+    """A consumed_samples of "abc" and a ramp with a zero increment raised TypeError and
+    ZeroDivisionError; a file given as the run dir was "does not exist"; config.yaml without a
+    checkpoint section is not "checkpoint.dir is not set" when there is no config.yaml."""
+    run = tmp_path / "r1"
+    write_run(run, [step_record(1), step_record(2, consumed_samples="abc")],
+              {"train": {"train_samples": 800, "global_batch_size": 8,
+                         "rampup_batch_size": [2, 0, 40]}})
+    assert rows(status_text(run))["state"].startswith("in progress")
+    (tmp_path / "afile").write_text("x")
+    assert main(["status", str(tmp_path / "afile")]) == 2
+    assert "is a file, not a run directory" in capsys.readouterr().err
+    bare = write_run(tmp_path / "r2", [step_record(1)])
+    assert "no config.yaml in the run dir" in rows(status_text(bare))["checkpoint"]
+    (bare / "config.yaml").write_text("train: [1, 2\n")
+    assert main(["status", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.yaml is not valid YAML at line 2" in err

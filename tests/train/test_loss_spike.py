@@ -262,6 +262,15 @@ def test_rollback_skips_the_samples_and_a_resume_does_too(dataset, tmp_path):
     for k, v in masters(trainer).items():
         assert torch.equal(resumed.engine.master_state()[k], v), k
     assert ckpt.read_manifest(res2.checkpoint)["train_state"] == final["train_state"]
+    # Its metrics hold the rollback's record as the uninterrupted run's do (the resume's trim
+    # dropped it with the other records after step 10, and status then showed one spike less).
+    spikes = [{k: r[k] for k in ("step", "loss_spike")} for r in
+              (json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()) if "loss_spike" in r]
+    again = [{k: r[k] for k in ("step", "loss_spike")} for r in
+             (json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines())
+             if "loss_spike" in r]
+    assert [s["step"] for s in spikes] == [13, 14] and again == spikes
 
 
 # ---- every rank decides alike -------------------------------------------------------------------
