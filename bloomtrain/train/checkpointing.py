@@ -424,8 +424,19 @@ class TrainCheckpoints:
                   for k in WEIGHTS_FUNCTION if getattr(reader.shape, k) !=
                   getattr(self.parts.shape, k)]
         if differ:
+            have, want = reader.shape.vocab_size, self.parts.shape.vocab_size
+            hint = ""
+            if have != want:
+                # The config's rows are model.vocab_size (or the tokenizer's) padded up to a
+                # multiple: an imported HF model's 320 rows came back as 384, whatever one set.
+                multiple = math.gcd(have, self.cfg.model.make_vocab_size_divisible_by)
+                hint = (f" (the config's vocabulary is padded to a multiple of "
+                        f"model.make_vocab_size_divisible_by, "
+                        f"{self.cfg.model.make_vocab_size_divisible_by}: for {have} rows set "
+                        f"model.vocab_size={have} model.make_vocab_size_divisible_by="
+                        f"{multiple})")
             raise UserError(f"checkpoint {path} has {', '.join(differ)}; resume with the model "
-                            f"settings it was saved with")
+                            f"settings it was saved with{hint}")
         manifest = reader.manifest
         check_train_manifest(path, manifest)
         master, optim = self._local_state(reader)

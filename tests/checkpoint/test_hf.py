@@ -7,8 +7,11 @@ slope or a transposed QKV layout moves logits by >1e-2).
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,8 +280,56 @@ def test_export_replaces_previous_export_only(tmp_path, monkeypatch):
     # --output . (the directory one is in) has no name to put the temporary beside.
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
+    inode = os.stat(".").st_ino
     hf.export_hf(tmp_path / "ckpt", ".", log=lambda *_: None)
     assert (tmp_path / "here" / "model.safetensors").is_file()
+    # An existing directory (empty, or a previous export) is written into, never renamed: an
+    # empty mount point (a container's volume) refused with EBUSY, and the shell inside
+    # `--output .` was left in a deleted directory that listed empty.
+    assert os.stat(".").st_ino == inode and "model.safetensors" in os.listdir(".")
+    real_replace = os.replace
+
+    def no_renaming_of(*dirs):
+        def replace(src, dst):
+            if Path(src).absolute() in dirs:
+                raise OSError(errno.EBUSY, "Device or resource busy", str(src))
+            return real_replace(src, dst)
+        return replace
+    (tmp_path / "mount").mkdir()
+    monkeypatch.setattr(os, "replace", no_renaming_of(tmp_path / "mount", tmp_path / "export2"))
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "mount", log=lambda *_: None)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "mount", log=lambda *_: None)  # a previous one
+    assert sorted(p.name for p in (tmp_path / "mount").iterdir()) == sorted(
+        p.name for p in (tmp_path / "here").iterdir())
+    assert (tmp_path / "mount" / "model.safetensors").read_bytes() == \
+        (tmp_path / "here" / "model.safetensors").read_bytes()
+
+
+def test_an_imported_vocabulary_off_the_default_multiple_is_told_how_to_resume(tmp_path,
+                                                                               dataset):
+    """An HF model of 320 rows (not a multiple of 128): the config's vocabulary is padded to
+    384 whatever model.vocab_size says, and the refusal asked for the settings the checkpoint
+    was saved with, which the user had given. It now names the multiple, and those settings
+    fine-tune."""
+    from bloomtrain.errors import UserError
+    from bloomtrain.train import train
+    from tests.helpers import make_cfg
+
+    make_hf_model(dict(hidden_size=48, n_head=6, n_layer=2, vocab_size=320)).save_pretrained(
+        tmp_path / "hf")
+    imported = hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    model = {"preset": None, "hidden_size": 48, "num_layers": 2, "num_heads": 6,
+             "vocab_size": 320}
+    with pytest.raises(UserError, match=r"vocab_size 320 \(config: 384\).*padded to a multiple of "
+                                        r"model.make_vocab_size_divisible_by, 128: for 320 rows "
+                                        r"set model.vocab_size=320 "
+                                        r"model.make_vocab_size_divisible_by=64"):
+        train(make_cfg(dataset, tmp_path / "a", model=model, train__train_iters=1,
+                       checkpoint={"resume": str(imported)}), log=lambda *_: None)
+    result = train(make_cfg(dataset, tmp_path / "b", train__train_iters=1,
+                            model={**model, "make_vocab_size_divisible_by": 64},
+                            checkpoint={"resume": str(imported)}), log=lambda *_: None)
+    assert result.state.step == 1
 
 
 def test_an_imported_model_fine_tunes_with_its_own_dropout_and_init_std(tmp_path, dataset):
@@ -332,6 +383,23 @@ def test_import_rejects_bad_inputs(tmp_path):
         with pytest.raises(UserError, match=match):
             hf.import_hf(tmp_path / "hf", tmp_path / "out")
     cfg_path.write_text(json.dumps(cfg))
+    # An --output that is a file was "cannot create afile/.step_00000000.tmp (File exists)";
+    # a save that failed (a full disk) left the empty root it had made.
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UserError, match="--output .*afile exists and is not a directory"):
+        hf.import_hf(tmp_path / "hf", tmp_path / "afile")
+    real_save = checkpoint.save_checkpoint
+
+    def full_disk(root, *a, **k):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    checkpoint.save_checkpoint = full_disk
+    try:
+        with pytest.raises(UserError, match="No space left on device"):
+            hf.import_hf(tmp_path / "hf", tmp_path / "new" / "ckpt")
+    finally:
+        checkpoint.save_checkpoint = real_save
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "ckpt").exists()
 
     untied = tmp_path / "untied"
     save_bin(ref, untied)

@@ -208,6 +208,9 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
     from bloomtrain import checkpoint
 
     input_dir, output_dir = Path(input_dir), Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output {output_dir} exists and is not a directory; give a new "
+                        f"directory for the checkpoint")
     shape, state, cfg = collect_hf_state(input_dir)
     later = [s for s, _ in checkpoint.list_checkpoints(output_dir) if s != 0]
     if later:
@@ -215,11 +218,17 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
                         f"import into a new directory")
     tokenizer = _load_tokenizer_or_note(input_dir, log)
     meta = {"source": "hf", "hf_dir": str(input_dir.resolve()), "hf_config": cfg}
+    created = not output_dir.exists()
     try:
         path = checkpoint.save_checkpoint(output_dir, 0, state, shape, meta=meta,
                                           tokenizer=tokenizer)
-    except OSError as e:
-        raise UserError(f"cannot write checkpoint under {output_dir}: {e}") from e
+    except BaseException as e:
+        # A failed import (a full disk) leaves no empty root of its own making behind.
+        if created and output_dir.is_dir() and not any(output_dir.iterdir()):
+            output_dir.rmdir()
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write checkpoint under {output_dir}: {e}") from e
+        raise
     log(f"imported {input_dir} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
         f"vocab {shape.vocab_size}, {state[EMBEDDING].dtype}) -> {path}")
     return path
@@ -251,8 +260,8 @@ def _prepare_output(output_dir: Path) -> None:
         return
     if not output_dir.is_dir():
         raise UserError(f"--output {output_dir} exists and is not a directory")
-    if not any(output_dir.iterdir()):
-        return
+    if not any(not p.name.startswith(".bloomtrain_export.tmp.") for p in output_dir.iterdir()):
+        return  # empty (but for what a killed export left inside)
     if not (output_dir / EXPORT_MARKER).is_file():
         # A save_pretrained directory holds exactly the names an export writes: told apart by
         # the marker, it is never taken for a previous export and replaced (the HF model a
@@ -261,9 +270,10 @@ def _prepare_output(output_dir: Path) -> None:
                         f"(it has no {EXPORT_MARKER}); choose a new or empty directory")
     # Replacing the directory removes everything in it: only what an export writes may be
     # there (an HF download or a hub clone has a README, .git, other weights).
-    ours = {"config.json", "generation_config.json", SAFETENSORS_FILE, EXPORT_MARKER,
-            *TOKENIZER_FILES}
-    others = sorted(p.name for p in output_dir.iterdir() if p.name not in ours)
+    ours = _export_names()
+    # (a staging directory a killed export left inside is ours too: it goes with this one)
+    others = sorted(p.name for p in output_dir.iterdir() if p.name not in ours
+                    and not p.name.startswith(".bloomtrain_export.tmp."))
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5
                                          else "")
@@ -310,19 +320,40 @@ def _write_export(tmp: Path, reader, info: dict, config: dict,
     return copied
 
 
-def _replace_dir(tmp: Path, output_dir: Path) -> None:
-    """`tmp` renamed to `output_dir`; a previous export there is put back if that fails."""
+def _export_names() -> set[str]:
+    """Every name an export writes (_prepare_output allows only these in a directory it
+    replaces)."""
+    return {"config.json", "generation_config.json", SAFETENSORS_FILE, EXPORT_MARKER,
+            *TOKENIZER_FILES}
+
+
+def _staging_dir(output_dir: Path) -> Path:
+    """Where the export is assembled: beside a new `output_dir` (then renamed into place), or
+    inside one that exists (an empty directory, a previous export), whose files are then
+    renamed into it one by one. The directory itself is never renamed: an empty mount point (a
+    container's volume, a fresh disk) cannot be (EBUSY), its parent may be another filesystem
+    (EXDEV), and a shell inside `--output .` would be left in a deleted directory."""
     if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old.{os.getpid()}")
-        os.replace(output_dir, old)
-        try:
-            os.replace(tmp, output_dir)
-        except BaseException:
-            os.replace(old, output_dir)  # the previous export back under its name
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+        return output_dir / f".bloomtrain_export.tmp.{os.getpid()}"
+    return output_dir.with_name(f".{output_dir.name}.tmp.{os.getpid()}")
+
+
+def _replace_dir(tmp: Path, output_dir: Path) -> None:
+    """The export assembled in `tmp` (_staging_dir) put in place at `output_dir`. Into an
+    existing directory: the marker goes first (the directory is no finished export until every
+    file is in), each file is renamed over its old self, a previous export's files the new one
+    lacks (a tokenizer file) are removed, and the marker comes back last."""
+    if tmp.parent != output_dir:
         os.replace(tmp, output_dir)
+        return
+    (output_dir / EXPORT_MARKER).unlink(missing_ok=True)
+    new = {p.name for p in tmp.iterdir()}
+    for name in sorted(new - {EXPORT_MARKER}):
+        os.replace(tmp / name, output_dir / name)
+    for name in sorted(_export_names() - new):
+        (output_dir / name).unlink(missing_ok=True)
+    os.replace(tmp / EXPORT_MARKER, output_dir / EXPORT_MARKER)
+    tmp.rmdir()
 
 
 def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
@@ -344,8 +375,10 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     config, tokenizer_dir = _export_config(reader, dtype)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp.{os.getpid()}")
+    tmp = _staging_dir(output_dir)
     shutil.rmtree(tmp, ignore_errors=True)
+    for stale in output_dir.glob(".bloomtrain_export.tmp.*") if output_dir.is_dir() else ():
+        shutil.rmtree(stale, ignore_errors=True)  # a killed export's
     try:
         tmp.mkdir()
         copied = _write_export(tmp, reader, info, config, tokenizer_dir)
