@@ -672,7 +672,7 @@ def _takes_text(tp) -> bool:
                                                            None)) and str in args
 
 
-class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+class _UniqueKeySafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """libyaml's safe loader where PyYAML has it (it refuses deep nesting at once, where the pure
     Python scanner takes quadratic time on it: seconds for a few thousand "["), refusing a key
     given twice in one mapping. YAML keeps the last silently: a second `parallel:` section
@@ -698,7 +698,7 @@ class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
 
 
 def _yaml_load(text: str):
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+    return yaml.load(text, Loader=_UniqueKeySafeLoader)
 
 
 @functools.lru_cache(maxsize=None)

@@ -58,7 +58,9 @@ def inside(key: str, value) -> bool:
             nums = [float(p) for p in text.split("," if "," in text else "/")]
         except ValueError:
             return False
-        return len(nums) <= 3 and all(math.isfinite(x) and x >= 0 for x in nums) and sum(nums) > 0
+        # and training (the first part) gets a share: a run with none has nothing to train
+        return len(nums) <= 3 and all(math.isfinite(x) and x >= 0 for x in nums) and \
+            nums[0] > 0
     if key == "data.paths":
         entries = [str(e).split() for e in value]
         if len(entries) == 1 and len(entries[0]) == 1:
@@ -150,7 +152,8 @@ def edges(key: str) -> list[tuple[object, bool]]:
         out += [(-1 if is_int else "none_of_them", False)]
     elif key == "data.split":
         out += [("969,30,1", True), ("98/2", True), ("1", True), ("1,2,3,4", False),
-                ("0,0", False), ("-1,2", False), ("1,,2", False), ("a", False)]
+                ("0,0", False), ("-1,2", False), ("1,,2", False), ("a", False),
+                ("0,1,0", False)]
     elif key == "data.paths":
         out += [(["a"], True), (["0.3 a", "0.7 b"], True), (["a", "0.5 b"], False),
                 (["0 a"], False), (["1 a b"], False)]

@@ -33,10 +33,8 @@ class Engine:
                  vocab_limit: int | None = None, eos_token_id: int | None = None,
                  tokenizer=None, metrics=None, device="cpu"):
         config.check()
-        self.execute = execute
-        self.device = device
-        self.config = config
-        self.vocab_size = vocab_size
+        self.execute, self.device = execute, device
+        self.config, self.vocab_size = config, vocab_size
         self.vocab_limit = vocab_limit if vocab_limit is not None else vocab_size
         self.eos_token_id = eos_token_id
         self.tokenizer = tokenizer
@@ -68,10 +66,7 @@ class Engine:
     # ---- gauges (read from any thread; approximate while a step runs) ------------------------
 
     @property
-    def num_waiting(self) -> int:
-        """Sequences waiting to be admitted: new ones, and preempted ones waiting to be again
-        (vLLM counts both in num_requests_waiting; under cache pressure the gauge read 0 while
-        every sequence but one waited)."""
+    def num_waiting(self) -> int:  # new and preempted ones, as vLLM's num_requests_waiting
         return self._queued + self._requeued
 
     @property
@@ -214,8 +209,7 @@ class Engine:
 
     def _preempted(self, seq: Sequence) -> None:
         with self._lock:
-            seq.requeued = True
-            self._requeued += 1
+            seq.requeued, self._requeued = True, self._requeued + 1
         if self.metrics is not None:
             self.metrics.preempted()
 
@@ -230,9 +224,7 @@ class Engine:
 
     def _not_requeued(self, seq: Sequence) -> None:
         with self._lock:
-            if seq.requeued:
-                seq.requeued = False
-                self._requeued -= 1
+            self._requeued, seq.requeued = self._requeued - seq.requeued, False
 
     # ---- results -------------------------------------------------------------------------------
 

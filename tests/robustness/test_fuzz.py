@@ -673,11 +673,12 @@ def _split(want_inside: bool):
     sep = st.sampled_from([",", "/"])
     if want_inside:
         parts = st.lists(NUMBER_TEXT, min_size=1, max_size=3).filter(
-            lambda ps: sum(float(p) for p in ps) > 0)
+            lambda ps: float(ps[0]) > 0)  # training (the first part) gets a share
         return st.tuples(parts, sep).map(lambda t: t[1].join(t[0]))
     bad = st.one_of(
         st.lists(NUMBER_TEXT, min_size=4, max_size=6),                        # too many parts
         st.lists(st.just("0"), min_size=1, max_size=3),                      # sums to zero
+        st.lists(NUMBER_TEXT, min_size=1, max_size=2).map(lambda ps: ["0"] + ps),  # no training
         st.tuples(st.lists(NUMBER_TEXT, max_size=2),
                   st.sampled_from(["-1", "nan", "inf", "a", "", "1e999"])).map(
             lambda t: t[0] + [t[1]]))                                         # a bad part
