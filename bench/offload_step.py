@@ -4,10 +4,10 @@ N threads.
 
 - bloomtrain: a real offloading engine (one process, ZeRO-1, bf16, the BLOOM shape of
   `--hidden` x `--layers`, default 2048 x 2: 100.7M parameters, in the default 25 MB buckets),
-  stepped as ZeroAdamW steps it (bloomtrain/parallel/zero/optimizer.py): chunk by chunk as the gradients land
-  in its staging ring (a batch of landed chunks per call), torch's fused AdamW with weight decay
-  on the matrices only, then the updated masters cast to bf16 into the ring's slots
-  (HostCopies.cast), the bytes that go back to the device. The copies into and out of the ring
+  stepped as ZeroAdamW steps it (bloomtrain/parallel/zero/optimizer.py): chunk by chunk as the
+  gradients land in its staging ring, torch's fused AdamW with weight decay on the matrices
+  only, then the chunk's updated masters cast to bf16 into its slot (HostCopies.cast), the bytes
+  that go back to the device. The copies into and out of the ring
   (on a GPU, the device's copy engines; here memcpy) are outside the timing. `update` is AdamW
   alone; `step` adds the cast, the host's whole part.
 - deepspeed: what DeepSpeed's ZeRO-Offload (stages 1-2, runtime/zero/stage_1_and_2.py `step`)
@@ -19,9 +19,21 @@ N threads.
 - torch: torch.optim.AdamW(fused=True) on the same two groups (foreach where the CPU has no fused
   kernel).
 
-Before every timed region each side reads a buffer twice the size of the last-level cache, so
-that what the region reads comes from memory on every side, as in a real run (evict(): our
-gradients were otherwise hot from the untimed copy into the ring, DeepSpeed's cold).
+Each side reads a buffer twice the size of the last-level cache (evict()) before its step's
+work, so that the states come from memory, as in a real run. DeepSpeed's step is two timed
+regions, one per group, each after an eviction. bloomtrain's ring is the question: a real run's
+gradients arrive by the device's DMA, here by an untimed memcpy, which leaves them in the cache.
+`--evict` chooses:
+- `step` (default): one eviction after the ring's first copies. Each later chunk's slot is
+  refilled as the chunk three before it is sent, so about twice the cache of other traffic
+  passes before the step reads it, and the memcpy's dirty lines are written back inside the
+  timed step, as a real run's DMA shares the memory's bandwidth with it. The probe measures
+  how cold the gradients then are (`ring_coldness`: 1 is memory, 0 the cache; about 0.5 on the
+  CI machine, so this side is favoured by up to half of a read of 4 of the 28 bytes per
+  parameter that AdamW moves).
+- `chunk`: an eviction before every chunk, so every gradient comes from memory; but every chunk
+  then also starts with its code and page tables cold, which a real run's streaming does not
+  do to them: a bound from above.
 
 No clipping (a clip coefficient of 1: each system skips its multiply). Each system runs in a
 worker process of its own at each thread count (torch.set_num_threads and OMP_NUM_THREADS, which
@@ -99,24 +111,51 @@ def _bloomtrain(args):
 
     def step():
         """ZeroAdamW's offloaded loop (bloomtrain/parallel/zero/optimizer.py), the host's work timed:
-        the batches of landed chunks come from the ring (the device-to-host copies, memcpy on
-        the CPU, happen in landed()), the copies back after the timed cast."""
+        chunk by chunk as they land in the ring (the device-to-host copies, memcpy on the CPU,
+        happen in landed(): a chunk's slot is refilled right after it is sent, so its next
+        gradients are read three chunks, about twice the last-level cache of traffic, later),
+        each stepped and cast, its copy back untimed. One eviction after the ring's first
+        copies, or one before every chunk (`--evict chunk`)."""
         count[0] += 1
         wall = cpu = update = update_cpu = 0.0
         host.grads_to_host()
-        for batch in host.landed():
-            evict()
+        evict()
+        for chunk in host.landed():
+            if args.evict == "chunk":
+                evict()
             t0, c0 = time.perf_counter(), time.process_time()
-            step_chunks(bufs, [(c.seg, c.a, c.b) for c in batch], [c.grad for c in batch],
-                        opt.cfg, LR, count[0], 1.0)
+            step_chunks(bufs, [chunk], opt.cfg, LR, count[0], 1.0)
             t1, c1 = time.perf_counter(), time.process_time()
-            casts = host.cast(batch)
+            cast = host.cast(chunk)
             update, update_cpu = update + t1 - t0, update_cpu + c1 - c0
             wall += time.perf_counter() - t0
             cpu += time.process_time() - c0
-            host.copy_back(batch, casts)
+            host.copy_back(chunk, cast)
         split.update(update=update, update_cpu=update_cpu)
         return wall, cpu
+
+    def probe():
+        """How cold the gradients the step reads are: the time to read each landed chunk's
+        slot, against the same read right after an eviction (cold) and right after that
+        (hot), as (landed - hot) / (cold - hot): 1 is as cold as memory, 0 as hot as the
+        cache. Untimed; the chunks are sent back unstepped."""
+        host.grads_to_host()
+        evict()
+        landed, cold, hot = [], [], []
+        for chunk in host.landed():
+            for out in (landed, None, cold, hot):
+                if out is None:
+                    evict()
+                    continue
+                t0 = time.perf_counter()
+                float(chunk.grad.sum())
+                out.append(time.perf_counter() - t0)
+            host.send(chunk)
+        skip = len(bufs.staging)  # the first copies, evicted above
+        med = [statistics.median(x[skip:]) for x in (landed, cold, hot)]
+        return {"ring_coldness": (med[0] - med[2]) / (med[1] - med[2]),
+                "landed_read_s": med[0], "cold_read_s": med[1], "hot_read_s": med[2]}
+    step.probe = probe
     return step, split, engine.num_local_parameters()
 
 
@@ -197,6 +236,9 @@ def worker(args) -> None:
     print(json.dumps({"ready": True, "params": params, "threads": torch.get_num_threads()}),
           flush=True)
     for line in sys.stdin:
+        if line.strip() == "probe":
+            print(json.dumps(step.probe()), flush=True)
+            continue
         if line.strip() != "step":
             break
         wall, cpu = step()
@@ -208,7 +250,7 @@ class Worker:
     def __init__(self, system: str, python: str, threads: int, args):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
         cmd = [python, __file__, "--worker", system, "--threads", str(threads),
-               "--hidden", str(args.hidden), "--layers", str(args.layers)]
+               "--hidden", str(args.hidden), "--layers", str(args.layers), "--evict", args.evict]
         self.system = system
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -220,8 +262,8 @@ class Worker:
                 return json.loads(line)
         raise RuntimeError(f"{self.system} worker ended: {self.proc.stderr.read()[-2000:]}")
 
-    def step(self) -> dict:
-        self.proc.stdin.write("step\n")
+    def step(self, word: str = "step") -> dict:
+        self.proc.stdin.write(word + "\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -250,6 +292,7 @@ def measure(args, threads: int) -> dict:
         for _ in range(args.rounds):
             for s, w in workers.items():
                 times[s].append(w.step())
+        probe = workers["bloomtrain"].step("probe")
     finally:
         for w in workers.values():
             w.close()
@@ -267,6 +310,7 @@ def measure(args, threads: int) -> dict:
                           update_cpu_ns_per_param=upd_cpu / n * 1e9)
         if s == "torch":
             out[s]["kernel"] = times[s][-1]["kernel"]
+    out["bloomtrain"].update(probe)
     if "median_s" in out.get("deepspeed", {}):
         # Like with like: each system's whole host step against DeepSpeed's, the AdamW updates
         # against DeepSpeed's update (torch's AdamW is an update only).
@@ -290,6 +334,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--evict", choices=("step", "chunk"), default="step",
+                    help="bloomtrain's evictions: once per step, or before every chunk")
     ap.add_argument("--deepspeed-python", default=None,
                     help="a Python with deepspeed installed (default: this one if it has it)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -304,7 +350,7 @@ def main(argv=None) -> None:
             args.deepspeed_python = sys.executable
     counts = [int(t) for t in args.threads.split(",") if t]
     result = {"bench": "offload_step", "hidden": args.hidden, "layers": args.layers,
-              "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+              "rounds": args.rounds, "evict": args.evict, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               f"{platform.processor() or platform.platform()}",
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "threads": {}}
@@ -322,6 +368,9 @@ def main(argv=None) -> None:
                       f"{min(f['step_vs_deepspeed_rounds']):.3f}-"
                       f"{max(f['step_vs_deepspeed_rounds']):.3f}x)"
                       if "step_vs_deepspeed_paired" in f else "")
+            if "ring_coldness" in f and args.evict == "step":
+                paired += (f"   (its gradients {f['ring_coldness']:.2f} as cold as memory: "
+                           f"bloomtrain's probe)")
             print(f"{t:>7}  {s:<10} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
                   f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
                   f"{f['cpu_ns_per_param']:>12.3f}{paired}")

@@ -393,3 +393,39 @@ def test_the_stage3_compute_shard_is_refreshed_chunk_by_chunk(monkeypatch):
     monkeypatch.setattr(buffers, "REFRESH_CHUNK", 1000)
     bufs.refresh_compute_shard()
     assert torch.equal(bufs.compute_shard, bufs.master.to(bufs.compute_shard.dtype))
+
+
+def test_each_chunk_lands_in_its_slot_with_its_own_gradients():
+    """The ring (RING_SLOTS slots) carries every chunk of a step in order, chunk k in slot
+    k % RING_SLOTS, each slot refilled as the chunk before in it is sent: whenever a chunk is
+    handed to the step, its slot holds exactly its own gradients, although every slot has
+    carried others in the same step."""
+    cfg = helpers.config(SHAPE, parallel={"zero_stage": 1, "bucket_size_mb": BUCKET_MB,
+                                          "offload_optimizer": True}, precision="bf16", seed=1)
+    eng = helpers.build(cfg, device="cpu").engine
+    bufs, host = eng.bufs, eng.host_copies
+    assert len(bufs.staging) == RING_SLOTS and len(host.order) > 2 * RING_SLOTS
+    bufs.grad.copy_(torch.arange(bufs.grad.numel(), dtype=torch.float32))
+    host.grads_to_host()
+    seen = []
+    for chunk in host.landed():
+        assert chunk.slot == len(seen) % RING_SLOTS
+        assert chunk.grad.data_ptr() == bufs.staging[chunk.slot].data_ptr()
+        assert torch.equal(chunk.grad, bufs.grad_view(chunk.seg)[chunk.a:chunk.b])
+        seen.append((chunk.seg.index, chunk.a, chunk.b))
+        host.send(chunk)
+    assert seen == [(c.seg.index, c.a, c.b) for c in host.order]
+
+
+def test_a_step_takes_consecutive_chunks_only():
+    """The optimizer keeps the tensors of each run of chunks it steps in one call, keyed by the
+    first chunk and the count; chunks that are not consecutive are refused, not stepped as
+    whatever was kept under that key."""
+    from bloomtrain.parallel.zero.optimizer import all_chunks, step_chunks
+    parts = _parts(1, False)
+    bufs = parts.engine.bufs
+    spans = all_chunks(bufs, bufs.layout.segments)
+    assert len(spans) >= 3
+    with pytest.raises(ValueError, match="consecutive"):
+        step_chunks(bufs, [spans[0], spans[2]], parts.optimizer.cfg, 1e-3, 1, 1.0)
+    step_chunks(bufs, spans[:2], parts.optimizer.cfg, 1e-3, 1, 1.0)

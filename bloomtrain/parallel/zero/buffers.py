@@ -100,8 +100,9 @@ class FlatBuffers:
         # Stage 3: one gathered buffer per group, its storage released (size 0) when not in use;
         # made by `bind`, one group at a time.
         self.gathered: dict[int, torch.Tensor] = {}
-        # The optimizer's views of each chunk, made on first use (optimizer.chunk_runs).
-        self.chunk_views: dict[tuple[int, int, int], tuple] = {}
+        # The optimizer's views of each run of consecutive chunks it steps in one call, made on
+        # first use (optimizer.batch_tensors).
+        self.batch_views: dict[tuple[int, int, int | None, int], tuple] = {}
 
     # ---- ranges ----------------------------------------------------------------------------------
     def own(self, seg: Segment) -> tuple[int, int]:

@@ -34,14 +34,17 @@ DP = "dp"
 
 @dataclass
 class Chunk:
-    """Elements [a, b) of `seg`'s own range, in staging slot `slot`."""
+    """Elements [a, b) of `seg`'s own range, in staging slot `slot`: made once, with the views
+    the host reads and writes every step (made per step, they were Python on the step's path)."""
 
     seg: Segment
     a: int
     b: int
     slot: int
-    last: bool           # the segment's last chunk
-    grad: torch.Tensor   # its fp32 gradients, in the slot (valid once landed)
+    last: bool             # the segment's last chunk
+    grad: torch.Tensor     # its fp32 gradients, in the slot (valid once landed)
+    master: torch.Tensor   # its fp32 masters
+    cast: torch.Tensor     # the slot as the compute dtype: the masters cast, going back
 
 
 class HostCopies:
@@ -50,11 +53,15 @@ class HostCopies:
         cuda = bufs.device.type == "cuda"
         self.stream = torch.cuda.Stream(bufs.device) if cuda else None
         slots = len(bufs.staging)
-        # Every chunk of the step, in order: (segment, a, b, whether it ends its segment).
-        self.order: list[tuple[Segment, int, int, bool]] = []
+        # Every chunk of the step, in order; chunk k always in slot k % slots.
+        self.order: list[Chunk] = []
         for seg in bufs.layout.segments:
-            ranges = bufs.chunks(seg)
-            self.order += [(seg, a, b, b == ranges[-1][1]) for a, b in ranges]
+            ranges, master = bufs.chunks(seg), bufs.state_view(bufs.master, seg)
+            for a, b in ranges:
+                slot = len(self.order) % slots
+                self.order.append(Chunk(seg, a, b, slot, b == ranges[-1][1],
+                                        bufs.staging[slot][:b - a], master[a:b],
+                                        bufs.staging[slot].view(bufs.compute_dtype)[:b - a]))
         # Per slot: the event after the last host-to-device copy out of it (None: free).
         self._freed: list = [None] * slots
         # The chunks whose device-to-host copies are issued and not yet stepped, in order, each
@@ -70,16 +77,13 @@ class HostCopies:
     @torch.no_grad()
     def _issue(self) -> None:
         """Start the device-to-host copy of the next chunk into its slot."""
-        bufs, k = self.bufs, self._issued
-        seg, a, b, last = self.order[k]
-        slot = k % len(bufs.staging)
-        grad = bufs.staging[slot][:b - a]
+        chunk = self.order[self._issued]
         with self._copy_stream():
-            if self.stream is not None and self._freed[slot] is not None:
-                self.stream.wait_event(self._freed[slot])
-            grad.copy_(bufs.grad_view(seg)[a:b], non_blocking=True)
+            if self.stream is not None and self._freed[chunk.slot] is not None:
+                self.stream.wait_event(self._freed[chunk.slot])
+            chunk.grad.copy_(self.bufs.grad_view(chunk.seg)[chunk.a:chunk.b], non_blocking=True)
             event = self.stream.record_event() if self.stream else None
-        self._pending.append((Chunk(seg, a, b, slot, last, grad), event))
+        self._pending.append((chunk, event))
         self._issued += 1
 
     @torch.no_grad()
@@ -103,11 +107,11 @@ class HostCopies:
         self._pending.clear()
 
     def landed(self):
-        """Every chunk, in order, in batches: the first chunk not yet stepped once its gradients
-        are in its slot, with the chunks of the same segment behind it that have landed too (on
-        the CPU, where copies are synchronous, all those issued: up to the ring). The caller
-        steps a batch and `send`s it back before asking for the next; its slots then take as
-        many later chunks. (Batches only save calls: each chunk is its own tensors.)"""
+        """Every chunk, in order, once its gradients are in its slot. The caller steps it and
+        `send`s it back before asking for the next; its slot then takes chunk k + RING_SLOTS.
+        So a chunk's gradients are read RING_SLOTS - 1 chunks after they were written into the
+        slot: on the CPU, where copies are synchronous, after about twice a 32 MB last-level
+        cache of other traffic, as the device's writes would be read (bench/offload_step.py)."""
         # A step without grads_to_host() first would have no gradients to read.
         if len(self.order) and not self._pending:
             raise RuntimeError("HostCopies.landed() needs grads_to_host() first")
@@ -115,49 +119,39 @@ class HostCopies:
             chunk, event = self._pending.popleft()
             if event is not None:
                 event.synchronize()
-            batch = [chunk]
-            while (self._pending and self._pending[0][0].seg is chunk.seg
-                   and (self._pending[0][1] is None or self._pending[0][1].query())):
-                batch.append(self._pending.popleft()[0])
-            yield batch
-            for _ in batch:
-                if self._issued < len(self.order):
-                    self._issue()
+            yield chunk
+            if self._issued < len(self.order):
+                self._issue()
 
-    def cast(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """The host's part of `send`: the chunks' updated masters in the compute dtype, each
-        written into its slot (over the gradients the step has read: c <= 4 bytes per
-        element)."""
-        bufs = self.bufs
-        master = bufs.state_view(bufs.master, chunks[0].seg)
-        out = [bufs.staging[c.slot].view(bufs.compute_dtype)[:c.b - c.a] for c in chunks]
-        torch._foreach_copy_(out, [master[c.a:c.b] for c in chunks])
-        return out
+    def cast(self, chunk: Chunk) -> torch.Tensor:
+        """The host's part of `send`: the chunk's updated masters in the compute dtype, written
+        into its slot (over the gradients the step has read: c <= 4 bytes per element), right
+        after the step, which has just left them in the cache."""
+        chunk.cast.copy_(chunk.master)
+        return chunk.cast
 
     @torch.no_grad()
-    def send(self, chunks: list[Chunk]) -> None:
-        """The chunks' updated masters back to the device, in the compute dtype, through their
-        slots."""
-        self.copy_back(chunks, self.cast(chunks))
+    def send(self, chunk: Chunk) -> None:
+        """The chunk's updated masters back to the device, in the compute dtype, through its
+        slot."""
+        self.copy_back(chunk, self.cast(chunk))
 
-    def copy_back(self, chunks: list[Chunk], casts: list[torch.Tensor]) -> None:
-        """The copies of `send`, from the slots `cast` filled."""
-        bufs = self.bufs
-        for chunk, cast in zip(chunks, casts):
-            seg, a, b = chunk.seg, chunk.a, chunk.b
-            if bufs.compute_shard is not None:
-                bufs.state_view(bufs.compute_shard, seg)[a:b].copy_(cast, non_blocking=True)
-            elif not bufs.rules.shard_optimizer:
-                bufs.compute[seg.full_off + a:seg.full_off + b].copy_(cast, non_blocking=True)
-            else:
-                if a == 0:
-                    self._shard = torch.empty(seg.shard, dtype=bufs.compute_dtype,
-                                              device=bufs.device)
-                self._shard[a:b].copy_(cast, non_blocking=True)
-            if self.stream is not None:
-                # The slot is free once this copy has read it (queued on the compute stream).
-                self._freed[chunk.slot] = torch.cuda.current_stream(bufs.device).record_event()
-            if self._shard is not None and chunk.last:
-                full = bufs.compute[seg.full_off:seg.full_off + seg.padded]
-                comm.all_gather_into_tensor(full, self._shard, self.topo.dp_group, DP)
-                self._shard = None
+    def copy_back(self, chunk: Chunk, cast: torch.Tensor) -> None:
+        """The copy of `send`, from the slot `cast` filled."""
+        bufs, seg, a, b = self.bufs, chunk.seg, chunk.a, chunk.b
+        if bufs.compute_shard is not None:
+            bufs.state_view(bufs.compute_shard, seg)[a:b].copy_(cast, non_blocking=True)
+        elif not bufs.rules.shard_optimizer:
+            bufs.compute[seg.full_off + a:seg.full_off + b].copy_(cast, non_blocking=True)
+        else:
+            if a == 0:
+                self._shard = torch.empty(seg.shard, dtype=bufs.compute_dtype,
+                                          device=bufs.device)
+            self._shard[a:b].copy_(cast, non_blocking=True)
+        if self.stream is not None:
+            # The slot is free once this copy has read it (queued on the compute stream).
+            self._freed[chunk.slot] = torch.cuda.current_stream(bufs.device).record_event()
+        if self._shard is not None and chunk.last:
+            full = bufs.compute[seg.full_off:seg.full_off + seg.padded]
+            comm.all_gather_into_tensor(full, self._shard, self.topo.dp_group, DP)
+            self._shard = None
