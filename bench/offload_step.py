@@ -19,21 +19,15 @@ N threads.
 - torch: torch.optim.AdamW(fused=True) on the same two groups (foreach where the CPU has no fused
   kernel).
 
-Each side reads a buffer twice the size of the last-level cache (evict()) before its step's
-work, so that the states come from memory, as in a real run. DeepSpeed's step is two timed
-regions, one per group, each after an eviction. bloomtrain's ring is the question: a real run's
-gradients arrive by the device's DMA, here by an untimed memcpy, which leaves them in the cache.
-`--evict` chooses:
-- `step` (default): one eviction after the ring's first copies. Each later chunk's slot is
-  refilled as the chunk three before it is sent, so about twice the cache of other traffic
-  passes before the step reads it, and the memcpy's dirty lines are written back inside the
-  timed step, as a real run's DMA shares the memory's bandwidth with it. The probe measures
-  how cold the gradients then are (`ring_coldness`: 1 is memory, 0 the cache; about 0.5 on the
-  CI machine, so this side is favoured by up to half of a read of 4 of the 28 bytes per
-  parameter that AdamW moves).
-- `chunk`: an eviction before every chunk, so every gradient comes from memory; but every chunk
-  then also starts with its code and page tables cold, which a real run's streaming does not
-  do to them: a bound from above.
+Before every timed region, each side reads a buffer twice the size of the last-level cache
+(evict()), so that everything the region reads comes from memory, then warms its code with the
+same calls on a tiny copy of its own work (a tiny engine's chunk; a tiny DeepSpeedCPUAdam group;
+a tiny fused AdamW): data cold, code warm, as in a real run, where streaming the states leaves
+the interpreter's and the kernels' code in the cache but not the data. bloomtrain's regions are
+its chunks (its ring's gradients were just written by an untimed memcpy, here evicted; a real
+run's arrive by the device's DMA), DeepSpeed's its two groups. Not modelled: a real run's
+device-to-host and host-to-device copies share the memory's bandwidth with the host step
+(bloomtrain overlaps them with it; DeepSpeed copies the gradients during the backward).
 
 No clipping (a clip coefficient of 1: each system skips its multiply). Each system runs in a
 worker process of its own at each thread count (torch.set_num_threads and OMP_NUM_THREADS, which
@@ -88,6 +82,12 @@ def _sweep():
 def evict() -> None:
     float(_sweep().sum())
 
+
+def cold(warm) -> None:
+    """Data cold, code warm: evict, then `warm()`, a tiny call on the timed region's path."""
+    evict()
+    warm()
+
 def _bloomtrain(args):
     """(step, update seconds of the last step, parameters)."""
     sys.path.insert(0, str(REPO))
@@ -98,9 +98,9 @@ def _bloomtrain(args):
 
     shape = BloomShape(vocab_size=256, hidden_size=args.hidden, num_layers=args.layers,
                        num_heads=16, ffn_hidden_size=4 * args.hidden)
+    optim = {"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS, "weight_decay": WD}
     cfg = helpers.config(shape, parallel={"zero_stage": 1, "offload_optimizer": True},
-                         optim={"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
-                                "weight_decay": WD}, precision="bf16", seed=1)
+                         optim=optim, precision="bf16", seed=1)
     with unseeded_init():
         parts = helpers.build(cfg, device="cpu")
     engine, opt = parts.engine, parts.optimizer
@@ -109,20 +109,27 @@ def _bloomtrain(args):
     count = [0]
     split = {"update": 0.0}
 
+    # The warm-up's tiny engine: the same code path on 16K parameters.
+    tiny_cfg = helpers.config(BloomShape(vocab_size=128, hidden_size=16, num_layers=1,
+                                         num_heads=2, ffn_hidden_size=64),
+                              parallel={"zero_stage": 1, "offload_optimizer": True},
+                              optim=optim, precision="bf16", seed=1)
+    tiny = helpers.build(tiny_cfg, device="cpu").engine
+    tiny_chunk = tiny.host_copies.order[0]
+
+    def warm():
+        step_chunks(tiny.bufs, [tiny_chunk], opt.cfg, LR, count[0], 1.0)
+        tiny.host_copies.copy_back(tiny_chunk, tiny.host_copies.cast(tiny_chunk))
+
     def step():
         """ZeroAdamW's offloaded loop (bloomtrain/parallel/zero/optimizer.py), the host's work timed:
         chunk by chunk as they land in the ring (the device-to-host copies, memcpy on the CPU,
-        happen in landed(): a chunk's slot is refilled right after it is sent, so its next
-        gradients are read three chunks, about twice the last-level cache of traffic, later),
-        each stepped and cast, its copy back untimed. One eviction after the ring's first
-        copies, or one before every chunk (`--evict chunk`)."""
+        happen in landed()), each stepped and cast, its copy back untimed."""
         count[0] += 1
         wall = cpu = update = update_cpu = 0.0
         host.grads_to_host()
-        evict()
         for chunk in host.landed():
-            if args.evict == "chunk":
-                evict()
+            cold(warm)
             t0, c0 = time.perf_counter(), time.process_time()
             step_chunks(bufs, [chunk], opt.cfg, LR, count[0], 1.0)
             t1, c1 = time.perf_counter(), time.process_time()
@@ -133,29 +140,6 @@ def _bloomtrain(args):
             host.copy_back(chunk, cast)
         split.update(update=update, update_cpu=update_cpu)
         return wall, cpu
-
-    def probe():
-        """How cold the gradients the step reads are: the time to read each landed chunk's
-        slot, against the same read right after an eviction (cold) and right after that
-        (hot), as (landed - hot) / (cold - hot): 1 is as cold as memory, 0 as hot as the
-        cache. Untimed; the chunks are sent back unstepped."""
-        host.grads_to_host()
-        evict()
-        landed, cold, hot = [], [], []
-        for chunk in host.landed():
-            for out in (landed, None, cold, hot):
-                if out is None:
-                    evict()
-                    continue
-                t0 = time.perf_counter()
-                float(chunk.grad.sum())
-                out.append(time.perf_counter() - t0)
-            host.send(chunk)
-        skip = len(bufs.staging)  # the first copies, evicted above
-        med = [statistics.median(x[skip:]) for x in (landed, cold, hot)]
-        return {"ring_coldness": (med[0] - med[2]) / (med[1] - med[2]),
-                "landed_read_s": med[0], "cold_read_s": med[1], "hot_read_s": med[2]}
-    step.probe = probe
     return step, split, engine.num_local_parameters()
 
 
@@ -181,6 +165,15 @@ def _deepspeed(args):
     # are cast into before going to the device.
     bit16 = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in groups]
     split = {"update": 0.0}
+    tiny = torch.nn.Parameter(torch.randn(16384) * 0.02)
+    tiny.grad = torch.randn_like(tiny) * 1e-3
+    tiny_opt = DeepSpeedCPUAdam([{"params": [tiny], "weight_decay": WD}], lr=LR, betas=BETAS,
+                                eps=EPS, adamw_mode=True)
+    tiny_bit16 = torch.zeros(tiny.shape, dtype=torch.bfloat16)
+
+    def warm():
+        tiny_opt.step()
+        tiny_bit16.copy_(tiny.data)
 
     def step():
         """stage_1_and_2.py's offloaded step, group by group as its `_optimizer_step(i)` runs
@@ -189,7 +182,7 @@ def _deepspeed(args):
         wall = cpu = update = update_cpu = 0.0
         every = opt.param_groups
         for i, (buf, p) in enumerate(zip(bit16, groups)):
-            evict()
+            cold(warm)
             t0, c0 = time.perf_counter(), time.process_time()
             opt.param_groups = [every[i]]
             opt.step()
@@ -219,9 +212,13 @@ def _torch(args):
                                  {"params": [groups[1]], "weight_decay": 0.0}],
                                 lr=LR, betas=BETAS, eps=EPS, foreach=True)
     kernel = "fused" if opt.defaults.get("fused") else "foreach"
+    tiny = torch.nn.Parameter(torch.randn(16384) * 0.02)
+    tiny.grad = torch.randn_like(tiny) * 1e-3
+    tiny_opt = type(opt)([tiny], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                         **{kernel: True})
 
     def step():
-        evict()
+        cold(tiny_opt.step)
         t0, c0 = time.perf_counter(), time.process_time()
         opt.step()
         return time.perf_counter() - t0, time.process_time() - c0
@@ -236,9 +233,6 @@ def worker(args) -> None:
     print(json.dumps({"ready": True, "params": params, "threads": torch.get_num_threads()}),
           flush=True)
     for line in sys.stdin:
-        if line.strip() == "probe":
-            print(json.dumps(step.probe()), flush=True)
-            continue
         if line.strip() != "step":
             break
         wall, cpu = step()
@@ -250,7 +244,7 @@ class Worker:
     def __init__(self, system: str, python: str, threads: int, args):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu")
         cmd = [python, __file__, "--worker", system, "--threads", str(threads),
-               "--hidden", str(args.hidden), "--layers", str(args.layers), "--evict", args.evict]
+               "--hidden", str(args.hidden), "--layers", str(args.layers)]
         self.system = system
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -262,8 +256,8 @@ class Worker:
                 return json.loads(line)
         raise RuntimeError(f"{self.system} worker ended: {self.proc.stderr.read()[-2000:]}")
 
-    def step(self, word: str = "step") -> dict:
-        self.proc.stdin.write(word + "\n")
+    def step(self) -> dict:
+        self.proc.stdin.write("step\n")
         self.proc.stdin.flush()
         return self._read()
 
@@ -292,7 +286,6 @@ def measure(args, threads: int) -> dict:
         for _ in range(args.rounds):
             for s, w in workers.items():
                 times[s].append(w.step())
-        probe = workers["bloomtrain"].step("probe")
     finally:
         for w in workers.values():
             w.close()
@@ -310,7 +303,6 @@ def measure(args, threads: int) -> dict:
                           update_cpu_ns_per_param=upd_cpu / n * 1e9)
         if s == "torch":
             out[s]["kernel"] = times[s][-1]["kernel"]
-    out["bloomtrain"].update(probe)
     if "median_s" in out.get("deepspeed", {}):
         # Like with like: each system's whole host step against DeepSpeed's, the AdamW updates
         # against DeepSpeed's update (torch's AdamW is an update only).
@@ -334,8 +326,6 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--evict", choices=("step", "chunk"), default="step",
-                    help="bloomtrain's evictions: once per step, or before every chunk")
     ap.add_argument("--deepspeed-python", default=None,
                     help="a Python with deepspeed installed (default: this one if it has it)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -350,7 +340,7 @@ def main(argv=None) -> None:
             args.deepspeed_python = sys.executable
     counts = [int(t) for t in args.threads.split(",") if t]
     result = {"bench": "offload_step", "hidden": args.hidden, "layers": args.layers,
-              "rounds": args.rounds, "evict": args.evict, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+              "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               f"{platform.processor() or platform.platform()}",
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "threads": {}}
@@ -368,9 +358,6 @@ def main(argv=None) -> None:
                       f"{min(f['step_vs_deepspeed_rounds']):.3f}-"
                       f"{max(f['step_vs_deepspeed_rounds']):.3f}x)"
                       if "step_vs_deepspeed_paired" in f else "")
-            if "ring_coldness" in f and args.evict == "step":
-                paired += (f"   (its gradients {f['ring_coldness']:.2f} as cold as memory: "
-                           f"bloomtrain's probe)")
             print(f"{t:>7}  {s:<10} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
                   f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
                   f"{f['cpu_ns_per_param']:>12.3f}{paired}")

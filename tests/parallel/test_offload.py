@@ -420,7 +420,7 @@ def test_each_chunk_lands_in_its_slot_with_its_own_gradients():
 def test_a_step_takes_consecutive_chunks_only():
     """The optimizer keeps the tensors of each run of chunks it steps in one call, keyed by the
     first chunk and the count; chunks that are not consecutive are refused, not stepped as
-    whatever was kept under that key."""
+    whatever was kept under that key, before and after the consecutive run is kept."""
     from bloomtrain.parallel.zero.optimizer import all_chunks, step_chunks
     parts = _parts(1, False)
     bufs = parts.engine.bufs
@@ -429,3 +429,5 @@ def test_a_step_takes_consecutive_chunks_only():
     with pytest.raises(ValueError, match="consecutive"):
         step_chunks(bufs, [spans[0], spans[2]], parts.optimizer.cfg, 1e-3, 1, 1.0)
     step_chunks(bufs, spans[:2], parts.optimizer.cfg, 1e-3, 1, 1.0)
+    with pytest.raises(ValueError, match="consecutive"):
+        step_chunks(bufs, [spans[0], spans[2]], parts.optimizer.cfg, 1e-3, 2, 1.0)

@@ -108,10 +108,9 @@ class HostCopies:
 
     def landed(self):
         """Every chunk, in order, once its gradients are in its slot. The caller steps it and
-        `send`s it back before asking for the next; its slot then takes chunk k + RING_SLOTS.
-        So a chunk's gradients are read RING_SLOTS - 1 chunks after they were written into the
-        slot: on the CPU, where copies are synchronous, after about twice a 32 MB last-level
-        cache of other traffic, as the device's writes would be read (bench/offload_step.py)."""
+        `send`s it back before asking for the next; its slot then takes chunk k + RING_SLOTS
+        at once, so that on a GPU the copy into it runs while the host steps the chunks
+        between."""
         # A step without grads_to_host() first would have no gradients to read.
         if len(self.order) and not self._pending:
             raise RuntimeError("HostCopies.landed() needs grads_to_host() first")

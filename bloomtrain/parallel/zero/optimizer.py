@@ -239,19 +239,19 @@ def batch_tensors(bufs: FlatBuffers, chunks: list) -> tuple:
     decay, then those without).
 
     The same lists every time the same chunks come together, so made once and kept on `bufs`,
-    keyed by the first chunk and the count (checked consecutive when made): the offloaded step
-    makes a call per chunk, and what runs between two calls runs cold, after the chunk before
-    has streamed tens of MB through the caches. Measured on the 2-core CI machine
-    (2026-12-07), building the lists per call cost ~35-95 us cold, the step tensor
-    (adamw.step_tensor) ~90 us more: together a sixth of the host's AdamW on 100M parameters.
-    An entry per chunk under offload, and one for the plain step's call."""
+    keyed by the first chunk and the count, with the chunks checked consecutive on every call
+    of more than one (the plain step's one call; the offloaded step's calls are of one chunk).
+    The offloaded step makes a call per chunk, and what runs between two calls runs cold, after
+    the chunk before has streamed megabytes through the caches: measured on the 2-core CI
+    machine (2026-12-07), building the lists per call cost ~35-95 us cold, and the step tensor
+    (adamw.step_tensor) ~90 us more, against ~300-500 us for the chunk's AdamW itself."""
+    if len(chunks) > 1 and not _consecutive(bufs, chunks):
+        raise ValueError("step_chunks takes consecutive chunks, in the order of "
+                         "FlatBuffers.chunks over the segments")
     first = chunks[0]
     key = (first.seg.index, first.a, first.slot, len(chunks))
     found = bufs.batch_views.get(key)
     if found is None:
-        if not _consecutive(bufs, chunks):
-            raise ValueError("step_chunks takes consecutive chunks, in the order of "
-                             "FlatBuffers.chunks over the segments")
         parts = [_chunk_tensors(bufs, c.seg, c.a, c.b, c.slot) for c in chunks]
         found = bufs.batch_views[key] = parts[0] if len(parts) == 1 else (
             [g for part in parts for g in part[0]],
