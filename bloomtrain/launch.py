@@ -354,6 +354,11 @@ def _arrived(nnodes: int) -> list[int] | None:
         return None
 
 
+# A worker that ends itself this way has said why: the hang watchdog's exit
+# (bloomtrain.train.watchdog), with its report; as timeout(1), for running past its limit.
+HANG_EXIT_CODE = 124
+
+
 class _AgentNoise(logging.Filter):
     """torch's elastic agent and its process starter log a warning per worker they signal
     ("W... Closing process 4242 via signal SIGTERM"), after a worker failed or when the
@@ -383,6 +388,11 @@ class _AgentNoise(logging.Filter):
         self.forced += record.msg in self.FORCED
         if record.msg == self.WORKER_FAILED and record.exc_info and \
                 f"{UserError.__module__}.{UserError.__name__}:" in str(record.exc_info[1]):
+            return False
+        # Nor for a worker its hang watchdog ended: the reports and the launcher's summary
+        # follow (torch logged "process 0 terminated with exit code 124" once per rank).
+        if record.msg == self.WORKER_FAILED and record.args and \
+                record.args[0] == HANG_EXIT_CODE:
             return False
         return record.msg not in self.MESSAGES + self.FORCED
 

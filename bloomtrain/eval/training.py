@@ -17,6 +17,7 @@ from bloomtrain.config import Config, parse_tasks
 from bloomtrain.errors import UserError
 from bloomtrain.eval.model import EvalModel
 from bloomtrain.eval.protocol import Executor, worker_loop
+from bloomtrain.parallel import comm
 from bloomtrain.parallel.tensor.rng import kept_rng
 
 
@@ -53,7 +54,16 @@ class HarnessHook:
         return bool(self.interval) and step % self.interval == 0
 
     def run(self, parts, dtype: torch.dtype, device, state, metrics) -> None:
-        """Evaluate the live model (every rank); rank 0 records and logs the results."""
+        """Evaluate the live model (every rank); rank 0 records and logs the results. A long
+        phase for the hang watchdog (comm.INFLIGHT.long_phase), as a checkpoint's write is:
+        rank 0 alone imports the harness and reads its tasks' datasets (a download, perhaps)
+        while the others wait in the command channel's broadcast, bounded by the collective
+        timeout. (Its first evaluation took 12 s on a tiny model; at a 2.4 s hang timeout
+        both ranks were ended as hung.)"""
+        with comm.INFLIGHT.long_phase("eval harness"):
+            self._run(parts, dtype, device, state, metrics)
+
+    def _run(self, parts, dtype: torch.dtype, device, state, metrics) -> None:
         model = EvalModel.from_parts(parts, dtype, device)
         started = time.time()
         # Every rank's generators are put back, not only rank 0's: a tensor-parallel

@@ -25,6 +25,7 @@ def worker_entry(config_path, overrides, run):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal sends the workers too
     import torch.distributed as dist
 
+    from bloomtrain.train import watchdog
     from bloomtrain.train.control import summary
     from bloomtrain.train.loop import train
 
@@ -37,6 +38,7 @@ def worker_entry(config_path, overrides, run):
                         f"every node the same --nproc")
     cfg = Config.load(config_path, overrides)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    watchdog.forget_pointer(int(os.environ.get("RANK", "0")))
     if restart and os.environ.get("RANK") == "0":
         print(f"[launch] restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')}: "
               f"every worker started again after one failed; resuming "

@@ -9,6 +9,7 @@ local launcher prints `summarize` of the ranks' reports: who waited in what, on 
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -21,9 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloomtrain.parallel import comm
-from bloomtrain.launch import error_text
+from bloomtrain.launch import HANG_EXIT_CODE, error_text
 
-HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for running past its limit
 # Set by the local launcher: a folder where each reporting rank leaves the path of its report,
 # for the launcher's summary. Under torchrun every rank prints its own summary line to stderr.
 REPORTS_ENV = "BLOOMTRAIN_HANG_REPORTS"
@@ -123,6 +123,10 @@ class Watchdog:
         if cls._active is not None:
             cls._active.stop()
         dog = cls(topo, run_dir, timeout_s)
+        # A report left by an earlier attempt or run is kept, as RANK.previous.txt, where it
+        # cannot be read as this one's.
+        with contextlib.suppress(OSError):
+            os.replace(dog.dir / f"{dog.rank}.txt", dog.dir / f"{dog.rank}.previous.txt")
         if topo.world_size > 1:
             comm.INFLIGHT.on_failure = dog.on_failure
             dog._thread = threading.Thread(target=dog._watch, name="bloomtrain-watchdog",
@@ -189,7 +193,8 @@ class Watchdog:
         who = f"rank {self.rank} ({self.coords})"
         fields = {"rank": str(self.rank), "coords": self.coords, "state": hang.state,
                   "seconds": f"{hang.seconds:.1f}", "step": str(hang.step),
-                  "timeout_s": f"{self.timeout_s:g}", "pid": str(os.getpid())}
+                  "timeout_s": f"{self.timeout_s:g}", "pid": str(os.getpid()),
+                  "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
         if hang.thread_id is not None:
             fields["thread"] = f"0x{hang.thread_id:016x}"
         if hang.entry is not None:
@@ -240,7 +245,10 @@ class Watchdog:
                 path = None
             if path is not None:
                 _leave_pointer(self.rank, path)
-            print(f"[bloomtrain] hang: {fields['summary']}; report and stack: {path}",
+            # A collective that raised (a peer's closed connection) is the op's failure; the
+            # hang, if any, is elsewhere.
+            what = "op failed" if hang.state == "failed" else "hang"
+            print(f"[bloomtrain] {what}: {fields['summary']}; report and stack: {path}",
                   file=sys.stderr, flush=True)
             return path
 
@@ -273,6 +281,16 @@ def _exit() -> None:
         except Exception:  # noqa: BLE001 - a closed stream must not keep a hung process alive
             pass
     os._exit(HANG_EXIT_CODE)
+
+
+def forget_pointer(rank: int) -> None:
+    """A worker's first act: the pointer its previous attempt left (before a restart) goes, so
+    that the launcher's summary of a later failure reads only this attempt's reports (a rank
+    that hung in attempt 0 was shown as the cause of attempt 1's ValueError)."""
+    folder = os.environ.get(REPORTS_ENV)
+    if folder:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, str(rank)))
 
 
 def _leave_pointer(rank: int, path: Path) -> None:

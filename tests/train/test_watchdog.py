@@ -425,6 +425,9 @@ def test_a_rank_stuck_in_a_step_ends_the_job_with_every_ranks_report(dataset, tm
     assert "rank 1 (pp 0, dp 1, tp 0) waited" in out and "in recv/pp from rank 3" in out
     assert "waiting on rank 3 (in step 2, outside any collective)" in out
     assert "rank 3 (pp 1, dp 1, tp 0) was in step 2 for" in out
+    # Each report says what it is, once: no torch traceback per rank that exited 124.
+    assert "ProcessExitedException" not in out and "exit code 124" not in out.replace(
+        "(exit code 124)", ""), out[-6000:]
     print(f"job exited {after_hang:.1f} s after the injected hang (timeout "
           f"{TIMEOUT_MINUTES * 60:g} s)")
 
@@ -442,3 +445,64 @@ def test_a_rank_that_raises_ends_the_job_with_its_error_not_as_a_hang(dataset, t
     assert proc.returncode != 0, out[-6000:]
     assert f"ValueError: {faults.RAISE_ENV}: rank 1 raises in step 2" in out, out[-6000:]
     assert "hung" not in out and "exit code 124" not in out, out[-6000:]
+
+
+def test_a_restarted_rank_forgets_its_previous_attempts_report(tmp_path, monkeypatch):
+    """After a restart the launcher's summary must read this attempt's reports only: a rank
+    that hung in attempt 0 was shown, with its peer waiting on it, as the reason attempt 1
+    failed (a ValueError, which the stale report also hid from the "a rank raised" check).
+    A worker removes its pointer when it starts; the watchdog moves an old report aside; a
+    report names its attempt."""
+    pointers = tmp_path / "launcher"
+    pointers.mkdir()
+    monkeypatch.setenv(watchdog.REPORTS_ENV, str(pointers))
+    dog = _dog(tmp_path, rank=1)
+    dog.report(watchdog.Hang("outside", 6.3, 2, thread_id=threading.get_ident()))
+    assert set(watchdog.read_pointers(pointers)) == {1}
+    assert watchdog.read_report(tmp_path / "hang" / "1.txt")["attempt"] == "0"
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    watchdog.forget_pointer(1)
+    watchdog.forget_pointer(0)  # a rank with none: nothing to do
+    assert watchdog.read_pointers(pointers) == {}
+    topo = Topology.describe_rank(ParallelLayout(pp=2, dp=2), 1)
+    Watchdog.start(topo, tmp_path, 3.0).stop()
+    assert not (tmp_path / "hang" / "1.txt").exists()
+    assert (tmp_path / "hang" / "1.previous.txt").exists()
+    again = _dog(tmp_path, rank=1)
+    again.report(watchdog.Hang("outside", 1.0, 5, thread_id=threading.get_ident()))
+    assert watchdog.read_pointers(pointers)[1]["attempt"] == "1"
+
+
+def test_a_harness_evaluation_stops_the_step_clock(monkeypatch):
+    """Rank 0 alone imports lm-eval and reads its tasks' datasets while the other ranks wait
+    in the command channel's broadcast: 12 s on a tiny model, both ranks ended as hung at a
+    2.4 s hang timeout. The evaluation is a long phase, as a checkpoint's write."""
+    from bloomtrain.eval.training import HarnessHook
+    hook = object.__new__(HarnessHook)
+    seen = []
+    monkeypatch.setattr(HarnessHook, "_run", lambda self, *a: seen.append(
+        comm.INFLIGHT.in_long_phase))
+    assert not comm.INFLIGHT.in_long_phase
+    hook.run(None, None, None, None, None)
+    assert seen == [True] and not comm.INFLIGHT.in_long_phase
+
+
+def test_the_launcher_leaves_out_torchs_record_of_a_rank_its_watchdog_ended():
+    """torch logs a ProcessExitedException traceback per rank that exits 124; the reports and
+    the launcher's summary already say it, as for a worker's UserError."""
+    import logging
+
+    from bloomtrain.launch import _AgentNoise  # noqa: PLC2701 - the filter is what is tested
+    noise = _AgentNoise()
+
+    def record(code):
+        try:
+            raise RuntimeError(f"process 0 terminated with exit code {code}")
+        except RuntimeError:
+            info = sys.exc_info()
+        return logging.LogRecord("torch.multiprocessing.spawn", logging.ERROR, __file__, 1,
+                                 _AgentNoise.WORKER_FAILED, (code, 0, 4242, "fn", "spawn"),
+                                 info)
+    assert not noise.filter(record(watchdog.HANG_EXIT_CODE))
+    assert noise.filter(record(1))  # any other failure's traceback is still shown
