@@ -43,11 +43,14 @@ def worker_entry(config_path, overrides, run):
         print(f"[launch] restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')}: "
               f"every worker started again after one failed; resuming "
               f"(checkpoint.resume={cfg.checkpoint.resume})", file=sys.stderr, flush=True)
-    try:
-        result = train(cfg, run=run)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Not in a `finally`: after an error the process groups stay up until the process exits.
+    # torch records a worker's error (the file the launcher reads for the job's first failure)
+    # once this function has raised; destroying the groups before that closes the connections
+    # the peers wait on, and a peer's "connection closed" could be recorded first and named as
+    # the job's failure, with this rank's own error never shown (seen once in CI).
+    result = train(cfg, run=run)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if os.getppid() != launcher:
         # The launcher is gone (SIGKILLed: its death signal stopped this run, which has saved).
         # Returning would wait in torch's wrapper, forever, for it to collect the result, and
