@@ -19,15 +19,35 @@ N threads.
 - torch: torch.optim.AdamW(fused=True) on the same two groups (foreach where the CPU has no fused
   kernel).
 
-Before every timed region, each side reads a buffer twice the size of the last-level cache
-(evict()), so that everything the region reads comes from memory, then warms its code with the
-same calls on a tiny copy of its own work (a tiny engine's chunk; a tiny DeepSpeedCPUAdam group;
-a tiny fused AdamW): data cold, code warm, as in a real run, where streaming the states leaves
-the interpreter's and the kernels' code in the cache but not the data. bloomtrain's regions are
-its chunks (its ring's gradients were just written by an untimed memcpy, here evicted; a real
-run's arrive by the device's DMA), DeepSpeed's its two groups. Not modelled: a real run's
-device-to-host and host-to-device copies share the memory's bandwidth with the host step
-(bloomtrain overlaps them with it; DeepSpeed copies the gradients during the backward).
+Data cold, code warm, as in a real run, where the states (16 bytes per parameter, far beyond any
+cache) stream through the caches once a step and leave the interpreter's and the kernels' code
+there but not the data. Before its step each side reads a buffer twice the size of the
+last-level cache (evict()), then warms its code with the same calls on a tiny copy of its own
+work (a tiny engine's chunk; a tiny DeepSpeedCPUAdam group; a tiny fused AdamW). DeepSpeed does
+so before each of its two groups, torch before its step, bloomtrain once its ring holds the
+first chunks' gradients. bloomtrain then runs ZeroAdamW's loop: landed() copies chunk k + 4's
+gradients into the slot chunk k has just left (untimed: on a GPU host the device's DMA writes
+them, here a memcpy, which puts them in the cache), so that each chunk's gradients were written
+four chunks (about 50 MB of streaming) before it reads them, by then gone from the cache. `python
+bench/offload_cold.py` checks that timing on torch alone: 100M fp32 elements, torch's fused
+AdamW per 512K chunk as that loop runs it (`ahead`), against one call on the whole tensor with
+everything cold (`whole`), against the loop with each chunk's gradients copied in just before
+its step (`hot`, what this timing must not be: a review found it in an earlier version of this
+benchmark) and against the loop with the cache evicted before every chunk (`evict`). On the
+2-core CI machine (2026-12-07 14:00 UTC, AdamW time, median paired ratios to `whole`): at one
+thread (7 rounds) ahead 1.039x, hot 0.930x, evict 1.078x; at two (11 rounds) 0.907x, 0.830x,
+0.915x. So the loop's gradients come from memory (ahead well over hot), and an eviction per
+chunk costs a chunked step more than cold data does at one thread (it also clears what a real
+run's previous chunk leaves warm, such as the page-walk caches). That
+harsher timing is still reported, as bloomtrain's `evict each` row, the same step with the cache
+evicted before every chunk.
+
+Modelled only roughly: a real run's device-to-host and host-to-device copies share the memory's
+bandwidth with the host step (bloomtrain overlaps them with it; DeepSpeed copies the gradients
+during the backward). Here bloomtrain's stand-in copies leave their writes (the ring's gradients,
+the copy back into the CPU `device` buffer) in the cache, and the timed step writes them back to
+memory, about the bytes the DMA would move beside it (the copy back alone: ~5% of the step at one
+thread); DeepSpeed's side carries no copies.
 
 No clipping (a clip coefficient of 1: each system skips its multiply). Each system runs in a
 worker process of its own at each thread count (torch.set_num_threads and OMP_NUM_THREADS, which
@@ -121,15 +141,20 @@ def _bloomtrain(args):
         step_chunks(tiny.bufs, [tiny_chunk], opt.cfg, LR, count[0], 1.0)
         tiny.host_copies.copy_back(tiny_chunk, tiny.host_copies.cast(tiny_chunk))
 
-    def step():
-        """ZeroAdamW's offloaded loop (bloomtrain/parallel/zero/optimizer.py), the host's work timed:
-        chunk by chunk as they land in the ring (the device-to-host copies, memcpy on the CPU,
-        happen in landed()), each stepped and cast, its copy back untimed."""
+    def run(evict_each: bool):
+        """ZeroAdamW's offloaded loop (bloomtrain/parallel/zero/optimizer.py), the host's work
+        timed: chunk by chunk as they land in the ring, each stepped and cast; the copies into
+        the ring (memcpy here, in grads_to_host and landed) and back are untimed. The cache is
+        evicted once the first chunks have been copied in, or before every chunk
+        (`evict_each`)."""
         count[0] += 1
         wall = cpu = update = update_cpu = 0.0
         host.grads_to_host()
-        for chunk in host.landed():
+        if not evict_each:
             cold(warm)
+        for chunk in host.landed():
+            if evict_each:
+                cold(warm)
             t0, c0 = time.perf_counter(), time.process_time()
             step_chunks(bufs, [chunk], opt.cfg, LR, count[0], 1.0)
             t1, c1 = time.perf_counter(), time.process_time()
@@ -138,7 +163,13 @@ def _bloomtrain(args):
             wall += time.perf_counter() - t0
             cpu += time.process_time() - c0
             host.copy_back(chunk, cast)
+        return wall, cpu, update, update_cpu
+
+    def step():
+        wall, cpu, update, update_cpu = run(evict_each=False)
         split.update(update=update, update_cpu=update_cpu)
+        # The same step with the cache evicted before every chunk: the old, harsher timing.
+        split["evict_each_s"] = run(evict_each=True)[0]
         return wall, cpu
     return step, split, engine.num_local_parameters()
 
@@ -301,6 +332,9 @@ def measure(args, threads: int) -> dict:
             upd_cpu = statistics.median(r["update_cpu"] for r in times[s])
             out[s].update(update_median_s=upd, update_ns_per_param=upd / n * 1e9,
                           update_cpu_ns_per_param=upd_cpu / n * 1e9)
+        if "evict_each_s" in times[s][-1]:
+            med = statistics.median(r["evict_each_s"] for r in times[s])
+            out[s].update(evict_each_median_s=med, evict_each_ns_per_param=med / n * 1e9)
         if s == "torch":
             out[s]["kernel"] = times[s][-1]["kernel"]
     if "median_s" in out.get("deepspeed", {}):
@@ -316,6 +350,9 @@ def measure(args, threads: int) -> dict:
                  step_vs_deepspeed_rounds=[x["s"] / y["s"] for x, y in
                                            zip(times["bloomtrain"], times["deepspeed"])])
         b["step_vs_deepspeed_paired"] = statistics.median(b["step_vs_deepspeed_rounds"])
+        b["evict_each_vs_deepspeed"] = b["evict_each_ns_per_param"] / d["ns_per_param"]
+        b["evict_each_vs_deepspeed_paired"] = statistics.median(
+            x["evict_each_s"] / y["s"] for x, y in zip(times["bloomtrain"], times["deepspeed"]))
         out["torch"]["vs_deepspeed"] = out["torch"]["ns_per_param"] / d["update_ns_per_param"]
     return out
 
@@ -344,29 +381,37 @@ def main(argv=None) -> None:
               f"{platform.processor() or platform.platform()}",
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "threads": {}}
-    print(f"{'threads':>7}  {'system':<10} {'median s':>9} {'ns/param':>9} {'vs DeepSpeed':>12} "
+    print(f"{'threads':>7}  {'system':<12} {'median s':>9} {'ns/param':>9} {'vs DeepSpeed':>12} "
           f"{'CPU ns/param':>12}")
     for t in counts:
         r = result["threads"][str(t)] = measure(args, t)
         for s in SYSTEMS:
             f = r[s]
             if "median_s" not in f:
-                print(f"{t:>7}  {s:<10} {f['missing']}")
+                print(f"{t:>7}  {s:<12} {f['missing']}")
                 continue
             ratio = f.get("step_vs_deepspeed", f.get("vs_deepspeed"))
             paired = (f"   (per round: median {f['step_vs_deepspeed_paired']:.3f}x, "
                       f"{min(f['step_vs_deepspeed_rounds']):.3f}-"
                       f"{max(f['step_vs_deepspeed_rounds']):.3f}x)"
                       if "step_vs_deepspeed_paired" in f else "")
-            print(f"{t:>7}  {s:<10} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
+            print(f"{t:>7}  {s:<12} {f['median_s']:>9.4f} {f['ns_per_param']:>9.3f} "
                   f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
                   f"{f['cpu_ns_per_param']:>12.3f}{paired}")
             if "update_median_s" in f:
                 ratio = f.get("update_vs_deepspeed")
-                print(f"{t:>7}  {'  update':<10} {f['update_median_s']:>9.4f} "
+                print(f"{t:>7}  {'  update':<12} {f['update_median_s']:>9.4f} "
                       f"{f['update_ns_per_param']:>9.3f} "
                       f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
                       f"{f['update_cpu_ns_per_param']:>12.3f}")
+            if "evict_each_median_s" in f:
+                ratio = f.get("evict_each_vs_deepspeed")
+                paired = ("" if ratio is None else "   (per round: median "
+                          f"{f['evict_each_vs_deepspeed_paired']:.3f}x)")
+                print(f"{t:>7}  {'  evict each':<12} {f['evict_each_median_s']:>9.4f} "
+                      f"{f['evict_each_ns_per_param']:>9.3f} "
+                      f"{'' if ratio is None else format(ratio, '.3f') + 'x':>12} "
+                      f"{'':>12}{paired}")
     print(json.dumps(result))
 
 
