@@ -144,6 +144,11 @@ class DataConfig:
     # Megatron's --eod-mask-loss: no loss where the input token is end-of-document (so the model is
     # not trained to guess the first token of the next document). BLOOM did not set it.
     eod_mask_loss: bool = False
+    # A resume whose training data order differs from the one the checkpoint's run trained on
+    # (the tokens at its consumed samples: another train length that takes another epoch, which
+    # Megatron's index reshuffles; other paths, split, seed or seq_length) is refused; true goes
+    # on in the new order (new data for a continued pretraining, say).
+    override_order: bool = False
 
 
 @dataclass
@@ -391,6 +396,7 @@ DOMAINS: dict[str, Domain] = {
     "optim.hysteresis": POSITIVE,
     "optim.min_loss_scale": POSITIVE,
     "optim.override_schedule": BOOL,
+    "data.override_order": BOOL,
     "train.micro_batch_size": POSITIVE,
     "train.global_batch_size": POSITIVE,
     "train.train_iters": POSITIVE,

@@ -257,7 +257,8 @@ FREE_KEYS = {
     "parallel.comm_stats", "parallel.offload_optimizer", "parallel.grad_error_feedback",
     "parallel.zero_secondary_shard", "parallel.offload_pin_memory",
     "data.tokenizer", "data.cache_dir", "data.eod_mask_loss", "train.rampup_batch_size",
-    "train.compile", "train.ignore_plan", "train.kill_switch_path", "optim.override_schedule", "train.eval_harness_tasks",
+    "train.compile", "train.ignore_plan", "train.kill_switch_path", "optim.override_schedule", "data.override_order",
+    "train.eval_harness_tasks",
     "train.eval_harness_include_path", "checkpoint.dir", "checkpoint.resume",
     "checkpoint.async_save", "run.tensorboard", "run.wandb", "run_dir"}
 PROBE_COMPANIONS = {"parallel.weight_gather_dtype": {"parallel.zero_stage": 3}}

@@ -50,6 +50,9 @@ class TrainState:
     skipped_samples: list[dict] = field(default_factory=list)
     # The loss-spike monitor's window: the last train.loss_spike_window losses, oldest first.
     loss_window: list[float] = field(default_factory=list)
+    # What the data order was over the samples consumed, as the run that saved this state read
+    # it (TrainData.order_digest): a resume on another order is refused (check_data_order).
+    data_order: dict | None = None
 
     def manifest(self) -> dict:
         """The manifest's entries: `train_state` (without an empty `skipped_samples`, so the
@@ -59,6 +62,8 @@ class TrainState:
                  "skipped_steps": self.skipped_steps, "lr_samples": self.lr_samples}
         if self.skipped_samples:
             state["skipped_samples"] = [dict(r) for r in self.skipped_samples]
+        if self.data_order is not None:
+            state["data_order"] = dict(self.data_order)
         return {"train_state": state, "loss_window": list(self.loss_window)}
 
     @classmethod
@@ -155,7 +160,8 @@ def _train_state_problem(manifest: dict) -> str | None:
         return None
     if not isinstance(state, dict):
         return "train_state must be an object"
-    known = {"step", "consumed_samples", "skipped_steps", "skipped_samples", "lr_samples"}
+    known = {"step", "consumed_samples", "skipped_steps", "skipped_samples", "lr_samples",
+             "data_order"}
     unknown = sorted(map(str, set(state) - known))
     if unknown:
         return f"train_state has unknown keys {unknown}"
@@ -171,6 +177,12 @@ def _train_state_problem(manifest: dict) -> str | None:
             and r["start"] <= r["end"] for r in ranges):
         return ("train_state.skipped_samples must be a list of {start, end, ...} with integers "
                 "0 <= start <= end")
+    order = state.get("data_order")
+    if order is not None and not (
+            isinstance(order, dict) and _is_int(order.get("samples"), lo=1)
+            and _is_int(order.get("train_samples")) and isinstance(order.get("sha256"), str)):
+        return ("train_state.data_order must be {samples: integer >= 1, train_samples: "
+                "integer, sha256: string}")
     window = manifest.get("loss_window", [])
     if not isinstance(window, list) or not all(_is_number(v) for v in window):
         return "loss_window must be a list of finite numbers"
@@ -229,9 +241,19 @@ def _ranks_problem(manifest: dict) -> str | None:
     return None
 
 
+def topology_meta(layout, p) -> dict:
+    """The layout a checkpoint records as the one that wrote it (`p`: the parallel config)."""
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": p.zero_stage,
+            "sequence_parallel": p.sequence_parallel,
+            "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+            "num_virtual_stages": p.num_virtual_stages}
+
+
 class TrainCheckpoints:
-    def __init__(self, cfg: Config, parts, tokenizer, log=print):
+    def __init__(self, cfg: Config, parts, tokenizer, log=print, order_digest=None):
         self.cfg, self.parts, self.tokenizer, self.log = cfg, parts, tokenizer, log
+        # consumed samples -> the data order's digest a save records (TrainData.order_digest)
+        self.order_digest = order_digest
         c = cfg.checkpoint
         self.writer = ckpt.CheckpointWriter(c.dir, c.async_save, log=log) if c.dir else None
         # (step, path) of the newest committed training checkpoint of this run: the one it
@@ -248,11 +270,7 @@ class TrainCheckpoints:
         return self._pending[:2] if self._pending is not None else self.committed
 
     def topology_meta(self) -> dict:
-        layout, p = self.parts.layout, self.cfg.parallel
-        return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero_stage": p.zero_stage,
-                "sequence_parallel": p.sequence_parallel,
-                "pp_schedule": p.pp_schedule if p.pp > 1 else None,
-                "num_virtual_stages": p.num_virtual_stages}
+        return topology_meta(self.parts.layout, self.cfg.parallel)
 
     def save(self, state: TrainState) -> Path | None:
         """Save `state` (collective) at a save interval; its checkpoint's path, or None when the
@@ -277,6 +295,8 @@ class TrainCheckpoints:
         if self.writer is None:
             return None
         self._settle()  # the previous async save: committed, or its failure handled
+        if self.order_digest is not None:
+            state.data_order = self.order_digest(state.consumed_samples)
         engine, scalars = self.parts.engine, self.parts.optimizer.state_dict()
         meta = {**state.manifest(), "optimizer": {"step_count": scalars["step_count"],
                                                   "zero_stage": engine.stage,

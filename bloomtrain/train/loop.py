@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bloomtrain.config import Config
+from bloomtrain.errors import UserError
 from bloomtrain.data.check import check_data
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.model.attention import resolve_attention
@@ -73,6 +76,42 @@ class TrainData:
         self.eod_id = tokenizer.eod_id if tokenizer else None
         self.stream = DataIterator(self.train_ds, run.batches, topo.dp_rank, 0, self.eod_id,
                                    d.eod_mask_loss, prefetch=True)
+
+    def order_digest(self, samples: int) -> dict | None:
+        """The order of the training data over its first `samples` samples, as a checkpoint
+        records it: a hash of the tokens at five positions across them (the first, the last,
+        three between), with the run's length. Reading five samples costs nothing at a save,
+        and another order reads other tokens there: another train length that takes another
+        epoch of a dataset (Megatron's index shuffles over all its epochs), or other data.paths,
+        split, seed or seq_length."""
+        if samples <= 0 or samples > len(self.train_ds):
+            return None
+        digest = hashlib.sha256()
+        for pos in sorted({samples - 1, *(samples * i // 4 for i in range(4))}):
+            digest.update(np.asarray(self.train_ds[pos], dtype=np.int64).tobytes())
+        return {"samples": samples, "train_samples": self.train_samples,
+                "sha256": digest.hexdigest()}
+
+    def check_order(self, state: TrainState) -> None:
+        """Refuse to resume `state` on a data order other than the one its run trained on
+        (unless data.override_order): the run would train on some samples twice and never on
+        others, and nothing would say so. Megatron rebuilds its index silently."""
+        saved = state.data_order
+        if not saved or self.cfg.data.override_order:
+            return
+        now = self.order_digest(saved["samples"])
+        if now is None or now["sha256"] == saved["sha256"]:
+            return
+        length = (f" (train samples {saved['train_samples']:,} -> {self.train_samples:,}: a "
+                  f"length that takes another epoch of a dataset reshuffles it, as Megatron's "
+                  f"index does)" if saved["train_samples"] != self.train_samples else "")
+        raise UserError(
+            f"the training data's order differs from the one the checkpoint's run trained on: "
+            f"its first {saved['samples']:,} samples are not the same{length}; resumed, the "
+            f"run would train on some samples again and never on others. Keep the "
+            f"checkpoint's data settings and length (train.train_samples="
+            f"{saved['train_samples']}; a new run can be longer from the start), or set "
+            f"data.override_order=true to go on in the new order")
 
     def _to_device(self, micro_batches):
         return [{k: v.to(self.device) for k, v in mb.items()} for mb in micro_batches]
@@ -179,9 +218,11 @@ class Trainer:
                                  device=self.device)
         self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
         self.lr_schedule = lr_schedule(cfg.optim, self.data.train_samples, self.print)
-        self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print)
+        self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print,
+                                            order_digest=self.data.order_digest)
         self.state = (resumed := self.checkpoints.resume()) or TrainState()
         self.resumed = resumed is not None
+        self.data.check_order(self.state)
         self.data.stream.load_state_dict({"consumed_samples": self.state.consumed_samples})
         self.run_dir = Path(cfg.run_dir)
         self.metrics = MetricsLog(self.run_dir, self.is_logger,

@@ -502,7 +502,7 @@ def test_kill_switch_saves_and_exits(dataset, tmp_path):
     # The switch left in place: a restart (a requeued job) neither trains nor saves. It
     # trained a step, saved and pruned an older checkpoint at every start.
     lines = []
-    res = train(make_cfg(dataset, tmp_path / "again", train__train_iters=20,
+    res = train(make_cfg(dataset, tmp_path / "again", train__train_iters=100000,  # requeued
                          train__kill_switch_path=str(switch), optim__decay_samples=10000000,
                          checkpoint={"dir": str(tmp_path / "ck"), "save_interval": 1,
                                      "keep_last": 1}),

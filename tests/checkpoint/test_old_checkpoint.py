@@ -64,6 +64,9 @@ def test_old_checkpoint_resumes_exactly(dataset, tmp_path):
     # checkpoint without it is its consumed samples (its LR followed them; no step skipped here).
     state = dict(manifest["train_state"])
     assert state.pop("lr_samples") == state["consumed_samples"]
+    # And the data order's digest over the samples consumed (a resume on another order is
+    # refused); the old checkpoint has none, so its resume was not checked.
+    assert state.pop("data_order")["samples"] == state["consumed_samples"]
     for key, value in expected["final_manifest"].items():
         assert (state if key == "train_state" else manifest[key]) == value, key
     assert math.isfinite(got[-1]["loss"])

@@ -230,8 +230,11 @@ def test_rollback_skips_the_samples_and_a_resume_does_too(dataset, tmp_path):
     final = ckpt.read_manifest(res.checkpoint)
     assert final["step"] == 16
     # The LR's position: the 12 applied updates' samples (Megatron's scheduler).
+    # With the data order's digest over its 128 samples (TrainData.order_digest).
     assert final["train_state"] == {"step": 16, "consumed_samples": 128, "skipped_steps": 4,
-                                    "lr_samples": 96, "skipped_samples": [entry]}
+                                    "lr_samples": 96, "skipped_samples": [entry],
+                                    "data_order": final["train_state"]["data_order"]}
+    assert final["train_state"]["data_order"]["samples"] == 128
     recs = steps_of(tmp_path / "run")
     assert sorted(recs) == [4, 8, 12, 13, 14, 16]
     r13, r14 = recs[13], recs[14]

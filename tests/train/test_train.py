@@ -558,6 +558,66 @@ def test_skipped_steps_do_not_move_the_learning_rate(dataset, tmp_path):
     assert [r["lr"] for r in again] == pytest.approx(want[8:], rel=1e-12, abs=0)
 
 
+def _train_epochs(cfg, samples: int) -> int:
+    """Epochs of the training split Megatron's index takes for `samples` samples (an independent
+    count: the split's tokens over the sequence length, each sample's last token the next's
+    first)."""
+    from bloomtrain.data.gpt_dataset import split_documents
+    from bloomtrain.data.indexed import MMapIndexedDataset
+    sizes = MMapIndexedDataset(cfg.data.paths[0]).sizes
+    bounds = split_documents(cfg.data.split, len(sizes))
+    tokens = int(sizes[bounds[0]:bounds[1]].sum())
+    return next(e for e in range(1, 1000) if (e * tokens - 1) // cfg.data.seq_length >= samples)
+
+
+def test_a_resume_on_another_data_order_is_refused(dataset, tmp_path):
+    """Raising train.train_iters (as "nothing to train" says to continue) can take another
+    epoch of the data, and Megatron's index shuffles over all its epochs: the resumed run read
+    its first samples in another order, training on some twice and never on others, and said
+    nothing. Now the checkpoint records the order (a digest of its consumed samples' tokens)
+    and a resume on another one is refused, naming the lengths; data.override_order goes on.
+    A longer run in the same epochs keeps the order and resumes."""
+    from bloomtrain.data.loader import build_train_valid_test_datasets
+    from bloomtrain.errors import UserError
+
+    ck = {"dir": str(tmp_path / "ck")}
+    base = dict(optim__decay_samples=4096, checkpoint=ck)
+    short = make_cfg(dataset, tmp_path / "a", train__train_iters=2, **base)
+    one_epoch = _train_epochs(short, 16)
+    # The longest run in the first run's epochs, and one step past it.
+    same = max(i for i in range(2, 400) if _train_epochs(short, 8 * i) == one_epoch)
+    more = same + 1
+    assert _train_epochs(short, 8 * more) > one_epoch
+    train(short, log=lambda *a: None)
+
+    def first_samples(iters):
+        cfg = make_cfg(dataset, tmp_path / "x", train__train_iters=iters, **base)
+        ds = build_train_valid_test_datasets(cfg.data, None, [8 * iters, 0, 0], 32)[0]
+        return [ds[i].tolist() for i in range(16)]
+    # The premise: another epoch reorders the samples the first run trained on.
+    assert first_samples(more) != first_samples(2) == first_samples(same)
+
+    with pytest.raises(UserError, match=(
+            r"the training data's order differs from the one the checkpoint's run trained on: "
+            r"its first 16 samples are not the same \(train samples 16 -> "
+            rf"{8 * more:,}: .*another epoch.*\); resumed, the run would train on some samples "
+            r"again and never on others. Keep the checkpoint's data settings and length "
+            r"\(train.train_samples=16; .*\), or set data.override_order=true")):
+        Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=more, **base),
+                log=lambda *a: None)
+    # Other data settings on the same length: the same refusal, without the lengths.
+    with pytest.raises(UserError, match=r"its first 16 samples are not the same; resumed"):
+        Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=2, data__seed=7, **base),
+                log=lambda *a: None)
+    # In the same epochs the order holds: the run resumes and goes on.
+    res = train(make_cfg(dataset, tmp_path / "a", train__train_iters=3, **base),
+                log=lambda *a: None)
+    assert res.state.step == 3 and res.state.data_order["samples"] == 24
+    res = train(make_cfg(dataset, tmp_path / "a", train__train_iters=more,
+                         data__override_order=True, **base), log=lambda *a: None)
+    assert res.state.step == more
+
+
 def test_a_resume_with_another_learning_rate_schedule_is_refused(dataset, tmp_path):
     """Megatron's AnnealingLR refuses a checkpoint whose schedule differs from the arguments
     unless --override-lr-scheduler; bloomtrain resumed silently, and with decay_samples unset
