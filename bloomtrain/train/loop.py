@@ -109,8 +109,9 @@ class TrainData:
             f"the training data's order differs from the one the checkpoint's run trained on: "
             f"its first {saved['samples']:,} samples are not the same{length}; resumed, the "
             f"run would train on some samples again and never on others. Keep the "
-            f"checkpoint's data settings and length (train.train_samples="
-            f"{saved['train_samples']}; a new run can be longer from the start), or set "
+            f"checkpoint's data settings and length ({saved['train_samples']:,} samples: "
+            f"train.train_samples={saved['train_samples']}, or the train.train_iters that "
+            f"gives it; a new run can be longer from the start), or set "
             f"data.override_order=true to go on in the new order")
 
     def _to_device(self, micro_batches):

@@ -602,7 +602,8 @@ def test_a_resume_on_another_data_order_is_refused(dataset, tmp_path):
             r"its first 16 samples are not the same \(train samples 16 -> "
             rf"{8 * more:,}: .*another epoch.*\); resumed, the run would train on some samples "
             r"again and never on others. Keep the checkpoint's data settings and length "
-            r"\(train.train_samples=16; .*\), or set data.override_order=true")):
+            r"\(16 samples: train.train_samples=16, or the train.train_iters that gives it; "
+            r".*\), or set data.override_order=true")):
         Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=more, **base),
                 log=lambda *a: None)
     # Other data settings on the same length: the same refusal, without the lengths.
