@@ -7,6 +7,9 @@ dataset's next unused sample.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 
 import numpy as np
@@ -130,6 +133,17 @@ class BlendableDataset:
 
     def __len__(self) -> int:
         return self.size
+
+    @functools.cached_property
+    def order(self) -> dict:
+        """What fixes the order of the blend's samples (as GPTDataset.order): its datasets'
+        keys and the weights. The blending rule picks each sample from the counts before it,
+        so a prefix of the blend does not depend on its size."""
+        parts = [d.order for d in self.datasets]
+        weights = (self.weights / np.sum(self.weights)).tolist()
+        key = hashlib.sha256(json.dumps({"weights": weights, "datasets": [
+            p["key"] for p in parts]}).encode()).hexdigest()
+        return {"key": key, "epochs": [e for p in parts for e in p["epochs"]]}
 
     def __getitem__(self, idx: int):
         idx = int(idx)

@@ -17,6 +17,7 @@ The arrays are cached as .npy files keyed by a hash of everything that determine
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -125,15 +126,23 @@ def build_shuffle_idx(num_samples: int, total_size: int, rng: np.random.RandomSt
     return np.concatenate((first, last))
 
 
+def epoch_plan(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
+               seq_length: int) -> tuple[int, int, bool]:
+    """(tokens per epoch, epochs, whether the last is shuffled on its own) of Megatron's index
+    for `num_samples` samples: all that num_samples decides about the index arrays."""
+    tokens_per_epoch = int(np.sum(np.asarray(sizes)[np.asarray(documents)], dtype=np.int64))
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+    return tokens_per_epoch, num_epochs, separate
+
+
 def build_index_mappings(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
                          seq_length: int, seed: int, phase=lambda what: None,
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(doc_idx, sample_idx, shuffle_idx) exactly as Megatron's _build_index_mappings.
     `phase(what)` is told each step as it starts (a progress line)."""
     documents = np.asarray(documents)
-    tokens_per_epoch = int(np.sum(np.asarray(sizes)[documents], dtype=np.int64))
-    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
-    separate = separate_last_epoch(tokens_per_epoch, seq_length, num_samples, num_epochs)
+    tokens_per_epoch, num_epochs, separate = epoch_plan(documents, sizes, num_samples, seq_length)
     rng = np.random.RandomState(seed=seed)
     phase(f"document order: {len(documents):,} documents x {num_epochs} epoch(s)")
     doc_idx = build_doc_idx(documents, num_epochs, rng, separate)
@@ -148,8 +157,7 @@ def build_index_mappings(documents: np.ndarray, sizes: np.ndarray, num_samples: 
 
 def expected_shapes(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
                     seq_length: int) -> dict[str, tuple[int, ...]]:
-    tokens_per_epoch = int(np.sum(np.asarray(sizes)[np.asarray(documents)], dtype=np.int64))
-    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    tokens_per_epoch, num_epochs, _ = epoch_plan(documents, sizes, num_samples, seq_length)
     total = (num_epochs * tokens_per_epoch - 1) // seq_length
     return {"doc": (num_epochs * len(documents),), "sample": (total + 1, 2), "shuffle": (total,)}
 
@@ -158,15 +166,22 @@ def expected_shapes(documents: np.ndarray, sizes: np.ndarray, num_samples: int,
 
 def cache_key(indexed_dataset, documents: np.ndarray, num_samples: int, seq_length: int,
               seed: int) -> str:
+    return _index_key(indexed_dataset, documents, seq_length, seed, num_samples=int(num_samples))
+
+
+def _index_key(indexed_dataset, documents: np.ndarray, seq_length: int, seed: int,
+               **length) -> str:
+    """A hash of everything the index arrays are built from, the run's length as `length`
+    gives it (num_samples for the cache; what it decides for the order: GPTDataset.order)."""
     docs = np.ascontiguousarray(np.asarray(documents, dtype=np.int64))
     description = {
         "format": INDEX_FORMAT_VERSION,
         "separate_last_epoch_fraction": SEPARATE_LAST_EPOCH_FRACTION,
         "dataset": indexed_dataset.file_identity(),
         "documents": hashlib.sha256(docs.tobytes()).hexdigest(),
-        "num_samples": int(num_samples),
         "seq_length": int(seq_length),
         "seed": int(seed),
+        **length,
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
@@ -234,6 +249,18 @@ class GPTDataset:
                       for kind in ("doc", "sample", "shuffle")}
         self._shapes = expected_shapes(documents, sizes, num_samples, seq_length)
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._load_or_build()
+
+    @functools.cached_property
+    def order(self) -> dict:
+        """What fixes the order of this dataset's samples: {"key": a hash of everything its
+        index arrays are built from, num_samples replaced by what it decides, "epochs":
+        [[epochs, whether the last is shuffled on its own]]}. Equal keys, the same samples in
+        the same order, whatever num_samples (a checkpoint's record of its data order)."""
+        _, epochs, separate = epoch_plan(self.documents, self.indexed_dataset.sizes,
+                                         self.num_samples, self.seq_length)
+        key = _index_key(self.indexed_dataset, self.documents, self.seq_length, self.seed,
+                         epochs=epochs, separate_last_epoch=separate)
+        return {"key": key, "epochs": [[epochs, separate]]}
 
     # ---- cache handling ----------------------------------------------------------------------
     def _try_load(self):

@@ -180,13 +180,20 @@ def _train_state_problem(manifest: dict) -> str | None:
     order = state.get("data_order")
     if order is not None and not (
             isinstance(order, dict) and _is_int(order.get("samples"), lo=1)
-            and _is_int(order.get("train_samples")) and isinstance(order.get("sha256"), str)):
+            and _is_int(order.get("train_samples")) and isinstance(order.get("sha256"), str)
+            and isinstance(order.get("index", ""), str) and _is_epochs(order.get("epochs", []))):
         return ("train_state.data_order must be {samples: integer >= 1, train_samples: "
-                "integer, sha256: string}")
+                "integer, sha256: string, index: string, epochs: [[integer >= 1, boolean]]}")
     window = manifest.get("loss_window", [])
     if not isinstance(window, list) or not all(_is_number(v) for v in window):
         return "loss_window must be a list of finite numbers"
     return None
+
+
+def _is_epochs(epochs) -> bool:
+    return isinstance(epochs, list) and all(
+        isinstance(e, list) and len(e) == 2 and _is_int(e[0], lo=1) and isinstance(e[1], bool)
+        for e in epochs)
 
 
 def _optimizer_problem(manifest: dict) -> str | None:

@@ -18,6 +18,7 @@ import torch
 from bloomtrain.config import Config
 from bloomtrain.errors import UserError
 from bloomtrain.data.check import check_data
+from bloomtrain.data.gpt_dataset import SEPARATE_LAST_EPOCH_FRACTION
 from bloomtrain.eval.training import HarnessHook
 from bloomtrain.model.attention import resolve_attention
 from bloomtrain.validate import validate, RunLayout
@@ -56,6 +57,12 @@ class TrainResult:
     stop_signal: int | None = None  # the SIGTERM or SIGUSR1 that stopped the run, if one did
 
 
+def _epochs_text(epochs: list) -> str:
+    """[[2, True], [1, False]] -> "2 (the last shuffled on its own), 1"."""
+    return ", ".join(f"{e}{' (the last shuffled on its own)' if apart else ''}"
+                     for e, apart in epochs)
+
+
 class TrainData:
     """The train and valid splits, and this dp rank's stream of global batches."""
 
@@ -79,32 +86,44 @@ class TrainData:
 
     def order_digest(self, samples: int) -> dict | None:
         """The order of the training data over its first `samples` samples, as a checkpoint
-        records it: a hash of the tokens at five positions across them (the first, the last,
-        three between), with the run's length. Reading five samples costs nothing at a save,
-        and another order reads other tokens there: another train length that takes another
-        epoch of a dataset (Megatron's index shuffles over all its epochs), or other data.paths,
-        split, seed or seq_length."""
-        if samples <= 0 or samples > len(self.train_ds):
+        records it, with the run's length: "index", the key of what Megatron's index arrays (and
+        the blend's) are built from, the length replaced by what it decides ("epochs" of each
+        dataset, and whether the last is shuffled on its own: a length past an epoch's end, or
+        the last epoch's share crossing SEPARATE_LAST_EPOCH_FRACTION, rebuilds the index, which
+        shuffles over all the epochs); and "sha256", a hash of the tokens at five positions
+        (the first, the last, three between), which the data's content changes."""
+        if samples <= 0 or samples > min(len(self.train_ds), self.train_samples):
             return None
         digest = hashlib.sha256()
         for pos in sorted({samples - 1, *(samples * i // 4 for i in range(4))}):
             digest.update(np.asarray(self.train_ds[pos], dtype=np.int64).tobytes())
+        order = self.train_ds.order
         return {"samples": samples, "train_samples": self.train_samples,
-                "sha256": digest.hexdigest()}
+                "sha256": digest.hexdigest(), "index": order["key"], "epochs": order["epochs"]}
 
     def check_order(self, state: TrainState) -> None:
         """Refuse to resume `state` on a data order other than the one its run trained on
         (unless data.override_order): the run would train on some samples twice and never on
-        others, and nothing would say so. Megatron rebuilds its index silently."""
+        others, and nothing would say so. Megatron rebuilds its index silently. A run shorter
+        than the samples consumed has nothing to train, which the loop says."""
         saved = state.data_order
         if not saved or self.cfg.data.override_order:
             return
         now = self.order_digest(saved["samples"])
-        if now is None or now["sha256"] == saved["sha256"]:
-            return
-        length = (f" (train samples {saved['train_samples']:,} -> {self.train_samples:,}: a "
-                  f"length that takes another epoch of a dataset reshuffles it, as Megatron's "
-                  f"index does)" if saved["train_samples"] != self.train_samples else "")
+        if now is None or (now["sha256"] == saved["sha256"]
+                           and saved.get("index", now["index"]) == now["index"]):
+            return  # a record from before the index key is checked on its tokens
+        length = ""
+        if saved["train_samples"] != self.train_samples:
+            epochs = saved.get("epochs")
+            change = (f"; epochs of each dataset {_epochs_text(epochs)} -> "
+                      f"{_epochs_text(now['epochs'])}" if epochs and epochs != now["epochs"]
+                      else "")
+            length = (f" (train samples {saved['train_samples']:,} -> {self.train_samples:,}"
+                      f"{change}: Megatron's index, and so ours, is built for the epochs a "
+                      f"length takes, the last shuffled on its own while under "
+                      f"{SEPARATE_LAST_EPOCH_FRACTION:.0%} of an epoch, and shuffles over "
+                      f"all of them)")
         raise UserError(
             f"the training data's order differs from the one the checkpoint's run trained on: "
             f"its first {saved['samples']:,} samples are not the same{length}; resumed, the "

@@ -418,7 +418,7 @@ def test_train_manifest_keys_damaged(train_manifest, data):
     if how == "type" and not isinstance(value, (dict, list)) and value is not None and (
             leaf in ("step", "consumed_samples", "skipped_steps", "step_count", "tp", "pp",
                      "dp", "growth_tracker", "hysteresis_tracker", "torch", "samples",
-                     "train_samples", "sha256")):
+                     "train_samples", "sha256", "index")):
         raise AssertionError(f"{path} = {replacement!r} was accepted")
 
 

@@ -574,9 +574,10 @@ def test_a_resume_on_another_data_order_is_refused(dataset, tmp_path):
     """Raising train.train_iters (as "nothing to train" says to continue) can take another
     epoch of the data, and Megatron's index shuffles over all its epochs: the resumed run read
     its first samples in another order, training on some twice and never on others, and said
-    nothing. Now the checkpoint records the order (a digest of its consumed samples' tokens)
-    and a resume on another one is refused, naming the lengths; data.override_order goes on.
-    A longer run in the same epochs keeps the order and resumes."""
+    nothing. Now the checkpoint records the order (the key of what the index is built from, a
+    digest of its consumed samples' tokens) and a resume on another one is refused, naming the
+    lengths and the epochs; data.override_order goes on. A longer run in the same epochs (one
+    here, so no last epoch shuffled on its own) keeps the order and resumes."""
     from bloomtrain.data.loader import build_train_valid_test_datasets
     from bloomtrain.errors import UserError
 
@@ -600,7 +601,8 @@ def test_a_resume_on_another_data_order_is_refused(dataset, tmp_path):
     with pytest.raises(UserError, match=(
             r"the training data's order differs from the one the checkpoint's run trained on: "
             r"its first 16 samples are not the same \(train samples 16 -> "
-            rf"{8 * more:,}: .*another epoch.*\); resumed, the run would train on some samples "
+            rf"{8 * more:,}; epochs of each dataset 1 -> 2.*: Megatron's index, and so ours, is "
+            r"built for the epochs a length takes.*\); resumed, the run would train on some samples "
             r"again and never on others. Keep the checkpoint's data settings and length "
             r"\(16 samples: train.train_samples=16, or the train.train_iters that gives it; "
             r".*\), or set data.override_order=true")):
@@ -617,6 +619,70 @@ def test_a_resume_on_another_data_order_is_refused(dataset, tmp_path):
     res = train(make_cfg(dataset, tmp_path / "a", train__train_iters=more,
                          data__override_order=True, **base), log=lambda *a: None)
     assert res.state.step == more
+
+
+def _small_dataset(path, docs: int) -> str:
+    """`docs` documents of 20-40 random tokens and an end of document (id 2)."""
+    from bloomtrain.data.indexed import write_dataset
+    rng = np.random.RandomState(1)
+    write_dataset(str(path), [[rng.randint(4, 256, size=rng.randint(20, 40)).tolist() + [2]]
+                              for _ in range(docs)], dtype=np.uint16)
+    return str(path)
+
+
+def test_a_resume_on_another_order_of_a_blended_dataset_or_of_the_last_epoch_is_refused(
+        dataset, tmp_path):
+    """The first record hashed the tokens at five positions of the blend: with weights 0.8 and
+    0.2 all five came from the large dataset, and a longer run that took another epoch of the
+    small one, reordering its samples among those consumed, resumed silently. Now each
+    dataset's index key is in the record. A shorter run over a blend (nothing to train) read
+    its digest past the small dataset's end and raised IndexError; it now ends with "nothing
+    to train". And on one dataset, a longer run in the same two epochs whose last epoch is no
+    longer shuffled on its own (Megatron's rule: under 95% of an epoch) reorders too; the
+    refusal names that, not another epoch."""
+    from bloomtrain.data.gpt_dataset import SEPARATE_LAST_EPOCH_FRACTION
+    from bloomtrain.data.loader import build_train_valid_test_datasets
+    from bloomtrain.errors import UserError
+
+    small = _small_dataset(tmp_path / "B_text_document", 12)
+    base = dict(data__paths=[f"0.8 {dataset}", f"0.2 {small}"], optim__decay_samples=4096,
+                checkpoint={"dir": str(tmp_path / "ck")})
+    train(make_cfg(dataset, tmp_path / "a", train__train_iters=2, **base), log=lambda *a: None)
+
+    def blend(iters):
+        cfg = make_cfg(dataset, tmp_path / "x", train__train_iters=iters, **base)
+        return build_train_valid_test_datasets(cfg.data, None, [8 * iters, 0, 0], 32)[0]
+    # The premise: 7 steps reorder some of the 16 samples trained on, all of them the small
+    # dataset's, at none of the five positions the tokens were hashed at.
+    old, new = blend(2), blend(7)
+    changed = [i for i in range(16) if not np.array_equal(old[i], new[i])]
+    assert changed and {int(old.dataset_index[i]) for i in changed} == {1}
+    assert not set(changed) & {0, 4, 8, 12, 15}
+    with pytest.raises(UserError, match=r"its first 16 samples are not the same \(train samples "
+                                        r"16 -> 56; epochs of each dataset 1, 1 -> 1, 2 \(the "
+                                        r"last shuffled on its own\)"):
+        Trainer(make_cfg(dataset, tmp_path / "a", train__train_iters=7, **base),
+                log=lambda *a: None)
+    train(make_cfg(dataset, tmp_path / "a", train__train_iters=7, data__override_order=True,
+                   **base), log=lambda *a: None)
+    lines = []
+    res = train(make_cfg(dataset, tmp_path / "a", train__train_iters=2, **base),
+                log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert res.state.step == 7 and any("already at step 7 of 2; nothing to train" in line
+                                       for line in lines)
+
+    # One dataset of 33 samples an epoch: 34 samples take two epochs, the last shuffled on its
+    # own (1 sample of it, under 95% of 33), and so do 66, the last not on its own.
+    one = _small_dataset(tmp_path / "C_text_document", 40)
+    kw = dict(optim__decay_samples=4096, checkpoint={"dir": str(tmp_path / "ck1")},
+              train__micro_batch_size=2, train__global_batch_size=2, train__eval_iters=1)
+    assert _train_epochs(make_cfg(one, tmp_path / "c"), 34) == 2 == _train_epochs(
+        make_cfg(one, tmp_path / "c"), 66) < _train_epochs(make_cfg(one, tmp_path / "c"), 67)
+    assert 34 - 33 < SEPARATE_LAST_EPOCH_FRACTION * 33 < 66 - 33
+    train(make_cfg(one, tmp_path / "c", train__train_iters=17, **kw), log=lambda *a: None)
+    with pytest.raises(UserError, match=r"\(train samples 34 -> 66; epochs of each dataset 2 "
+                                        r"\(the last shuffled on its own\) -> 2: Megatron's"):
+        Trainer(make_cfg(one, tmp_path / "c", train__train_iters=33, **kw), log=lambda *a: None)
 
 
 def test_a_resume_with_another_learning_rate_schedule_is_refused(dataset, tmp_path):
