@@ -52,10 +52,14 @@ class TextStream:
         return full[len(prefix):] if len(full) > len(prefix) else ""
 
     def _append(self, new: str) -> None:
-        start = max(0, len(self.text) - self.max_stop + 1)
+        old = len(self.text)
         self.text += new
         if self.stop and self.check_stop:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            # Each stop string is looked for only where it would end in the new text (vLLM's
+            # rule): in the longest one's window, a shorter one that was let pass whole before
+            # min_tokens would be found again, and cut the text back into what was released.
+            hits = [i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop)
+                    if i >= 0]
             if hits:
                 self.text = self.text[:min(hits)]
                 self.stopped = True

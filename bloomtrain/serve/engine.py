@@ -230,9 +230,7 @@ class Engine:
 
     def _emit(self, seq: Sequence, out: SeqOutput, finish: str | None = None) -> None:
         if finish is not None:
-            if seq.text is not None:
-                out.text += seq.text.finish()
-            self._finish(seq, finish, out=out)
+            self._finish(seq, _finish_text(seq, out, finish), out=out)
             return
         self._deliver(seq, out)
 
@@ -271,6 +269,15 @@ class Engine:
         if self.metrics is not None:
             self.metrics.finished(reason, time.monotonic() - seq.arrival)
         self._deliver(seq, out)
+
+
+def _finish_text(seq: Sequence, out: SeqOutput, finish: str) -> str:
+    """Add to `out` the text `seq` held back (for stop strings, or bytes of a character not
+    yet whole); returns the reason it ends with: "stop" where a stop string was found in it."""
+    if seq.text is None:
+        return finish
+    out.text += seq.text.finish()
+    return "stop" if seq.text.stopped else finish
 
 
 def generate_offline(engine: "Engine", prompts: list[list[int]],

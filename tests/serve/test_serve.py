@@ -299,6 +299,41 @@ def test_text_stream_stop_strings_and_utf8(tokenizer):
         assert "".join(pieces) == want
 
 
+def test_a_stop_string_let_pass_before_min_tokens_is_not_found_again(tokenizer):
+    """A stop string whole in the text before min_tokens passes (vLLM's rule) and is not
+    looked for again: each stop string is looked for only where it would end in new text.
+    The longest one's window ("oxen!") used to find the earlier "ox" a token later and cut
+    the text back before it."""
+    ids = tokenizer.encode(" fox fox fox")
+    first = next(k for k in range(1, len(ids) + 1) if "ox" in tokenizer.decode(ids[:k]))
+    full, passed = tokenizer.decode(ids), len(tokenizer.decode(ids[:first]))
+    want = full[:full.index("ox", passed - 1)]  # the first "ox" ending after min_tokens
+    for stop in (("ox",), ("ox", "oxen!")):
+        stream = TextStream(tokenizer, stop)
+        pieces = [stream.push(t, check_stop=i >= first) for i, t in enumerate(ids)
+                  if not stream.stopped]
+        assert stream.stopped and "".join(pieces) + stream.finish() == want, stop
+
+
+def test_a_stop_string_in_text_held_to_the_end_finishes_with_stop(model_dir, tokenizer):
+    """Text that never decodes cleanly (a token ending inside a character) is held back and
+    only decoded when the sequence ends, where a stop string in it cut the text: the reason
+    said "length" while the text had been stopped. It now says "stop"."""
+    _, path = model_dir
+    # A token of a space and the first byte of a two-byte character: decoded alone, or twice
+    # in a row, it never ends a character, so its text waits for the sequence's end.
+    token = next(t for t in range(tokenizer.vocab_size)
+                 if (b := tokenizer.token_bytes(t)).startswith(b" ") and len(b) == 2
+                 and 0xC2 <= b[1] <= 0xDF)
+    engine = make_engine(path, tokenizer=tokenizer)
+    prompt = tokenizer.encode("The quick brown fox")
+    for stop, text, reason in (((), " \ufffd \ufffd", "length"), ((" ",), "", "stop")):
+        out = engine.generate([prompt], SamplingParams(
+            max_tokens=2, temperature=0, logit_bias=((token, 100.0),), stop=stop))[0]
+        assert (out["token_ids"], out["text"], out["finish_reason"]) == (
+            [token, token], text, reason)
+
+
 # ---- HTTP ------------------------------------------------------------------------------------
 
 class Gate:
