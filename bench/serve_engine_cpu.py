@@ -5,6 +5,13 @@ HTTP. `--load serve` serves bench/serve_load.py's 64 requests instead, `--seqs` 
 mixed prompt and output lengths its 16-client load gives the server's engine. CPU time (time.process_time) rather than wall time, because on a machine shared with other
 jobs the wall time says more about them than about the engine.
 
+`--padding` times what batch invariance costs one request alone: one greedy request (32 prompt
+tokens, 128 new) through `generate` (the engine unpadded, sized for one sequence: the
+bench/serve_load.py baseline) and through the engine sized as bench/serve_load.py's server
+(16 sequences, 256-token steps) unpadded, padded to the rows the probe finds batch-invariant,
+and padded through the packed GEMM (as the server runs); alternated `--rounds` times in this
+process, the medians of each one's paired ratio to `generate`'s CPU time.
+
 `--root DIR` imports bloomtrain from another source tree (e.g. `git archive COMMIT | tar -x -C
 DIR`), to compare two versions of the engine in alternation on the same machine. The checkpoint
 is bench/serve_load.py's trained demo model (run that first, or give --checkpoint).
@@ -40,6 +47,9 @@ def main() -> None:
                          "serve: bench/serve_load.py's 64 requests (its demo model's "
                          "validation text, prompts of 8-96 and outputs of 16-128 tokens), "
                          "--seqs of them running at once, as its clients keep them")
+    ap.add_argument("--padding", action="store_true",
+                    help="one request alone: generate against the server's engine unpadded, "
+                         "padded, padded and packed (see above)")
     args = ap.parse_args()
     sys.path.insert(0, args.root)
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
@@ -55,6 +65,8 @@ def main() -> None:
         from bloomtrain.serve.engine import SamplingParams
 
     torch.set_num_threads(1)
+    if args.padding:
+        return padding_cost(args, SamplingParams)
     cfg = EngineConfig(max_model_len=512, kv_cache_tokens=16384,
                        max_num_seqs=args.seqs if args.load == "serve" else 32)
     runner = build_runner(args.checkpoint, cfg)
@@ -81,6 +93,62 @@ def main() -> None:
         "load": args.load,
         "cpu_ms_per_token_median": statistics.median(per_token) * 1e3,
         "cpu_ms_per_token_rounds": [t * 1e3 for t in per_token]}))
+
+
+def padding_cost(args, SamplingParams) -> None:
+    """--padding: see the module doc."""
+    import torch
+
+    from bloomtrain.generate import generate
+    from bloomtrain.serve.config import EngineConfig
+    from bloomtrain.serve.engine import Engine
+    from bloomtrain.serve.kv_cache import PagedKVCache
+    from bloomtrain.serve.packed import pack_linears
+    from bloomtrain.serve.runner import MIN_ROWS, ModelRunner, batch_invariant_rows
+    from bloomtrain.serve.tp import load_serving_model
+
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=16, max_batched_tokens=256)
+
+    def engine(padded: bool, packed: bool):
+        model = load_serving_model(args.checkpoint)
+        shape, dtype = model.shape, torch.float32
+        # As the server pads (serve.tp's build_runner): the probed rows, MIN_ROWS if none hold.
+        rows = (batch_invariant_rows(model, cfg.max_batched_tokens, dtype) or MIN_ROWS
+                if padded else 1)
+        if packed:
+            pack_linears(model, rows, cfg.max_batched_tokens)
+        cache = PagedKVCache(shape.num_layers, cfg.num_blocks, cfg.block_size, shape.num_heads,
+                             shape.head_dim, dtype, "cpu")
+        runner = ModelRunner(model, cache, min_rows=rows)
+        return Engine(runner.forward, cfg, vocab_size=shape.vocab_size), model, rows
+
+    unpadded, model, _ = engine(False, False)
+    padded, _, rows = engine(True, False)
+    packed, _, _ = engine(True, True)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.shape.vocab_size, (32,), generator=g).tolist()
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    ways = {"generate": lambda: generate(model, torch.tensor([prompt]), 128)[0, 32:].tolist()}
+    for name, e in (("unpadded", unpadded), (f"padded to {rows}", padded),
+                    (f"padded to {rows}, packed", packed)):
+        ways[name] = (lambda e: lambda: e.generate([prompt], params)[0]["token_ids"])(e)
+    tokens = {name: way() for name, way in ways.items()}  # warm-up, and the same tokens
+    assert all(t == tokens["generate"] for t in tokens.values()), "the ways' tokens differ"
+    cpu = {name: [] for name in ways}
+    for r in range(args.rounds):
+        for name, way in ways.items():
+            start = time.process_time()
+            way()
+            cpu[name].append((time.process_time() - start) / 128)
+        print(f"round {r + 1}: " + ", ".join(f"{name} {v[-1] * 1e3:.3f}" for name, v in
+                                             cpu.items()) + " ms CPU per token", flush=True)
+    ratios = {name: statistics.median(a / b for a, b in zip(v, cpu["generate"]))
+              for name, v in cpu.items()}
+    for name, ratio in ratios.items():
+        print(f"{name:>24}: {ratio:.3f}x generate's CPU per token")
+    print(json.dumps({"bench": "serve_engine_cpu", "mode": "padding", "rounds": args.rounds,
+                      "min_rows": rows, "vs_generate": ratios,
+                      "cpu_ms_per_token": {k: [t * 1e3 for t in v] for k, v in cpu.items()}}))
 
 
 def serve_load_requests(checkpoint: str):
