@@ -180,6 +180,28 @@ def _copy(tmp_path, fixture: str) -> Path:
     return dst
 
 
+@pytest.mark.parametrize("how", ["tp pieces joined on the wrong dimension", "transposed"])
+def test_a_universal_file_of_the_right_size_in_another_shape_is_refused(tmp_path, how):
+    """A converter that joins a row-parallel matrix's tp pieces on dim 0 (no row-parallel
+    pattern) or stores a matrix transposed writes the parameter's elements in another shape;
+    the importer compared counts only and reshaped them: the import succeeded, the weights
+    (and moments) scrambled. Now the file's shape must be the parameter's (or flat)."""
+    copy = tmp_path / "uni"
+    shutil.copytree(FIXTURES / MEGATRON / "universal", copy)
+    tp = how.startswith("tp")
+    layer = copy / "global_step3_universal/zero" / (
+        "3.self_attention.dense.weight" if tp else "3.mlp.dense_h_to_4h.weight")
+    for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+        d = torch.load(layer / f"{kind}.pt", weights_only=False)
+        full = d["param"]
+        d["param"] = torch.cat(full.chunk(2, dim=1), dim=0) if tp else full.t().contiguous()
+        torch.save(d, layer / f"{kind}.pt")
+    got = list(d["param"].shape)
+    assert got != list(full.shape) and d["param"].numel() == full.numel()
+    _refused(copy, tmp_path / "out", re.escape(f"holds a {got} tensor, a 2-layer BLOOM's "),
+             "is \\[", "another merge of its tensor-parallel pieces")
+
+
 def _refused(src: Path, out: Path, *patterns: str) -> str:
     with pytest.raises(InteropError) as e:
         import_deepspeed(src, out, log=lambda *a: None)

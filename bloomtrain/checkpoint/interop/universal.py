@@ -145,12 +145,24 @@ class UniversalCheckpoint:
             # The converter cut the vocabulary padding; DeepSpeed's loader pads with zeros too.
             tensor = torch.cat([tensor, tensor.new_zeros(want[0] - tensor.shape[0],
                                                          tensor.shape[1])])
-        if tensor.numel() != math.prod(want):
-            raise InteropError(f"{file} holds {tensor.numel()} elements, a "
-                               f"{self.shape.num_layers}-layer BLOOM's {name} has "
-                               f"{math.prod(want)}")
+        self._check_shape(name, tensor, file)
         tensor = tensor.reshape(want).float()
         return tensor.to(torch_dtype(self.precision)) if kind == WEIGHTS else tensor.clone()
+
+    def _check_shape(self, name: str, tensor: torch.Tensor, file: Path,
+                     rows: bool = True) -> None:
+        """A file's parameter has the model's shape for it, or is flat (as ZeRO-3 keeps
+        it): the same count of elements in another shape is a converter's wrong merge (tp
+        pieces joined on the wrong dimension, a transposed matrix), which a reshape would
+        scramble silently. `rows` False: the vocabulary was cut, the rest must match."""
+        want, shape = tuple(self.want[name]), tuple(tensor.shape)
+        ok = (shape[1:] == want[1:] if not rows else shape == want or (
+            tensor.dim() == 1 and tensor.numel() == math.prod(want)))
+        if not ok:
+            raise InteropError(f"{file} holds a {list(shape)} tensor, a "
+                               f"{self.shape.num_layers}-layer BLOOM's {name} is "
+                               f"{list(want)}: converted with another merge of its tensor-"
+                               f"parallel pieces, or not this model's")
 
     def check_sizes(self, kinds) -> list[str]:
         """Every file holds its parameter's elements (memory-mapped: no data is read); says
@@ -162,10 +174,10 @@ class UniversalCheckpoint:
                 short = stripped and name == EMBEDDING and \
                     tensor.shape[0] < self.want[name][0]
                 cut |= short
-                if not short and tensor.numel() != math.prod(self.want[name]):
-                    raise InteropError(f"{file} holds {tensor.numel()} elements, a "
-                                       f"{self.shape.num_layers}-layer BLOOM's {name} has "
-                                       f"{math.prod(self.want[name])}")
+                if short:
+                    self._check_shape(name, tensor, file, rows=False)
+                else:
+                    self._check_shape(name, tensor, file)
         return ["the embedding's vocabulary padding was cut by the converter; its rows are "
                 "zeros here, as DeepSpeed pads them"] if cut else []
 
