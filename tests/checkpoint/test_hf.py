@@ -303,6 +303,26 @@ def test_export_replaces_previous_export_only(tmp_path, monkeypatch):
         p.name for p in (tmp_path / "here").iterdir())
     assert (tmp_path / "mount" / "model.safetensors").read_bytes() == \
         (tmp_path / "here" / "model.safetensors").read_bytes()
+    # Killed (Ctrl-C here) while a re-export renamed its files over the previous export's: the
+    # marker had been removed first, and every later export refused the directory as "not a
+    # previous bloomtrain export". The marker now stays, as the partial one, until the end.
+    monkeypatch.setattr(os, "replace", real_replace)
+    calls = []
+
+    def interrupted(src, dst):
+        calls.append(Path(dst).name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "mount", log=lambda *_: None)
+    assert calls == [".bloomtrain_export.partial.json", "config.json"]
+    assert not (tmp_path / "mount" / ".bloomtrain_export.json").exists()
+    monkeypatch.setattr(os, "replace", real_replace)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "mount", log=lambda *_: None)
+    assert sorted(p.name for p in (tmp_path / "mount").iterdir()) == sorted(
+        p.name for p in (tmp_path / "here").iterdir())
 
 
 def test_an_imported_vocabulary_off_the_default_multiple_is_told_how_to_resume(tmp_path,
@@ -383,6 +403,20 @@ def test_import_rejects_bad_inputs(tmp_path):
         with pytest.raises(UserError, match=match):
             hf.import_hf(tmp_path / "hf", tmp_path / "out")
     cfg_path.write_text(json.dumps(cfg))
+    # Integer weights were imported (the manifest said int32) and loading the checkpoint then
+    # failed inside torch's load_state_dict; the sliced reader already refused them.
+    from safetensors.torch import load_file, save_file
+    weights = tmp_path / "hf" / "model.safetensors"
+    good = weights.read_bytes()
+    state = load_file(weights)
+    name = "transformer.h.0.input_layernorm.weight"
+    save_file({**state, name: (state[name] * 100).to(torch.int32)}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"{name} is stored as int32; expected float32, "
+                                        f"bfloat16 or float16 weights"):
+        hf.import_hf(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    weights.write_bytes(good)
     # An --output that is a file was "cannot create afile/.step_00000000.tmp (File exists)";
     # a save that failed (a full disk) left the empty root it had made.
     (tmp_path / "afile").write_text("x")

@@ -25,6 +25,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 # In every export: what makes a directory one (_prepare_output replaces only those).
 EXPORT_MARKER = ".bloomtrain_export.json"
+# The marker while an export replaces a previous one's files (_replace_dir): a directory with it
+# is a previous export, unfinished, which the next export replaces as it would a finished one.
+PARTIAL_MARKER = ".bloomtrain_export.partial.json"
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -174,8 +177,16 @@ def collect_hf_state(hf_dir: str | os.PathLike) -> tuple[BloomShape, dict, dict]
     hf_dir = Path(hf_dir)
     cfg = read_hf_config(hf_dir)
     shape = shape_from_hf_config(cfg)
+    import torch
+
     state, head = {}, None
     for name, tensor in iter_hf_tensors(hf_dir):
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            # As the sliced reader refuses it (hf/slices.py): integer weights imported, and
+            # loading the checkpoint failed in torch's load_state_dict.
+            raise UserError(f"{hf_dir}: {name} is stored as "
+                            f"{str(tensor.dtype).removeprefix('torch.')}; expected float32, "
+                            f"bfloat16 or float16 weights")
         if name == LM_HEAD:
             head = tensor
         else:
@@ -262,7 +273,7 @@ def _prepare_output(output_dir: Path) -> None:
         raise UserError(f"--output {output_dir} exists and is not a directory")
     if not any(not p.name.startswith(".bloomtrain_export.tmp.") for p in output_dir.iterdir()):
         return  # empty (but for what a killed export left inside)
-    if not (output_dir / EXPORT_MARKER).is_file():
+    if not any((output_dir / m).is_file() for m in (EXPORT_MARKER, PARTIAL_MARKER)):
         # A save_pretrained directory holds exactly the names an export writes: told apart by
         # the marker, it is never taken for a previous export and replaced (the HF model a
         # checkpoint was imported from, most often).
@@ -324,7 +335,7 @@ def _export_names() -> set[str]:
     """Every name an export writes (_prepare_output allows only these in a directory it
     replaces)."""
     return {"config.json", "generation_config.json", SAFETENSORS_FILE, EXPORT_MARKER,
-            *TOKENIZER_FILES}
+            PARTIAL_MARKER, *TOKENIZER_FILES}
 
 
 def _staging_dir(output_dir: Path) -> Path:
@@ -340,19 +351,22 @@ def _staging_dir(output_dir: Path) -> Path:
 
 def _replace_dir(tmp: Path, output_dir: Path) -> None:
     """The export assembled in `tmp` (_staging_dir) put in place at `output_dir`. Into an
-    existing directory: the marker goes first (the directory is no finished export until every
-    file is in), each file is renamed over its old self, a previous export's files the new one
-    lacks (a tokenizer file) are removed, and the marker comes back last."""
+    existing directory: the marker becomes the partial one first (the directory is no finished
+    export until every file is in, and a retry after a kill here still knows it for an export),
+    each file is renamed over its old self, a previous export's files the new one lacks (a
+    tokenizer file) are removed, and the marker comes back last."""
     if tmp.parent != output_dir:
         os.replace(tmp, output_dir)
         return
-    (output_dir / EXPORT_MARKER).unlink(missing_ok=True)
+    if (output_dir / EXPORT_MARKER).is_file():
+        os.replace(output_dir / EXPORT_MARKER, output_dir / PARTIAL_MARKER)
     new = {p.name for p in tmp.iterdir()}
     for name in sorted(new - {EXPORT_MARKER}):
         os.replace(tmp / name, output_dir / name)
-    for name in sorted(_export_names() - new):
+    for name in sorted(_export_names() - new - {PARTIAL_MARKER}):
         (output_dir / name).unlink(missing_ok=True)
     os.replace(tmp / EXPORT_MARKER, output_dir / EXPORT_MARKER)
+    (output_dir / PARTIAL_MARKER).unlink(missing_ok=True)
     tmp.rmdir()
 
 
