@@ -109,7 +109,7 @@ def parity(dp2):
 
 
 def test_offload_is_bitwise_equal_to_no_offload(parity):
-    assert len(parity) == 6 * 2 + 1 * 4  # every case from every rank
+    assert len(parity) == 8 * 2 + 1 * 4  # every case from every rank
     for name, d in parity.items():
         assert d["losses"][0] == d["losses"][1], name
         # repr: a skipped step's norm is nan, which equals nothing, but its repr does.
@@ -117,7 +117,7 @@ def test_offload_is_bitwise_equal_to_no_offload(parity):
         assert d["skipped"][0] == d["skipped"][1], name
         assert d["states_differ"] == [], name
         assert d["compute_equal"], name
-        if "fp16" in name:
+        if "z2-fp16" in name:  # the case whose loss scale overflows at first
             assert any(d["skipped"][0]) and not all(d["skipped"][0]), d["skipped"]
         else:
             assert not any(d["skipped"][0]), name
@@ -317,6 +317,11 @@ def _dp2_worker(rank, world, prefix, tmp):
     parity["dp2-z2-fp16"] = _parity(2, "fp16", base, optim={"initial_loss_scale": 2.0 ** 21,
                                                             "hysteresis": 1})
     parity["dp2-z1-odd"] = _parity(1, "bf16", base, shape=ODD)
+    # Compressed ZeRO-3 gathers: an offloaded run encodes the device's compute-dtype copy of the
+    # masters; without offload the gather encoded the fp32 masters, and the first loss differed.
+    parity["dp2-z3-int8-gather"] = _parity(3, "bf16", base, weight_gather_dtype="int8")
+    parity["dp2-z3-fp16-bf16-gather"] = _parity(3, "fp16", base, weight_gather_dtype="bf16",
+                                                optim={"initial_loss_scale": 2.0 ** 10})
     return {"parity": parity,
             "checkpoint": {stage: _checkpoint_runs(prefix, f"{tmp}/z{stage}", stage)
                            for stage in STAGES}}

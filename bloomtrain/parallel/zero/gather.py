@@ -121,14 +121,17 @@ class Stage3Gatherer:
         source = bufs.master if bufs.compute_shard is None else bufs.compute_shard
         for seg in group.segments:
             out = buf[seg.full_off - group.full_off:][:seg.padded]
+            # Without offload the compute-dtype shard exists only for the collective. A
+            # compressed gather encodes it too, not the fp32 master: what an offloaded run's
+            # device holds, so that offload changes no bits (int8's absmax scales of fp32
+            # values differed from those of their bf16 cast).
+            shard = bufs.state_view(source, seg).to(bufs.compute_dtype)
             if self.wire is not None:
                 with contextlib.nullcontext() if async_op else self._stall():
-                    handles.append(compress.all_gather(out, bufs.state_view(source, seg),
-                                                       self.topo.dp_group, DP, self.wire,
-                                                       async_op=async_op))
+                    handles.append(compress.all_gather(out, shard, self.topo.dp_group, DP,
+                                                       self.wire, async_op=async_op))
+                casts.append(shard)
                 continue
-            # Without offload the compute-dtype shard exists only for the collective.
-            shard = bufs.state_view(source, seg).to(bufs.compute_dtype)
             with contextlib.nullcontext() if async_op else self._stall():
                 handles.append(comm.all_gather_into_tensor(out, shard, self.topo.dp_group, DP,
                                                            async_op=async_op))
