@@ -231,6 +231,11 @@ def preprocess(
         if is_disk_full(e):
             # Only a write runs out of space; the temporaries are gone by now.
             raise _disk_full(prefix, e) from e
+        if isinstance(e, concurrent.futures.BrokenExecutor):  # BrokenProcessPool
+            raise UserError(f"a tokenizer worker died ({e}); nothing was written to "
+                            f"{prefix}.bin/.idx. A worker killed for memory (very long "
+                            f"documents, most often) wants fewer --workers (now {workers})"
+                            ) from e
         raise
     finally:
         if pool is not None:

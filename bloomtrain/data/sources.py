@@ -114,14 +114,55 @@ def input_format(path: str | os.PathLike) -> tuple[str, str | None]:
     """(`jsonl` | `parquet` | `text`, compression `gz` | `zst` | None), from the file name."""
     name = Path(path).name.lower()
     compression = None
-    for ext in ("gz", "zst"):
+    for ext, kind in (("gz", "gz"), ("zst", "zst"), ("zstd", "zst")):
         if name.endswith("." + ext):
-            compression, name = ext, name[: -len(ext) - 1]
+            compression, name = kind, name[: -len(ext) - 1]
     if name.endswith((".jsonl", ".json", ".ndjson")):
         return "jsonl", compression
-    if name.endswith(".parquet") and compression is None:
+    if name.endswith(".parquet"):
+        if compression is not None:  # was read as text: every document "not valid UTF-8"
+            raise UserError(f"{path}: a Parquet file compresses its own columns; decompress "
+                            f"it to {Path(path).name.rsplit('.', 1)[0]}")
         return "parquet", None
     return "text", compression
+
+
+class _ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a .zst file, every frame of it, as a raw stream that raises
+    EOFError (as gzip does) when the file ends inside a frame: zstandard's stream_reader ends
+    there quietly, and a truncated corpus lost its last documents without a word."""
+
+    def __init__(self, raw, zstandard):
+        self._chunks = self._decompressed(raw, zstandard)
+        self._pending, self._at = b"", 0
+
+    @staticmethod
+    def _decompressed(raw, zstandard):
+        new = zstandard.ZstdDecompressor().decompressobj
+        frame, inside = new(), False
+        while chunk := raw.read(1 << 20):
+            while chunk:
+                out, inside = frame.decompress(chunk), True
+                if out:
+                    yield out
+                chunk = frame.unused_data if frame.eof else b""
+                if frame.eof:  # a frame ended: what follows is the next frame's
+                    frame, inside = new(), False
+        if inside:
+            raise EOFError("the compressed file ends inside a zstd frame (truncated)")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._at == len(self._pending):
+            self._pending, self._at = next(self._chunks, b""), 0
+            if not self._pending:
+                return 0
+        n = min(len(b), len(self._pending) - self._at)
+        b[:n] = self._pending[self._at:self._at + n]
+        self._at += n
+        return n
 
 
 @contextlib.contextmanager
@@ -134,10 +175,9 @@ def _open_binary(path: Path, compression: str | None) -> Iterator[io.BufferedIOB
             import zstandard
         except ImportError:
             raise UserError(f"reading {path} needs zstandard: pip install 'bloomtrain[formats]'")
-        with open(path, "rb") as raw:
-            reader = zstandard.ZstdDecompressor().stream_reader(raw)
-            with io.BufferedReader(reader, 1 << 20) as f:
-                yield f
+        with open(path, "rb") as raw, io.BufferedReader(_ZstdReader(raw, zstandard),
+                                                        1 << 20) as f:
+            yield f
     else:
         with open(path, "rb") as f:
             yield f

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,9 +247,47 @@ def test_worker_start_failure_raises_instead_of_hanging(tiny_tokenizer_dir, tmp_
     tok = load_tokenizer(tmp_path / "tok")
     shutil.rmtree(tmp_path / "tok")
     (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS))
-    with pytest.raises(BrokenProcessPool):
+    with pytest.raises(UserError, match="a tokenizer worker died .*; nothing was written to "
+                                        ".*p_text_document.bin/.idx. A worker killed for memory "
+                                        r".*wants fewer --workers \(now 2\)") as e:
         preprocess([tmp_path / "d.jsonl"], tok, tmp_path / "out" / "p", workers=2, **_quiet())
+    assert isinstance(e.value.__cause__, BrokenProcessPool)
     assert _files(tmp_path / "out") == []
+
+
+def test_a_worker_killed_mid_run_is_one_line_and_writes_nothing(tiny_tokenizer_dir, tmp_path):
+    """A worker the OOM killer takes was a BrokenProcessPool traceback; now it is one line
+    that says what to change, and the dataset already there is kept."""
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(TEXTS))
+    preprocess([tmp_path / "d.jsonl"], tok, tmp_path / "out" / "p", **_quiet())
+    before = {n: (tmp_path / "out" / n).read_bytes() for n in _files(tmp_path / "out")}
+    (tmp_path / "kill.jsonl").write_bytes(_jsonl(TEXTS))
+    # In a process of its own, whose forked workers SIGKILL themselves at their first batch
+    # (the patched function is the one they inherit).
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+import bloomtrain.data.preprocess as pre
+from bloomtrain.data.tokenizer import load_tokenizer
+from bloomtrain.errors import UserError
+PARENT = os.getpid()
+def dying(*args):
+    if os.getpid() != PARENT:
+        os.kill(os.getpid(), signal.SIGKILL)
+pre._encode_batch = dying
+try:
+    pre.preprocess([{str(tmp_path / "kill.jsonl")!r}], load_tokenizer({str(tiny_tokenizer_dir)!r}),
+                   {str(tmp_path / "out" / "p")!r}, workers=2, progress=False, log=print)
+except UserError as e:
+    print("ERROR", e)
+"""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert "ERROR a tokenizer worker died" in out.stdout, (out.stdout, out.stderr)
+    assert "wants fewer --workers (now 2)" in out.stdout
+    assert {n: (tmp_path / "out" / n).read_bytes() for n in _files(tmp_path / "out")} == before
 
 
 class _Terminal(io.StringIO):
@@ -424,6 +463,39 @@ def test_inputs_that_cannot_be_text_are_refused_by_name(tiny_tokenizer_dir, tmp_
     (tmp_path / "deep.jsonl").write_bytes(b"[" * 100000 + b"]" * 100000 + b"\n" + _jsonl(["ok"]))
     stats = preprocess([tmp_path / "deep.jsonl"], tok, tmp_path / "d", **_quiet())
     assert stats.docs == 1 and stats.num_skipped == 1
+
+
+def test_a_truncated_zst_is_refused_and_every_frame_of_a_whole_one_is_read(tiny_tokenizer_dir,
+                                                                          tmp_path):
+    """zstandard's stream reader ends quietly where a truncated file ends inside a frame: the
+    documents after the cut were dropped, "skipped: none", even with --strict (a truncated .gz
+    was already an error). `.zstd` was read as text (every document "not valid UTF-8"), and
+    so was a `.parquet.gz`."""
+    import zstandard
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    texts = [f"document {i}: " + TEXTS[i % len(TEXTS)] * 20 for i in range(40)]
+    lines = _jsonl(texts).splitlines(keepends=True)
+    frames = [zstandard.ZstdCompressor().compress(b"".join(lines[:25])),
+              zstandard.ZstdCompressor().compress(b"".join(lines[25:]))]
+    (tmp_path / "whole.jsonl.zstd").write_bytes(b"".join(frames))  # two frames, .zstd named
+    stats = preprocess([tmp_path / "whole.jsonl.zstd"], tok, tmp_path / "w", **_quiet())
+    assert stats.docs == 40 and _read(tmp_path / "w_text_document")[0] == [
+        tok.encode(t) for t in texts]
+    # Cut inside the second frame, at a block boundary: the reader found no error there.
+    one = zstandard.ZstdCompressor().compressobj()
+    blocks = [one.compress(line) + one.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK) for line in lines]
+    cut = b"".join(blocks[:30])
+    assert zstandard.ZstdDecompressor().stream_reader(io.BytesIO(cut)).read().count(b"\n") == 30
+    (tmp_path / "cut.jsonl.zst").write_bytes(cut)
+    with pytest.raises(UserError, match=r"cannot read .*cut.jsonl.zst as zst: the compressed "
+                                        r"file ends inside a zstd frame \(truncated\)"):
+        preprocess([tmp_path / "cut.jsonl.zst"], tok, tmp_path / "c", strict=True, **_quiet())
+    assert not any(n.startswith("c_") for n in _files(tmp_path))
+    (tmp_path / "t.parquet.gz").write_bytes(gzip.compress(b"PAR1"))
+    with pytest.raises(UserError, match="a Parquet file compresses its own columns; decompress "
+                                        "it to t.parquet"):
+        preprocess([tmp_path / "t.parquet.gz"], tok, tmp_path / "q", **_quiet())
 
 
 def test_append_eod_takes_the_eos_transformers_takes(tiny_tokenizer_dir, tmp_path):
