@@ -228,14 +228,9 @@ def preprocess(
         builder.finalize()
     except BaseException as e:
         builder.abort()
-        if is_disk_full(e):
-            # Only a write runs out of space; the temporaries are gone by now.
-            raise _disk_full(prefix, e) from e
-        if isinstance(e, concurrent.futures.BrokenExecutor):  # BrokenProcessPool
-            raise UserError(f"a tokenizer worker died ({e}); nothing was written to "
-                            f"{prefix}.bin/.idx. A worker killed for memory (very long "
-                            f"documents, most often) wants fewer --workers (now {workers})"
-                            ) from e
+        told = _told(e, prefix, workers)
+        if told is not None:
+            raise told from e
         raise
     finally:
         if pool is not None:
@@ -244,6 +239,18 @@ def preprocess(
     stats.elapsed = time.monotonic() - start
     _log_summary(stats, dtype, log)
     return stats
+
+
+def _told(e: BaseException, prefix, workers: int) -> UserError | None:
+    """The one-line error a failed run reports instead of `e`, where there is one (the
+    temporaries are gone by now)."""
+    if is_disk_full(e):  # only a write runs out of space
+        return _disk_full(prefix, e)
+    if isinstance(e, concurrent.futures.BrokenExecutor):  # BrokenProcessPool
+        return UserError(f"a tokenizer worker died ({e}); nothing was written to "
+                         f"{prefix}.bin/.idx. A worker killed for memory (very long "
+                         f"documents, most often) wants fewer --workers (now {workers})")
+    return None
 
 
 def _add_documents(builder, stats: PreprocessStats, path, results, strict: bool,
