@@ -13,6 +13,7 @@ it is a 400. A known field asking for what the server cannot do (a `suffix`, `to
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -367,7 +368,13 @@ class CompletionChoice:
         self.cumulative_logprob = 0.0
         self.finish_reason = None
         self.error = None
-        self.offset = 0  # characters of text (echoed prompt included) the logprobs cover
+        # Characters of the text (echoed prompt included) the logprobs cover, counted from
+        # the tokens' bytes as the text is decoded: a token ending inside a character adds
+        # none, and the next one's offset is that character's (decoding each token alone gave
+        # such a token a U+FFFD of its own, and every later offset drifted by one).
+        self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._no_text = tokenizer.special_ids() if want_logprobs else frozenset()
         self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.echoed = False
 
@@ -378,7 +385,8 @@ class CompletionChoice:
         for entry, tid in zip(entries, token_ids):
             lp["tokens"].append(self._token_str(tid))
             lp["text_offset"].append(self.offset)
-            self.offset += len(self.tokenizer.decode([tid]))  # offsets into the text returned
+            if tid not in self._no_text:  # special tokens are left out of the text
+                self.offset += len(self._utf8.decode(self.tokenizer.token_bytes(tid)))
             if entry is None:  # the first prompt token has nothing to be predicted from
                 lp["token_logprobs"].append(None)
                 lp["top_logprobs"].append(None)

@@ -560,6 +560,60 @@ def test_prompt_logprobs_match_hf(model_dir, tokenizer):
     assert body["usage"]["completion_tokens"] == 0
 
 
+def test_text_offsets_count_characters_of_tokens_split_inside_one(model_dir, tokenizer):
+    """Completions' logprobs.text_offset is each token's character position in the text
+    returned (OpenAI's legacy API; harnesses find where a continuation starts with it). It
+    added len(decode([token])) per token, and a token ending inside a character decodes to a
+    U+FFFD of its own: every offset after a split character drifted, past the text's end.
+    Now a token that starts inside a character has that character's position."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    prompt = "The ü fox 数据 and more"
+    ids = tokenizer.encode(prompt)
+    pieces = [tokenizer.token_bytes(t) for t in ids]
+    assert any(len(p) and not _whole_utf8(p) for p in pieces)  # the premise: split characters
+
+    async def request(session, stream):
+        async with session.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
+                "logprobs": 0, "stream": stream}) as resp:
+            assert resp.status == 200
+            if not stream:
+                choice = (await resp.json())["choices"][0]
+                return choice["text"], choice["logprobs"]
+            text, lp = "", {"tokens": [], "text_offset": []}
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    for key in lp:
+                        lp[key] += choice["logprobs"][key]
+            return text, lp
+
+    async def main():
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            return [await request(session, stream) for stream in (False, True)]
+
+    for stream, (text, lp) in zip((False, True), asyncio.run(main())):
+        assert text.startswith(prompt) and len(lp["text_offset"]) >= len(ids)
+        whole = b""
+        for i, offset in enumerate(lp["text_offset"][:len(ids)]):
+            # The characters of the bytes before token i that are whole.
+            assert offset == len(whole.decode("utf-8", "ignore")), (stream, i, lp)
+            whole += pieces[i]
+        assert all(0 <= o <= len(text) for o in lp["text_offset"])
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def _whole_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def test_the_end_of_text_token_counts_in_completion_tokens(model_dir, tokenizer):
     """A completion that ends on the end-of-text token generated it: not in the text, but
     counted in usage.completion_tokens and given a logprob, as OpenAI's and vLLM's (whose
