@@ -94,6 +94,14 @@ class MMapIndexedDataset:
         idx_file, bin_file = idx_path(self.prefix), bin_path(self.prefix)
         for path in (idx_file, bin_file):
             if not path.is_file():
+                kept = [_previous(p) for p in (bin_file, idx_file)]
+                if all(p.is_file() for p in kept):
+                    raise UserError(
+                        f"indexed dataset file {path} not found: a rewrite of this dataset "
+                        f"(`bloomtrain preprocess`) was interrupted while it renamed its files; "
+                        f"the dataset it replaced is whole as {kept[0].name} and {kept[1].name} "
+                        f"(rename them to {bin_file.name} and {idx_file.name}), or run the "
+                        f"rewrite again")
                 raise UserError(f"indexed dataset file {path} not found; pass the prefix without "
                                 f".bin/.idx (e.g. out/corpus_text_document) and run "
                                 f"`bloomtrain preprocess` to create it")
@@ -396,12 +404,16 @@ class IndexedDatasetBuilder:
             # The old .idx goes first, then the .bin, then the new .idx: a kill between any two
             # steps leaves no pair that opens (an old .idx over a new .bin of the same size
             # would: its documents over the new tokens), and a new .idx never appears before
-            # the data it describes.
+            # the data it describes. The old pair stays whole under PREVIOUS names until the
+            # new one is in place, so such a kill loses nothing (the reader's error names it).
+            kept = _keep_previous(self._bin_final, self._idx_final)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._idx_final)
             os.replace(self._bin_tmp, self._bin_final)
             os.replace(self._idx_tmp, self._idx_final)
             fsync_dir(self._bin_final.parent)
+            if kept:
+                _drop_previous(self._bin_final, self._idx_final)
         except BaseException:
             self.abort()
             raise
@@ -424,6 +436,37 @@ class IndexedDatasetBuilder:
             self.abort()
         elif not self._closed:
             self.finalize()
+
+
+PREVIOUS = ".previous"  # suffix of the dataset a rewrite replaces, while it replaces it
+
+
+def _previous(path: Path) -> Path:
+    return path.with_name(path.name + PREVIOUS)
+
+
+def _drop_previous(*finals: Path) -> None:
+    for final in finals:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_previous(final))
+
+
+def _keep_previous(bin_final: Path, idx_final: Path) -> bool:
+    """Hard-link an existing .bin/.idx pair to its PREVIOUS names before a rewrite replaces it
+    (no bytes are copied); True when it did. Nothing is kept where there is no whole pair (a
+    PREVIOUS pair left by an interrupted rewrite is then the only copy, and stays) or where the
+    filesystem has no hard links (the rewrite goes on as before)."""
+    if not (bin_final.is_file() and idx_final.is_file()):
+        return False
+    _drop_previous(bin_final, idx_final)
+    try:
+        os.link(bin_final, _previous(bin_final))
+        os.link(idx_final, _previous(idx_final))
+    except OSError:
+        _drop_previous(bin_final, idx_final)
+        return False
+    fsync_dir(bin_final.parent)
+    return True
 
 
 def write_dataset(prefix: str | os.PathLike, documents: Iterable[Iterable], dtype=np.int32) -> None:

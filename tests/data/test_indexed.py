@@ -161,5 +161,57 @@ def test_a_rewrite_killed_between_its_renames_leaves_no_dataset_that_opens(tmp_p
         write_dataset(prefix, [[[7]], [[8, 9, 10, 11, 12]]], np.uint16)
     monkeypatch.setattr(indexed.os, "replace", real)
     assert not MMapIndexedDataset.exists(prefix)
-    with pytest.raises((UserError, FileNotFoundError, OSError)):
+    with pytest.raises(UserError, match=r"interrupted.*d\.bin\.previous and d\.idx\.previous"):
         MMapIndexedDataset(prefix)
+    # Nothing written before is lost: the replaced dataset is whole under the names the error
+    # gives, and opens with its own documents once renamed back.
+    os.replace(tmp_path / "d.bin.previous", tmp_path / "d.bin")
+    os.replace(tmp_path / "d.idx.previous", tmp_path / "d.idx")
+    old = MMapIndexedDataset(prefix)
+    assert [old[i].tolist() for i in range(len(old))] == [[1, 2, 3], [4, 5, 6]]
+    del old
+    # A rewrite that completes replaces it and leaves no previous pair behind.
+    write_dataset(prefix, [[[7]], [[8, 9, 10, 11, 12]]], np.uint16)
+    new = MMapIndexedDataset(prefix)
+    assert [new[i].tolist() for i in range(len(new))] == [[7], [8, 9, 10, 11, 12]]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+
+
+def test_a_rewrite_killed_after_dropping_the_old_index_keeps_the_old_pair(tmp_path, monkeypatch):
+    # A kill right after the old .idx is unlinked, before the new .bin is renamed over the old.
+    prefix = tmp_path / "d"
+    write_dataset(prefix, [[[1, 2, 3]], [[4, 5, 6]]], np.uint16)
+    import bloomtrain.data.indexed as indexed
+    real = os.unlink
+
+    def unlink_then_interrupt(path, *a, **k):
+        real(path, *a, **k)
+        if str(path).endswith("d.idx"):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(indexed.os, "unlink", unlink_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(prefix, [[[7, 8, 9, 10, 11, 12]]], np.uint16)
+    monkeypatch.setattr(indexed.os, "unlink", real)
+    with pytest.raises(UserError, match="interrupted"):
+        MMapIndexedDataset(prefix)
+    assert (tmp_path / "d.bin.previous").read_bytes() == np.arange(1, 7, dtype=np.uint16).tobytes()
+    # Where the previous pair is the only copy, a rewrite that is interrupted again keeps it.
+    monkeypatch.setattr(indexed.os, "replace", lambda s, d: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(prefix, [[[9]]], np.uint16)
+    assert (tmp_path / "d.bin.previous").read_bytes() == np.arange(1, 7, dtype=np.uint16).tobytes()
+    assert (tmp_path / "d.idx.previous").is_file()
+
+
+def test_a_rewrite_without_hard_links_still_replaces_the_dataset(tmp_path, monkeypatch):
+    prefix = tmp_path / "d"
+    write_dataset(prefix, [[[1, 2, 3]]], np.uint16)
+    import bloomtrain.data.indexed as indexed
+
+    def no_links(src, dst):
+        raise OSError(1, "Operation not permitted")  # a filesystem without hard links
+    monkeypatch.setattr(indexed.os, "link", no_links)
+    write_dataset(prefix, [[[4, 5]]], np.uint16)
+    assert MMapIndexedDataset(prefix)[0].tolist() == [4, 5]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
