@@ -101,6 +101,23 @@ def test_srun_running_a_shell_starts_its_tasks():
                                       'sh -c "${run_cmd}"')).world_size == 1
 
 
+@pytest.mark.parametrize("starter,world", [
+    ("srun --ntasks=16", 16), ("srun -n 16", 16), ("srun -n16 -l", 16),
+    ("srun --nodes=2 --ntasks-per-node=8", 16), ("srun -N 2", 16), ("srun --ntasks-per-node=2", 8),
+    ("srun --kill-on-bad-exit=1", 32), ("srun -n $NT", None),
+    ("mpirun -np 16", 16), ("mpiexec -n 12 --bind-to none", 12), ("mpirun --hostfile h", None),
+])
+def test_srun_and_mpi_task_options_set_the_world_over_the_allocation(starter, world):
+    # srun's own counts override the #SBATCH ones (a 4 x 8-task allocation here); mpirun and
+    # mpiexec start -n/-np processes, and were read as one process.
+    script = ('#!/bin/bash\n#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=8\n'
+              f'{starter} python pretrain_gpt.py --seed 1\n')
+    launch = read_launch(script)
+    assert launch.world_size == world, launch.world_note
+    assert read_launch(script.replace(starter, f'{starter} bash -c "', 1).replace(
+        "--seed 1\n", '--seed 1"\n')).world_size == world
+
+
 def test_an_unset_variable_among_the_arguments_is_named_as_the_script_spells_it():
     argv = read_launch("torchrun pretrain_gpt.py --num-layers 2 $EXTRA_ARGS").argv
     with pytest.raises(UserError, match=r"got 2: \['2', '\$EXTRA_ARGS'\]; \$EXTRA_ARGS is not "

@@ -20,6 +20,13 @@ _TORCHRUN = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 _LAUNCHER_FLAGS = {"--standalone", "--no_python", "--use_env", "--module", "-m", "--run_path",
                    "--force_multi", "--no_local_rank", "--no_ssh_check", "--save_pid",
                    "--elastic_training", "--bind_cores_to_rank", "--no_ssh", "-u"}
+_STARTERS = ("srun", "mpirun", "mpiexec", "orterun")
+# The task counts of srun and of MPI's launchers (Open MPI, MPICH): option -> what it sets.
+_STARTER_COUNTS = {
+    "srun": {"-n": "ntasks", "--ntasks": "ntasks", "-N": "nodes", "--nodes": "nodes",
+             "--ntasks-per-node": "ntasks_per_node"},
+    "mpi": {"-n": "ntasks", "-np": "ntasks", "--np": "ntasks", "--n": "ntasks", "-c": "ntasks"},
+}
 _NOT_LAUNCHES = {"echo", "printf", "cat", "tee", ":", "true", "test", "[", "[[", "eval"}
 _MAX_DEPTH = 50
 
@@ -41,7 +48,9 @@ class _Found:
     program: str
     argv: list[str]
     line: int
-    under_srun: bool
+    # The program that starts the processes running python (srun, mpirun), with its options
+    # (_starter_options), or None: python then runs one process.
+    starter: tuple[str, dict[str, str]] | None
 
 
 @dataclass
@@ -123,7 +132,7 @@ class _Evaluator:
         self.launches: list[_Found] = []
         self.depth = 0
         self.flow = Flow()
-        self.under_srun = False
+        self.starter: tuple[str, dict[str, str]] | None = None   # of the enclosing `sh -c`
         self.uncertain: dict[str, int] = {}   # variables set under undecided conditions: line
         self.line = 0
 
@@ -277,25 +286,24 @@ class _Evaluator:
                 at = next((j for j, f in enumerate(options) if f == "-c"), None)
                 if at is not None and at + 1 < len(options) and \
                         all(f.startswith("-") for f in options[:at]):
-                    srun = any(os.path.basename(show(f)) == "srun" for f in fields[:k])
-                    return self._nested(options[at + 1], line, srun)
+                    return self._nested(options[at + 1], line, _starter(fields[:k]))
             if base in ("torchrun", "deepspeed"):
                 return self._launcher(base, fields, k + 1, line)
             if base.startswith("python") and k + 1 < len(fields):
                 return self._python(fields, k, line)
 
-    def _nested(self, script: str, line: int, srun: bool) -> None:
+    def _nested(self, script: str, line: int, starter) -> None:
         self.depth += 1
         if self.depth > _MAX_DEPTH:
             raise UserError(f"line {line}: bash -c nests too deep")
         # `srun sh -c "python pretrain_gpt.py ..."`: srun starts its tasks, each one a shell.
-        outer, self.under_srun = self.under_srun, self.under_srun or srun
+        outer, self.starter = self.starter, self.starter or starter
         try:
             for command in Lexer(script, first_line=line).commands():
                 self.command(command, line)
         finally:
             self.depth -= 1
-            self.under_srun = outer
+            self.starter = outer
 
     def _python(self, fields: list[str], k: int, line: int) -> None:
         j = k + 1
@@ -310,8 +318,8 @@ class _Evaluator:
             return
         name = os.path.basename(show(fields[j])) if j < len(fields) else ""
         if name.endswith(".py") and name.startswith(("pretrain", "finetune")):
-            srun = self.under_srun or any(os.path.basename(f) == "srun" for f in fields[:k])
-            self.launches.append(_Found(None, {}, fields[j], fields[j + 1:], line, srun))
+            starter = self.starter or _starter(fields[:k])
+            self.launches.append(_Found(None, {}, fields[j], fields[j + 1:], line, starter))
 
     def _launcher(self, launcher: str, fields: list[str], j: int, line: int) -> None:
         options: dict[str, str] = {}
@@ -324,7 +332,29 @@ class _Evaluator:
                 options[name], j = (fields[j + 1] if j + 1 < len(fields) else ""), j + 2
         if j >= len(fields):
             raise UserError(f"line {line}: {launcher} runs no program")
-        self.launches.append(_Found(launcher, options, fields[j], fields[j + 1:], line, False))
+        self.launches.append(_Found(launcher, options, fields[j], fields[j + 1:], line, None))
+
+
+def _starter(fields: list[str]) -> tuple[str, dict[str, str]] | None:
+    """The srun or MPI launcher among the words before python, with the task counts its options
+    give (`-n 16`, `-n16`, `--ntasks=16`, `-np 16`, ...: the names of _STARTER_COUNTS)."""
+    for k, word in enumerate(fields):
+        name = os.path.basename(show(word))
+        if name not in _STARTERS:
+            continue
+        counts = _STARTER_COUNTS["srun" if name == "srun" else "mpi"]
+        options: dict[str, str] = {}
+        rest = fields[k + 1:]
+        for i, f in enumerate(rest):
+            opt, eq, value = f.partition("=")
+            if not eq and f[:2] in counts and f[2:].isdigit():
+                opt, value = f[:2], f[2:]      # -n16, -N4
+            elif not eq:
+                value = rest[i + 1] if i + 1 < len(rest) else ""
+            if opt in counts:
+                options[counts[opt]] = value
+        return name, options
+    return None
 
 
 def _assignment(word: list[Part]):
@@ -347,6 +377,35 @@ def _count(value: str | None, what: str, default: int | None) -> tuple[int | Non
     return None, f"{what} is {value!r}, not a fixed number"
 
 
+def _started(name: str, options: dict[str, str], slurm: _Slurm, where: str
+             ) -> tuple[int | None, str]:
+    """The processes srun or an MPI launcher starts: its own counts (-n, or -N times
+    --ntasks-per-node, either from srun or from #SBATCH), over the allocation's."""
+    counts = {}
+    for what, value in options.items():
+        counts[what], why = _count(value, f"{name} {what}", None)
+        if counts[what] is None:
+            return None, f"{why} ({where})"
+    if name != "srun":
+        if "ntasks" in counts:
+            return counts["ntasks"], f"{name} -n {counts['ntasks']} ({where})"
+        return None, f"{name} without -n/-np starts as many processes as its hosts give ({where})"
+    if "ntasks" in counts:
+        return counts["ntasks"], f"srun -n {counts['ntasks']} ({where})"
+    if counts:  # srun's -N or --ntasks-per-node, the rest from the allocation
+        nodes = counts.get("nodes", slurm.nodes)
+        per_node = counts.get("ntasks_per_node", slurm.ntasks_per_node)
+        if nodes and per_node:
+            return nodes * per_node, f"srun: {nodes} node(s) x {per_node} task(s) per node, " \
+                                     f"srun's options over #SBATCH ({where})"
+        return None, f"srun starts as many processes as SLURM gives it ({where})"
+    tasks = slurm.ntasks or (slurm.nodes and slurm.ntasks_per_node and
+                             slurm.nodes * slurm.ntasks_per_node)
+    if not tasks:
+        return None, f"srun starts as many processes as SLURM gives it ({where})"
+    return tasks, f"srun tasks from #SBATCH ({where})"
+
+
 def _world(found: _Found, slurm: _Slurm) -> tuple[int | None, str]:
     o, where = found.options, f"line {found.line}"
     if found.launcher in _TORCHRUN:
@@ -364,14 +423,10 @@ def _world(found: _Found, slurm: _Slurm) -> tuple[int | None, str]:
             return None, f"deepspeed without --num_nodes and --num_gpus uses every GPU it " \
                          f"finds ({where})"
         how = f"deepspeed --num_nodes {nodes} --num_gpus {procs}, {where}"
-    elif not found.under_srun:
+    elif found.starter is None:
         return 1, f"python runs one process ({where})"
     else:
-        tasks = slurm.ntasks or (slurm.nodes and slurm.ntasks_per_node and
-                                 slurm.nodes * slurm.ntasks_per_node)
-        if not tasks:
-            return None, f"srun starts as many processes as SLURM gives it ({where})"
-        return tasks, f"srun tasks from #SBATCH ({where})"
+        return _started(*found.starter, slurm, where)
     if nodes is None or procs is None:
         return None, why_nodes or why_procs
     return nodes * procs, f"{nodes} node(s) x {procs} process(es) per node ({how})"
