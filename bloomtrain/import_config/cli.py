@@ -222,10 +222,13 @@ def render_yaml(config: dict, report, header: list[str]) -> str:
     for m in report.mapped:
         if m.key:
             sources[m.key] = m.source if m.key not in sources else f"{sources[m.key]}; {m.source}"
-    lines = [f"# {line}" for line in header] + [f"# WARNING: {w}" for w in report.warnings]
+    # An argument's value may span lines (a quoted value with newlines in the script): every
+    # line of a comment starts with "#", or the rest would be read as YAML.
+    lines = [_commented(line, "# ") for line in header]
+    lines += [_commented(f"WARNING: {w}", "# ") for w in report.warnings]
     if report.unsupported:
         lines.append("# UNSUPPORTED in the source run (written anyway with --allow-unsupported):")
-        lines += [f"#   {show(s.source)}: {s.reason}" for s in report.unsupported]
+        lines += [_commented(f"{show(s.source)}: {s.reason}", "#   ") for s in report.unsupported]
     for section in _SECTIONS:
         if section not in config:
             continue
@@ -236,8 +239,13 @@ def render_yaml(config: dict, report, header: list[str]) -> str:
             text = yaml.safe_dump(value, default_flow_style=True, width=10 ** 6)
             text = text.removesuffix("\n...\n").rstrip("\n")
             comment = sources.get(f"{section}.{key}", "")
-            lines.append(f"  {key}: {text}" + (f"  # {show(comment)}" if comment else ""))
+            comment = " ".join(show(comment).split())  # on the key's one line
+            lines.append(f"  {key}: {text}" + (f"  # {comment}" if comment else ""))
     text = "\n".join(lines) + "\n"
     if Config.from_dict(yaml.safe_load(text)).to_dict() != Config.from_dict(config).to_dict():
         raise RuntimeError("the YAML written does not load back to the converted config")
     return text
+
+
+def _commented(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines() or [""])

@@ -544,3 +544,21 @@ def test_a_continuation_script_refused_for_its_ramp_up_says_what_to_drop(tmp_pat
     assert code == 2 and "its batch 12 must be divisible" in err
     assert "the script resumes (--load): if its checkpoint is past the ramp-up's 1000 samples" \
         in err and not (tmp_path / "out.yaml").exists()
+
+
+def test_a_value_over_several_lines_is_commented_on_every_line(tmp_path, capsys):
+    # BigScience's weighted split groups written over two lines inside one quoted argument: the
+    # YAML header copies the unsupported argument, and its second line was left uncommented
+    # (a yaml.scanner traceback, nothing written).
+    args_file = tmp_path / "split.args"
+    args_file.write_text(ARGS_FILE + '--train-weighted-split-paths "TRAIN: 0.5 0:0.95 /d/a,\n'
+                                      '    0.5 0:0.95 /d/b"\n')
+    out_yaml = tmp_path / "split.yaml"
+    rc, _, err = _run(capsys, "--megatron-args", args_file, "--var", "DATA=/data",
+                      "--output", out_yaml, "--allow-unsupported")
+    assert rc == 0, err
+    text = out_yaml.read_text()
+    header = text[:text.index("\nmodel:")].splitlines()
+    assert all(line.startswith("#") for line in header), header
+    assert any("0.5 0:0.95 /d/b" in line for line in header)
+    Config.load(str(out_yaml)).check()
