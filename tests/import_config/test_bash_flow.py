@@ -101,6 +101,29 @@ def test_srun_running_a_shell_starts_its_tasks():
                                       'sh -c "${run_cmd}"')).world_size == 1
 
 
+CHANGED = {
+    # Commands that change a variable without NAME=VALUE: read as bash reads `unset`, the rest
+    # left unknown (they kept the old value, 16, where bash has 32).
+    "let": "let GBS=GBS*2", "let_quoted": 'let "GBS += 16"', "arith": "((GBS*=2))",
+    "arith_spaced": "(( GBS = GBS * 2 ))", "arith_increment": "(( ++GBS, GBS += 15 ))",
+    "printf_v": "printf -v GBS %d 32", "read": "read -r -p x GBS REST <<< '32 1'",
+    "mapfile": "mapfile -t GBS <<< 32",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHANGED))
+def test_a_variable_changed_by_a_command_is_unknown_and_unset_is_read(name):
+    script = f"GBS=16\n{CHANGED[name]}\ntorchrun pretrain_gpt.py --global-batch-size $GBS"
+    assert _bash_argv(script)[-1] == "32"
+    assert unresolved_in(read_launch(script).argv) == "$GBS"
+    assert read_launch(script, {"GBS": "32"}).argv[-1] == "32"
+    unset = "GBS=16\nunset GBS\ntorchrun pretrain_gpt.py --global-batch-size ${GBS:-32}"
+    assert read_launch(unset).argv == _bash_argv(unset) == ["--global-batch-size", "32"]
+    # A comparison assigns nothing.
+    assert read_launch("GBS=16\n(( GBS >= 2 && GBS != 3 ))\ntorchrun pretrain_gpt.py "
+                       "--global-batch-size $GBS").argv[-1] == "16"
+
+
 @pytest.mark.parametrize("starter,world", [
     ("srun --ntasks=16", 16), ("srun -n 16", 16), ("srun -n16 -l", 16),
     ("srun --nodes=2 --ntasks-per-node=8", 16), ("srun -N 2", 16), ("srun --ntasks-per-node=2", 8),

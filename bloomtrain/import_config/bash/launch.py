@@ -176,6 +176,10 @@ class _Evaluator:
                 if assignment := _assignment(word):
                     self._assign(*assignment, certain=mode == RUN)
             return True
+        if words and (name := self.string(words[0])) in _CHANGERS:
+            for var in _changed(name, [f for w in words[1:] for f in self.fields(w)]):
+                self._change(var, forget=name == "unset" and mode == RUN)
+            return True
         if cmd.heredoc is not None and cmd.output is not None:
             self.files[self.string(cmd.output)] = self.string(cmd.heredoc)
         fields = [f for w in words for f in self.fields(w)]
@@ -196,6 +200,17 @@ class _Evaluator:
                 self.uncertain.setdefault(name, self.line)
             value = self.overrides.get(name, mark("$" + name))
         self.env[name] = value
+
+    def _change(self, name: str, forget: bool) -> None:
+        """A variable a command changes other than by NAME=VALUE (_CHANGERS): undefined after
+        `unset`, otherwise set to what this reader does not compute (a --var gives it)."""
+        if forget:
+            self.env.pop(name, None)
+        elif name in self.overrides:
+            self.env[name] = self.overrides[name]
+        else:
+            self.uncertain.setdefault(name, self.line)
+            self.env[name] = mark("$" + name)
 
     def string(self, parts: list[Part]) -> str:
         return "".join(self._single(p) for p in parts)
@@ -355,6 +370,37 @@ def _starter(fields: list[str]) -> tuple[str, dict[str, str]] | None:
                 options[counts[opt]] = value
         return name, options
     return None
+
+
+# Commands that set or unset variables without NAME=VALUE, and their options that take a value.
+_CHANGERS = {"unset": "", "let": "", "((": "", "printf": "", "read": "adinNptu",
+             "readarray": "dnOsuCc", "mapfile": "dnOsuCc"}
+_ARITH_ASSIGN = re.compile(r"([A-Za-z_]\w*)\s*(?:<<|>>|[-+*/%&|^])?=(?!=)|"
+                           r"([A-Za-z_]\w*)\s*(?:\+\+|--)|(?:\+\+|--)\s*([A-Za-z_]\w*)")
+
+
+def _changed(command: str, args: list[str]) -> list[str]:
+    """The variables `command args` (one of _CHANGERS) sets or unsets."""
+    if command in ("let", "(("):
+        return [next(g for g in m.groups() if g) for m in _ARITH_ASSIGN.finditer(" ".join(args))]
+    if command == "printf":
+        return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-v"][:1]
+    if command == "unset":
+        return [] if "-f" in args else [a for a in args if not a.startswith("-")]
+    names, takes, i = [], _CHANGERS[command], 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-") and len(a) > 1:
+            if a[-1] in takes and len(a) == 2:
+                if a == "-a" and i + 1 < len(args):   # read -a NAME: an array
+                    names.append(args[i + 1])
+                i += 1
+        else:
+            names.append(a)
+        i += 1
+    if command != "read":   # readarray/mapfile: one array, MAPFILE by default
+        names = names[-1:] or ["MAPFILE"]
+    return [n for n in names if re.fullmatch(r"[A-Za-z_]\w*", n)]
 
 
 def _assignment(word: list[Part]):

@@ -114,6 +114,12 @@ class Lexer:
                         p.kind == "lit" and p.text.isdigit() for p in cur.words[-1]):
                     cur.words.pop()  # the fd of `2>&1`
                 self._redirect(cur)
+            elif c == "(" and self._peek(1) == "(" and not cur.words and not self.words_only:
+                # `(( X += 2 ))`, an arithmetic command: one quoted word after "((", for the
+                # evaluator to find what it assigns (bash.launch._changed).
+                body = self._balanced("(", ")")
+                cur.words += [[Part("lit", "((", False)], [Part("lit", body[2:-2], True)]]
+                last_end = self.i
             elif c in ";&|()" and not self.words_only:
                 op = c * 2 if c in ";&|" and self._peek(1) == c else c
                 self.i += len(op)
