@@ -145,9 +145,14 @@ def _ds_config(path: str | None, megatron: dict, launch, source: Path):
     name = megatron.get("deepspeed_config") or megatron.get("deepscale_config")
     if not isinstance(name, str):
         return None, None
-    if name in launch.files:
+    written, text = launch.written_file(name)
+    if written and text is None:
+        raise UserError(f"the script writes the ds_config {show(name)} under an if, case, loop "
+                        f"or &&/|| import-config cannot decide; pass the file the run used "
+                        f"with --deepspeed-config")
+    if written:
         where = f"{show(name)} (written by the script)"
-        return _parse_ds(launch.files[name], where), where
+        return _parse_ds(text, where), where
     beside = source.parent / show(name)
     if beside.is_file():
         return _parse_ds(_read(beside), str(beside)), str(beside)

@@ -562,3 +562,48 @@ def test_a_value_over_several_lines_is_commented_on_every_line(tmp_path, capsys)
     assert all(line.startswith("#") for line in header), header
     assert any("0.5 0:0.95 /d/b" in line for line in header)
     Config.load(str(out_yaml)).check()
+
+
+# ARGS_FILE's arguments on one line of a script.
+_ARGS_LINE = " ".join(line.rstrip("\\") for line in ARGS_FILE.splitlines()
+                      if not line.startswith("#"))
+
+
+@pytest.mark.parametrize("write,use", [
+    ("cat <<EOT > ds.json", "./ds.json"), ("cat <<EOT > ./cfg/../ds.json", "ds.json"),
+    ("cat << EOT | tee ds.json", "ds.json"), ("cat <<EOT >| ds.json", "ds.json"),
+])
+def test_the_ds_config_the_script_writes_is_found_as_the_launch_names_it(tmp_path, capsys,
+                                                                        write, use):
+    # Each was missed ('ds_config: none'), and Megatron's clipping and ZeRO stage used instead.
+    script = tmp_path / "run.sh"
+    script.write_text(f"{write}\n"
+                      '{"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5,\n'
+                      ' "zero_optimization": {"stage": 2}, "fp16": {"enabled": true}}\nEOT\n'
+                      f"torchrun --nproc_per_node 8 pretrain_gpt.py {_ARGS_LINE} "
+                      f"--deepspeed --deepspeed_config {use}\n".replace("${DATA}", "/d"))
+    out_yaml = tmp_path / "out.yaml"
+    rc, out, err = _run(capsys, "--megatron-args", script, "--output", out_yaml)
+    assert rc == 0, err
+    assert "(written by the script)" in out
+    c = yaml.safe_load(out_yaml.read_text())
+    assert (c["optim"]["clip_grad"], c["parallel"]["zero_stage"]) == (0.5, 2)
+
+
+def test_a_ds_config_written_under_an_undecided_condition_is_refused(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    body = ('{"train_micro_batch_size_per_gpu": 8, "gradient_clipping": %s, '
+            '"fp16": {"enabled": true}}\nEOT\n')
+    launch = (f"torchrun --nproc_per_node 8 pretrain_gpt.py {_ARGS_LINE} --deepspeed "
+              f"--deepspeed_config ds.json\n").replace("${DATA}", "/d")
+    script.write_text("if [ -f /etc/big_cluster ]; then\ncat <<EOT > ds.json\n" + body % "0.3"
+                      + "else\ncat <<EOT > ds.json\n" + body % "0.5" + "fi\n" + launch)
+    rc, _, err = _run(capsys, "--megatron-args", script, "--output", tmp_path / "out.yaml")
+    assert rc == 2 and "under an if, case, loop" in err and "--deepspeed-config" in err
+    assert not (tmp_path / "out.yaml").exists()
+    # Written where the condition is decided, it is read.
+    script.write_text("if [ 1 = 1 ]; then\ncat <<EOT > ds.json\n" + body % "0.3"
+                      + "else\ncat <<EOT > ds.json\n" + body % "0.5" + "fi\n" + launch)
+    rc, _, err = _run(capsys, "--megatron-args", script, "--output", tmp_path / "out.yaml")
+    assert rc == 0, err
+    assert yaml.safe_load((tmp_path / "out.yaml").read_text())["optim"]["clip_grad"] == 0.3

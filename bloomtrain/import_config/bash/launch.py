@@ -38,7 +38,14 @@ class Launch:
     line: int | None
     world_size: int | None
     world_note: str                 # how the world size was found, or why it is unknown
-    files: dict[str, str] = field(default_factory=dict)   # path -> text the script writes
+    # path (normalised: written_file looks one up) -> text the script writes, or None where it
+    # writes it under a condition this reader cannot decide
+    files: dict[str, str | None] = field(default_factory=dict)
+
+    def written_file(self, name: str) -> tuple[bool, str | None]:
+        """(whether the script writes `name`, its text or None when undecided)."""
+        key = os.path.normpath(name)
+        return key in self.files, self.files.get(key)
 
 
 @dataclass
@@ -128,7 +135,8 @@ class _Evaluator:
     def __init__(self, env: dict[str, str], overrides: dict[str, str]):
         # "$@" and "$*": a launch script is read as run without arguments.
         self.env, self.overrides = {"@": "", "*": "", **env}, overrides
-        self.files: dict[str, str] = {}
+        self.files: dict[str, str | None] = {}
+        self.piped: str | None = None   # a heredoc piped on, for `cat <<EOF | tee FILE`
         self.launches: list[_Found] = []
         self.depth = 0
         self.flow = Flow()
@@ -180,9 +188,16 @@ class _Evaluator:
             for var in _changed(name, [f for w in words[1:] for f in self.fields(w)]):
                 self._change(var, forget=name == "unset" and mode == RUN)
             return True
-        if cmd.heredoc is not None and cmd.output is not None:
-            self.files[self.string(cmd.output)] = self.string(cmd.heredoc)
+        piped, self.piped = self.piped, None
         fields = [f for w in words for f in self.fields(w)]
+        if cmd.heredoc is not None and cmd.output is not None:
+            self._write(self.string(cmd.output), self.string(cmd.heredoc), mode)
+        elif cmd.heredoc is not None:
+            self.piped = self.string(cmd.heredoc)
+        if piped is not None and cmd.sep == "|" and fields and fields[0] == "tee":
+            for name in fields[1:]:
+                if not name.startswith("-"):
+                    self._write(name, piped, mode)
         if not fields:
             return True
         if os.path.basename(fields[0]) not in _NOT_LAUNCHES:
@@ -200,6 +215,12 @@ class _Evaluator:
                 self.uncertain.setdefault(name, self.line)
             value = self.overrides.get(name, mark("$" + name))
         self.env[name] = value
+
+    def _write(self, name: str, text: str, mode: int) -> None:
+        """A file the script writes; under a condition this reader cannot decide, its text is
+        not known afterwards (unless the same text was written before)."""
+        key = os.path.normpath(name)
+        self.files[key] = text if mode == RUN or self.files.get(key) == text else None
 
     def _change(self, name: str, forget: bool) -> None:
         """A variable a command changes other than by NAME=VALUE (_CHANGERS): undefined after

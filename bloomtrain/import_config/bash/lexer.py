@@ -143,6 +143,8 @@ class Lexer:
         start = self.i
         while self._peek() in ("<", ">", "&") and self._peek():
             self.i += 1
+        if self.s[start:self.i] == ">" and self._peek() == "|":
+            self.i += 1  # `>|`: noclobber's override, a plain redirect here
         op = self.s[start:self.i]
         if op.startswith("<<") and op != "<<<":
             strip_tabs = self._peek() == "-"
