@@ -245,16 +245,19 @@ class Trainer:
         self.data.check_order(self.state)
         self.data.stream.load_state_dict({"consumed_samples": self.state.consumed_samples})
         self.run_dir = Path(cfg.run_dir)
+        self.control = RunControl(cfg.train, cfg.checkpoint, self.device)
+        # Before the run directory is written: a start the kill switch stops rewrites nothing.
+        self.kill_switched = self.control.kill_switch_at_start(self.print)
         self.metrics = MetricsLog(self.run_dir, self.is_logger,
                                   self.state.step if self.resumed else None, log=self._log,
-                                  cfg=cfg, train_samples=self.data.train_samples)
+                                  cfg=cfg, train_samples=self.data.train_samples,
+                                  append_only=self.kill_switched)
         # Every later line goes through the metrics console, which ends an in-place progress
         # line first.
         self._log = self.metrics.console.line
-        if self.is_logger:
+        if self.is_logger and not self.kill_switched:
             with atomic_output(self.run_dir / "config.yaml", "w") as f:
                 f.write(cfg.to_yaml())
-        self.control = RunControl(cfg.train, cfg.checkpoint, self.device)
 
     @property
     def engine(self):
@@ -349,7 +352,7 @@ class Trainer:
         result = TrainResult(state=state, run_dir=str(self.run_dir))
         self.steplog.announce(self.shape, self.batches.trained_samples(self.data.train_samples),
                               self.run_dir, self.plan_text)
-        if self.control.kill_switch_at_start(self.print):
+        if self.kill_switched:
             result.exit_reason = "kill switch"
             # Said in the metrics too: a fresh run's report read "finished", its status
             # "stalled?" an hour later.

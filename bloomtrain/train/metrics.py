@@ -7,6 +7,7 @@ skipped) steps, step time and tokens/s over all of them, TFLOP/s by Megatron's f
 ETA is the steps left at that step time."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
@@ -64,12 +65,26 @@ class Console:
             self._end_progress()
 
 
+def _drop_unfinished_line(path: Path, log) -> None:
+    """Cut a last line a kill left unfinished (no newline) from `path`, keeping the rest."""
+    with contextlib.suppress(FileNotFoundError):
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            log(f"[metrics] dropping the unfinished last line of {path}")
+            with atomic_output(path, "wb") as f:
+                f.write(data[:data.rfind(b"\n") + 1])
+
+
 class MetricsLog:
     """Records in run_dir/metrics.jsonl and its sinks, and lines through a Console, on rank 0
     only. Every rank builds one: a sink the config requires but cannot open fails on all."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None, log=print, *,
-                 cfg=None, train_samples: int | None = None):
+                 cfg=None, train_samples: int | None = None, append_only: bool = False):
+        """`append_only`: a start that trains nothing (the kill switch is there) adds its
+        record to the file as it is, and opens no sinks (a TensorBoard sink would purge the
+        steps after the checkpoint): the records it would rewrite are the last ones the
+        stopped job logged, which are the ones looked at."""
         self.enabled, self.train_samples = enabled, train_samples
         self.console = Console(log)
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -78,43 +93,48 @@ class MetricsLog:
         # again when the resumed run jumps its samples (replay), or the spike would vanish
         # from the file, status and the plots (skipped_samples.json alone kept it).
         self.rollbacks: dict[int, dict] = {}
-        if enabled and resume_step is None:
+        if not enabled:
+            pass
+        elif append_only:
+            _drop_unfinished_line(self.path, log)  # or the record appended would join it
+        elif resume_step is None or not self.path.exists():
+            # A fresh run, or a resume into a new run_dir (another run's checkpoint, an
+            # import): the file is there from the start, so `status` reads a run that has begun.
             with atomic_output(self.path, "w"):
                 pass
-        elif enabled and self.path.exists():
-            # Steps after the checkpoint are about to run again: drop their old records so the
-            # file reads as one uninterrupted run.
-            keep = []
-            lines = list(filter(str.strip, self.path.read_text().splitlines()))
-            for i, line in enumerate(lines):
-                try:
-                    rec = jsonl.loads(line)
-                    if not isinstance(rec, dict):
-                        raise ValueError("not a record")
-                except ValueError:
-                    if i == len(lines) - 1:  # cut short by a kill or a full disk
-                        log(f"[metrics] dropping the unfinished last line of {self.path}")
-                        break
-                    raise UserError(f"{self.path} line {i + 1} is not JSON; a resumed run "
-                                    f"keeps the records up to its step: repair or remove "
-                                    f"that line") from None
-                # A stop at the resumed step is over: `status` read it as the run's state
-                # while the resumed run trained, until its first record.
-                if rec.get("step", 0) <= resume_step and not (
-                        "stopped" in rec and rec.get("step") == resume_step):
-                    keep.append(line)
-                    history.append(rec)
-                elif (rec.get("loss_spike") or {}).get("action") == "rollback":
-                    self.rollbacks[rec["step"]] = rec  # the resume jumps its samples again
-            with atomic_output(self.path, "w") as f:
-                f.write("".join(line + "\n" for line in keep))
-        elif enabled:
-            # A resume into a new run_dir (another run's checkpoint, an import): the file is
-            # there from the start, as for a fresh run, so `status` reads a run that has begun.
-            with atomic_output(self.path, "w"):
-                pass
-        self.sinks, self.notes = (([], []) if cfg is None else
+        else:
+            history = self._keep_until(resume_step, log)
+        self.sinks, self.notes = (([], []) if cfg is None or append_only else
                                   open_sinks(cfg, Path(run_dir), enabled, resume_step, history))
+
+    def _keep_until(self, resume_step: int, log) -> list[dict]:
+        """Drop the records after `resume_step` (those steps are about to run again) so the
+        file reads as one uninterrupted run; the records kept."""
+        keep, history = [], []
+        lines = list(filter(str.strip, self.path.read_text().splitlines()))
+        for i, line in enumerate(lines):
+            try:
+                rec = jsonl.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("not a record")
+            except ValueError:
+                if i == len(lines) - 1:  # cut short by a kill or a full disk
+                    log(f"[metrics] dropping the unfinished last line of {self.path}")
+                    break
+                raise UserError(f"{self.path} line {i + 1} is not JSON; a resumed run keeps "
+                                f"the records up to its step: repair or remove that line"
+                                ) from None
+            # A stop at the resumed step is over: `status` read it as the run's state while
+            # the resumed run trained, until its first record.
+            if rec.get("step", 0) <= resume_step and not (
+                    "stopped" in rec and rec.get("step") == resume_step):
+                keep.append(line)
+                history.append(rec)
+            elif (rec.get("loss_spike") or {}).get("action") == "rollback":
+                self.rollbacks[rec["step"]] = rec  # the resume jumps its samples again
+        with atomic_output(self.path, "w") as f:
+            f.write("".join(line + "\n" for line in keep))
+        return history
 
     def where(self) -> list[str]:
         """Where this run's metrics go and how to view them."""

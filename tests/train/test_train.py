@@ -91,6 +91,41 @@ def test_the_steps_after_the_last_logged_one_get_a_record(dataset, tmp_path):
     assert recs[-1]["loss"] == res.losses[2]
 
 
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_a_start_the_kill_switch_stops_rewrites_nothing_of_the_run(dataset, tmp_path,
+                                                                   checkpoints):
+    # A diverging job killed in its 5th step, the kill switch set so the requeued job does not
+    # train: that start dropped the records after the checkpoint (step 3), or all of them
+    # without one, and rewrote config.yaml. They are the records the job was stopped to read.
+    ck = {"dir": str(tmp_path / "ck"), "save_interval": 3} if checkpoints else {}
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=4, train__log_interval=1,
+                   checkpoint=ck)
+    Trainer(cfg, log=lambda *a: None).run()
+    if checkpoints:  # the kill came before step 4's save
+        import shutil
+        from bloomtrain import checkpoint as ckpt
+        shutil.rmtree(tmp_path / "ck" / ckpt.step_dir_name(4))
+    run = tmp_path / "run"
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "consumed_samples": 4')  # the record the kill cut short
+    before = (run / "metrics.jsonl").read_text()
+    (run / "config.yaml").write_text("# the stopped job's config\n")
+    switch = tmp_path / "KILL"
+    switch.touch()
+    again = make_cfg(dataset, tmp_path, train__train_iters=8, train__log_interval=1,
+                     train__kill_switch_path=str(switch), checkpoint=ck)
+    res = Trainer(again, log=lambda *a: None).run()
+    assert res.exit_reason == "kill switch"
+    after = (run / "metrics.jsonl").read_text()
+    kept = before[:before.rindex("\n") + 1]
+    assert after.startswith(kept)
+    recs = metrics(run)
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert recs[-1]["stopped"] == "kill switch" and recs[-1]["step"] == (3 if checkpoints else 0)
+    assert len(recs) == len(kept.splitlines()) + 1
+    assert (run / "config.yaml").read_text() == "# the stopped job's config\n"
+
+
 def _dropout_masks_worker(rank, world, dataset, tmp):
     """Every hidden-dropout mask this rank's blocks draw in one training step, by block."""
     import torch.nn.functional as F
