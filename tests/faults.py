@@ -16,6 +16,8 @@ bug or bad input on one rank, while its peers go on into the step's communicatio
 BLOOMTRAIN_TEST_SAVE_SLEEP="RANK:STEP:SECONDS": global rank RANK sleeps SECONDS in its first save
 of a step >= STEP, once it has written its files into the save's temporary directory: a save
 still in progress when a test cuts it short (a kill, a second Ctrl-C).
+BLOOMTRAIN_TEST_BUILD_SLEEP="SECONDS": every rank sleeps SECONDS as the Trainer's build begins
+(after the process group and the run lock, before the model): a start still in progress.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ SLEEP_ENV = "BLOOMTRAIN_TEST_SLEEP"
 KILL_ENV = "BLOOMTRAIN_TEST_KILL"
 SAVE_SLEEP_ENV = "BLOOMTRAIN_TEST_SAVE_SLEEP"
 RAISE_ENV = "BLOOMTRAIN_TEST_RAISE"
+BUILD_SLEEP_ENV = "BLOOMTRAIN_TEST_BUILD_SLEEP"
 SITE = Path(__file__).resolve().parent / "fault_site"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +65,8 @@ def parse_kill(value: str | None, restart: int) -> tuple[int, int] | None:
 
 
 def env(sleep: str | None = None, kill: str | None = None,
-        save_sleep: str | None = None, raise_at: str | None = None) -> dict[str, str]:
+        save_sleep: str | None = None, raise_at: str | None = None,
+        build_sleep: float | None = None) -> dict[str, str]:
     """The variables that make a job's interpreters inject these faults."""
     path = [str(SITE), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
                                      else [])
@@ -75,6 +79,8 @@ def env(sleep: str | None = None, kill: str | None = None,
         out[SAVE_SLEEP_ENV] = save_sleep
     if raise_at is not None:
         out[RAISE_ENV] = raise_at
+    if build_sleep is not None:
+        out[BUILD_SLEEP_ENV] = str(build_sleep)
     return out
 
 
@@ -127,6 +133,8 @@ def install() -> None:
     save_sleep = parse_sleep(os.environ.get(SAVE_SLEEP_ENV), SAVE_SLEEP_ENV)
     if save_sleep is not None:
         _sleep_in_save(*save_sleep)
+    if os.environ.get(BUILD_SLEEP_ENV):
+        _sleep_in_build(float(os.environ[BUILD_SLEEP_ENV]))
     if not (os.environ.get(SLEEP_ENV) or os.environ.get(KILL_ENV) or os.environ.get(RAISE_ENV)):
         return
     from bloomtrain.train.loop import Trainer
@@ -167,3 +175,17 @@ def _sleep_in_save(rank: int, first_step: int, seconds: float) -> None:
             time.sleep(seconds)
         return out
     writer._write_shard = write_shard_then_sleep
+
+
+def _sleep_in_build(seconds: float) -> None:
+    from bloomtrain.train.loop import Trainer
+
+    build = Trainer._build
+
+    @functools.wraps(build)
+    def sleep_then_build(self, *args, **kwargs):
+        print(f"[bloomtrain] {BUILD_SLEEP_ENV}: rank {self.topo.rank} sleeps {seconds:g} s as "
+              f"its build begins (fault injection for tests)", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+        return build(self, *args, **kwargs)
+    Trainer._build = sleep_then_build

@@ -91,11 +91,11 @@ def test_the_noise_is_left_out_and_the_rest_kept():
     assert noise.forced == 1
 
 
-def _train(tmp_path, *overrides, stdout=subprocess.PIPE, start_new_session=False):
+def _train(tmp_path, *overrides, stdout=subprocess.PIPE, start_new_session=False, env=None):
     """`bloomtrain train --nproc 2` of the tiny model in tmp_path/run; the launcher's Popen
     (start_new_session: its own process group, the workers' too, to look for after)."""
     dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         [sys.executable, "-m", "bloomtrain", "train", "--nproc", "2", "model.preset=tiny",
          "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
@@ -403,6 +403,33 @@ def test_workers_of_a_killed_launcher_save_and_end(tmp_path):
     text = (tmp_path / "out.txt").read_text()
     assert left == [], text
     assert ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None) is not None, text
+
+
+def test_workers_of_a_launcher_killed_during_their_start_end(tmp_path):
+    """The same kill while the workers still start (loading the model, the data, a checkpoint:
+    minutes at scale): they ignored SIGINT until the training loop's handler was up, so the
+    death signal was lost and the orphans trained the whole run."""
+    from tests import faults
+
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = _train(tmp_path, *_long_run(tmp_path), stdout=out, start_new_session=True,
+                      env=faults.env(build_sleep=60))
+    deadline = time.monotonic() + 120
+    while (tmp_path / "out.txt").read_text().count(faults.BUILD_SLEEP_ENV) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, \
+            (tmp_path / "out.txt").read_text()
+        time.sleep(0.2)
+    workers = [pid for pid in group_members(proc.pid) if pid != proc.pid]
+    assert workers
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30  # well inside the 60 s the workers' start sleeps
+    while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = (tmp_path / "out.txt").read_text()
+    assert left == [], text
+    assert "this worker stops before training" in text
+    assert not (tmp_path / "ck").exists() or not ckpt.list_checkpoints(tmp_path / "ck")
 
 
 def _config_rank(rank, world, tp_on_rank_1):

@@ -2,6 +2,7 @@
 --rdzv-endpoint HOST:PORT [--local-addr ADDR]] [--max-restarts N]`."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -16,20 +17,33 @@ LAUNCH_DEFAULTS = {"nproc": None, "nnodes": 1, "node_rank": 0, "rdzv_endpoint": 
                    "rdzv_timeout": None, "max_restarts": 0, "local_addr": None}
 
 
+def _sigint_before_training(launcher: int, _signum, _frame) -> None:
+    """A launched worker's SIGINT until the run's own handler is up (RunControl.active). A
+    terminal's Ctrl-C reaches the workers too, and the launcher takes that one (it asks the
+    workers to stop through the stop file: bloomtrain.launch.SigintStop), so it is ignored here.
+    But SIGINT is also torch's death signal for a worker whose launcher died: then the start
+    ends (nothing is trained yet), where it was ignored and the orphaned workers trained the
+    whole run."""
+    if os.getppid() != launcher:
+        print("bloomtrain: the launcher is gone (killed); this worker stops before training",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+
 def worker_entry(config_path, overrides, run):
     """A launched worker: `run` is what the launcher's `validate` returned for the job. Returns
     the run's summary (bloomtrain.train.control.summary) to the launcher."""
     import signal
 
-    if STOP_FILE_ENV in os.environ:  # the launcher takes Ctrl-C (bloomtrain.launch.SigintStop), which
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal sends the workers too
+    launcher = os.getppid()
+    if STOP_FILE_ENV in os.environ:
+        signal.signal(signal.SIGINT, functools.partial(_sigint_before_training, launcher))
     import torch.distributed as dist
 
     from bloomtrain.train import watchdog
     from bloomtrain.train.control import summary
     from bloomtrain.train.loop import train
 
-    launcher = os.getppid()
     if world_size_from_env() != run.layout.world_size:
         # The launcher checked the layout at --nproc x --nnodes; a node started with another
         # --nproc makes another world, which the layout's rules never saw.
