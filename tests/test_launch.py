@@ -10,6 +10,7 @@ once: no checkpoint of the step appears, the previous one is still the newest, a
 from it is bitwise equal too."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -414,6 +415,16 @@ def test_workers_of_a_launcher_killed_during_their_start_end(tmp_path):
     with open(tmp_path / "out.txt", "w") as out:
         proc = _train(tmp_path, *_long_run(tmp_path), stdout=out, start_new_session=True,
                       env=faults.env(build_sleep=60))
+    try:
+        _kill_launcher_in_start(tmp_path, proc)
+    finally:  # a failed test leaves no orphans training 100000 steps
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_launcher_in_start(tmp_path, proc) -> None:
+    from tests import faults
+
     deadline = time.monotonic() + 120
     while (tmp_path / "out.txt").read_text().count(faults.BUILD_SLEEP_ENV) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, \
