@@ -7,6 +7,11 @@ class UserError(Exception):
     traceback, so the message must say what to change."""
 
 
+class UserValueError(UserError, ValueError):
+    """A bad value handed to a function that callers of the Python API catch as ValueError
+    (an lm-eval task's settings handed to the eval model), and the CLI prints as a UserError."""
+
+
 def raise_all(problems: list[str]) -> None:
     """One UserError for every problem found, nothing when there is none: a single problem as
     it is, several each on its own line under their count, so that one run of a command shows

@@ -42,8 +42,8 @@ def _limit(text: str | None) -> float | int | None:
         value = float(text)
     except ValueError:
         raise UserError(f"--limit {text!r}: give a number of documents or a fraction") from None
-    if not value > 0:
-        raise UserError(f"--limit must be positive, got {text}")
+    if not 0 < value < float("inf"):  # the harness's int(limit) fails on infinity
+        raise UserError(f"--limit must be a positive finite number, got {text}")
     return int(value) if value >= 1 and value.is_integer() else value
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bloomtrain.errors import UserValueError
 from bloomtrain.serve.detokenize import TextStream
 from bloomtrain.serve.sampler import SampleRow, SamplingBatch, sample
 from bloomtrain.serve.sampling import SamplingParams
@@ -43,14 +44,14 @@ class GenerationSettings:
 
         unknown = sorted(set(gen_kwargs) - set(SUPPORTED))
         if unknown:
-            raise ValueError(f"generation kwargs {unknown} are not supported by bloomtrain eval; "
+            raise UserValueError(f"generation kwargs {unknown} are not supported by bloomtrain eval; "
                              f"it takes {', '.join(SUPPORTED)}")
         kw = normalize_gen_kwargs(gen_kwargs, default_max)
         stops = handle_stop_sequences(kw.get("until"), eos=eos_text)
         if kw["do_sample"] and gen_kwargs.get("temperature") is None:
             # The backend passes temperature 0.0 when none is given, which transformers
             # refuses with do_sample; sampling at 1.0 instead would be a number it never gives.
-            raise ValueError(f"generation kwargs {gen_kwargs}: do_sample needs a temperature "
+            raise UserValueError(f"generation kwargs {gen_kwargs}: do_sample needs a temperature "
                              f"(the harness's HF backend refuses it without one too); give "
                              f"temperature > 0, or drop do_sample for greedy")
         temperature = float(gen_kwargs["temperature"]) if kw["do_sample"] else 0.0
@@ -64,7 +65,7 @@ class GenerationSettings:
             repetition_penalty=float(kw.get("repetition_penalty") or 1.0))
         if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < -1 \
                 or params.repetition_penalty <= 0 or params.max_tokens < 1:
-            raise ValueError(f"generation kwargs out of range: {gen_kwargs} (temperature >= 0, "
+            raise UserValueError(f"generation kwargs out of range: {gen_kwargs} (temperature >= 0, "
                              f"0 < top_p <= 1, top_k >= 0, repetition_penalty > 0, "
                              f"max_gen_toks >= 1)")
         return cls(params.max_tokens, tuple(s for s in stops if s), params)

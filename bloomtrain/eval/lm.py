@@ -14,6 +14,7 @@ from lm_eval.models.utils import Collator
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from bloomtrain.errors import UserValueError
 from bloomtrain.eval.generation import GenerationSettings, Generator
 from bloomtrain.serve.detokenize import special_token_ids
 
@@ -128,7 +129,7 @@ class BloomtrainLM(TemplateLM):
                 if len(cont) > self._max_length:
                     # Its first tokens would have no position in the window: their scores
                     # came from other requests' rows. The harness's HF backend refuses too.
-                    raise ValueError(f"a loglikelihood continuation of {len(cont)} tokens is "
+                    raise UserValueError(f"a loglikelihood continuation of {len(cont)} tokens is "
                                      f"longer than max_length {self._max_length}; raise "
                                      f"max_length or shorten the task's targets")
                 whole = (ctx + cont)[-(self._max_length + 1):]
@@ -141,7 +142,7 @@ class BloomtrainLM(TemplateLM):
                     if not member_cont:
                         # Nothing to score: it summed to 0.0 and greedy, a choice certain
                         # to win. The harness's HF backend asserts a continuation too.
-                        raise ValueError(f"a loglikelihood continuation encodes to no tokens "
+                        raise UserValueError(f"a loglikelihood continuation encodes to no tokens "
                                          f"(request {member_str!r}): an empty target, or one "
                                          f"the context's last token absorbs; fix the task's "
                                          f"targets (or target_delimiter)")
@@ -194,7 +195,7 @@ class BloomtrainLM(TemplateLM):
                                                           eos_text)
             room = self._max_length - settings.max_new_tokens
             if room < 1:
-                raise ValueError(f"max_gen_toks ({settings.max_new_tokens}) must be below the "
+                raise UserValueError(f"max_gen_toks ({settings.max_new_tokens}) must be below the "
                                  f"model's max length ({self._max_length})")
             prompts = [self.tok_encode(ctx, left_truncate_len=room) or [self.prefix_token_id]
                        for ctx, _ in group]

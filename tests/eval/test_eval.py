@@ -778,6 +778,21 @@ def test_command_errors_say_what_to_change(model_dirs, tmp_path, capsys, monkeyp
     assert rc == 2 and "pip install 'bloomtrain[eval]'" in err
 
 
+def test_a_task_the_model_cannot_run_is_one_line(model_dirs, tmp_path, capsys):
+    # Each ended in a traceback (a ValueError the harness raised through, exit 1).
+    ckpt = str(model_dirs[0])
+    docs = ["--include-path", str(ROOT / "docs" / "eval_tasks")]
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, *docs, "--tasks", "greedy_example",
+                       "--max-length", "2", "--limit", "1"], capsys)
+    assert rc == 2 and "Traceback" not in err and "error: max_gen_toks" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, *docs, "--tasks", "choice_example",
+                       "--max-length", "2", "--limit", "1"], capsys)
+    assert rc == 2 and "Traceback" not in err and "longer than max_length 2" in err
+    rc, err = run_cli(["eval", "--checkpoint", ckpt, *docs, "--tasks", "choice_example",
+                       "--limit", "inf"], capsys)
+    assert rc == 2 and "--limit must be a positive finite number" in err
+
+
 DOCS_TASKS = ROOT / "docs" / "eval_tasks"
 DOCS_TASK_NAMES = ["lastword_example", "choice_example", "rolling_example", "greedy_example"]
 
