@@ -93,7 +93,11 @@ UNSUPPORTED_COMPRESSION = {".xz": "xz", ".lzma": "lzma", ".bz2": "bzip2", ".lz4"
 
 
 def _check_compression(path: Path) -> None:
-    kind = UNSUPPORTED_COMPRESSION.get(path.suffix.lower())
+    suffixes = [x.lower() for x in path.suffixes]
+    kind = UNSUPPORTED_COMPRESSION.get(suffixes[-1] if suffixes else "")
+    if kind is None and len(suffixes) > 1 and suffixes[-2] == ".tar" and \
+            suffixes[-1] in (".gz", ".zst", ".zstd"):
+        kind = "tar" + suffixes[-1]  # an archive of files: its tar headers read as text
     if kind is not None:
         raise UserError(f"{path}: {kind} files are not read here; decompress it, or recompress "
                         f"it as .gz or .zst")

@@ -19,7 +19,7 @@ from pathlib import Path
 from bloomtrain.data import gpt2_bpe
 from bloomtrain.data.sources import SkipReport, expand_inputs, iter_texts
 from bloomtrain.errors import UserError
-from bloomtrain.files import atomic_output, disk_full_as
+from bloomtrain.files import atomic_output, disk_full_as, unwritable
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 # The HF side files a tokenizer carries with it (chat_template.jinja: where transformers 4.43+
@@ -92,8 +92,8 @@ def _check_train_args(vocab_size: int, min_frequency: int, minimum: int) -> None
     if vocab_size > MAX_VOCAB:
         raise UserError(f"--vocab-size {vocab_size} is over {MAX_VOCAB:,}: token ids are "
                         f"stored as 32-bit integers")
-    if min_frequency < 0:
-        raise UserError(f"--min-frequency {min_frequency} must be 0 or more")
+    if not 0 <= min_frequency < 2 ** 64:  # the trainer counts in 64 bits
+        raise UserError(f"--min-frequency {min_frequency} must be 0 or more, and below 2**64")
 
 
 # Any tokenizer's files (ours, a GPT-2 style pair, sentencepiece, WordPiece): a directory
@@ -111,10 +111,25 @@ def _new_output(output_dir: Path) -> Path:
         raise UserError(f"--output {output_dir} is a file; give a directory to write the "
                         f"tokenizer into")
     held = [n for n in TOKENIZER_FILES if (output_dir / n).exists()]
-    if held:
+    if held and not _unfinished_run(output_dir, held):
         raise UserError(f"--output {output_dir} already holds a tokenizer ({', '.join(held)}); "
                         f"choose a new directory, or remove it first")
+    if why := unwritable(output_dir):  # found before the corpus is read and trained on
+        raise UserError(f"cannot write the tokenizer to --output {output_dir}: {why}")
     return output_dir
+
+
+def _unfinished_run(output_dir: Path, held: list[str]) -> bool:
+    """Whether `held` are only the side files an earlier run of ours wrote before it failed
+    (a full disk, a kill) without its tokenizer.json, which marks a finished directory: a
+    retry replaces them."""
+    if set(held) - {"special_tokens_map.json", "tokenizer_config.json"}:
+        return False
+    with contextlib.suppress(UserError):
+        config = _json_object(output_dir / "tokenizer_config.json")
+        specials = _json_object(output_dir / "special_tokens_map.json")
+        return (specials, config) == _side_files()
+    return False
 
 
 def _write_tokenizer_dir(tok, output_dir: Path) -> None:
@@ -123,6 +138,16 @@ def _write_tokenizer_dir(tok, output_dir: Path) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create output directory {output_dir}: {e}") from e
+    specials, config = _side_files()
+    _write_json(output_dir / "special_tokens_map.json", specials)
+    _write_json(output_dir / "tokenizer_config.json", config)
+    # tokenizer.json last: its presence marks a finished directory.
+    with atomic_output(output_dir / "tokenizer.json") as f:
+        f.write(tok.to_str(pretty=True).encode("utf-8"))
+
+
+def _side_files() -> tuple[dict, dict]:
+    """special_tokens_map.json and tokenizer_config.json of a tokenizer trained here."""
     unk, bos, eos, pad = SPECIAL_TOKENS
     specials = {"unk_token": unk, "bos_token": bos, "eos_token": eos, "pad_token": pad}
     config = {
@@ -132,11 +157,7 @@ def _write_tokenizer_dir(tok, output_dir: Path) -> None:
         # transformers would otherwise strip spaces before punctuation when decoding.
         "clean_up_tokenization_spaces": False,
     }
-    _write_json(output_dir / "special_tokens_map.json", specials)
-    _write_json(output_dir / "tokenizer_config.json", config)
-    # tokenizer.json last: its presence marks a finished directory.
-    with atomic_output(output_dir / "tokenizer.json") as f:
-        f.write(tok.to_str(pretty=True).encode("utf-8"))
+    return specials, config
 
 
 def _json_object(path: Path) -> dict:

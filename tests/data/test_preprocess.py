@@ -455,6 +455,18 @@ def test_inputs_that_cannot_be_text_are_refused_by_name(tiny_tokenizer_dir, tmp_
     (tmp_path / "b.jsonl.xz").write_bytes(b"\xfd7zXZ\x00")
     with pytest.raises(UserError, match="xz files are not read here; decompress it"):
         preprocess([tmp_path / "b.jsonl.xz"], tok, tmp_path / "x", **_quiet())
+    # A tarball of shards: read as one text document of tar headers and bytes, as .tgz is not.
+    import io
+    import tarfile
+    for name, mode in (("corpus.tar.gz", "w:gz"), ("CORPUS.TAR.GZ", "w:gz"), ("c.tgz", "w:gz")):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode=mode) as tar:
+            info = tarfile.TarInfo("shard.jsonl")
+            info.size = len(_jsonl(TEXTS))
+            tar.addfile(info, io.BytesIO(_jsonl(TEXTS)))
+        (tmp_path / name).write_bytes(buf.getvalue())
+        with pytest.raises(UserError, match=r"tar\.gz files are not read here"):
+            preprocess([tmp_path / name], tok, tmp_path / "t", **_quiet())
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     with pytest.raises(UserError, match="is a pipe or a device, not a file"):

@@ -88,6 +88,39 @@ def test_errors(tmp_path):
     assert (other / "tokenizer_config.json").read_text() == config
 
 
+def test_a_failed_run_is_retried_and_a_bad_output_refused_before_training(tmp_path,
+                                                                          monkeypatch):
+    import errno
+
+    import bloomtrain.data.tokenizer as tokenizer
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(MULTILINGUAL_TEXT * 3, encoding="utf-8")
+    real = tokenizer.atomic_output
+
+    def full_at_tokenizer_json(path, *a, **k):
+        if str(path).endswith("tokenizer.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+    monkeypatch.setattr(tokenizer, "atomic_output", full_at_tokenizer_json)
+    with pytest.raises(UserError, match="free disk space"):
+        train_tokenizer([corpus], 300, tmp_path / "tok", min_frequency=1)
+    monkeypatch.setattr(tokenizer, "atomic_output", real)
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == \
+        ["special_tokens_map.json", "tokenizer_config.json"]
+    # The retry the error asks for: the side files the failed run left are its own, and it
+    # was refused as "already holds a tokenizer" (the demo stuck at its step 2).
+    train_tokenizer([corpus], 300, tmp_path / "tok", min_frequency=1)
+    assert load_tokenizer(tmp_path / "tok").vocab_size == 300
+    # An output that cannot be written is refused before the corpus is read.
+    read = []
+    monkeypatch.setattr(tokenizer, "iter_texts", lambda *a: read.append(1) or iter(()))
+    with pytest.raises(UserError, match="c.txt is a file, not a directory"):
+        train_tokenizer([corpus], 300, corpus / "tok")
+    assert read == []
+    with pytest.raises(UserError, match="below 2\\*\\*64"):
+        train_tokenizer([corpus], 300, tmp_path / "t2", min_frequency=2 ** 64)
+
+
 def test_train_from_jsonl_and_cli(tmp_path):
     from bloomtrain.cli import main
 
