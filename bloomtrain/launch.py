@@ -456,6 +456,7 @@ class _SignalTaker:
         self.stop, self.count, self.stop_file, self.signal_file = stop, 0, None, None
         self.terms = 0
         self.signals: tuple[int, ...] = ()
+        self.unstarted: int | None = None  # the signal that came while no worker ran
         if stop is not None:
             import tempfile
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="bloomtrain-stop-"))
@@ -478,6 +479,14 @@ class _SignalTaker:
         return {STOP_FILE_ENV: self.stop_file, SIGNAL_FILE_ENV: self.signal_file}
 
     def __call__(self, signum, _frame) -> None:
+        import multiprocessing
+
+        if not multiprocessing.active_children():
+            # No worker runs (the rendezvous waits for other nodes, or a restart's does): there
+            # is no step to finish and nothing to save, and the stop file would be read by no
+            # one until the rendezvous timed out, or by workers that then trained a step.
+            self.unstarted = signum
+            self._quit()
         if signum != signal.SIGINT:
             return self._stop_signal(signum)
         self.count += 1
@@ -526,8 +535,14 @@ class _SignalTaker:
         return self.stop.outcome(results) if self.stop is not None else None
 
     def quit_now(self, nproc: int) -> None:
-        """After the second SIGINT or SIGTERM."""
+        """After the second SIGINT or SIGTERM, or a stop signal while no worker ran."""
         _kill_children()  # any the agent started after the handler's SIGKILL
+        if self.unstarted is not None:
+            name, code = signal.Signals(self.unstarted).name, 128 + self.unstarted
+            print(f"bloomtrain: {name} while no worker of this node ran (waiting for the other "
+                  f"nodes to join): nothing trained, nothing to save; exit code {code}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(code) from None
         again = "SIGTERM" if self.terms > 1 else "SIGINT"
         text = (f"{again} again: this node's {nproc} worker(s) ended at once (SIGKILL), "
                 f"without saving; {self.outcome(None)}")

@@ -130,3 +130,34 @@ def test_launcher_options_under_torchrun_are_refused(dataset, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "--nnodes --max-restarts are bloomtrain's launcher options" in err, err
     assert "give them to torchrun" in err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_while_waiting_for_the_other_nodes_ends_the_wait(dataset, tmp_path, sig):
+    # No worker runs yet: the first Ctrl-C only asked workers that did not exist to save, and
+    # the launcher waited out --rdzv-timeout, then failed with a timeout (exit 2).
+    import signal
+    import socket
+    import time
+
+    cfg = _config(tmp_path, dataset)
+    port = free_port()
+    alone = _node(cfg, 0, f"127.0.0.1:{port}", "--rdzv-timeout", "300", "parallel.tp=2")
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # node 0's store is up: its launcher waits in the rendezvous
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline and alone.proc.poll() is None, alone.output()
+            time.sleep(0.2)
+        time.sleep(1)
+        alone.proc.send_signal(getattr(signal, sig))
+        code = alone.wait(timeout=time.monotonic() - alone.started + 30)
+        assert code == 128 + getattr(signal, sig), alone.output()[-4000:]
+        assert alone.last_line() == (
+            f"bloomtrain: {sig} while no worker of this node ran (waiting for the other nodes "
+            f"to join): nothing trained, nothing to save; exit code {code}")
+        assert group_left_after(alone.pgid) == []
+    finally:
+        alone.kill()
