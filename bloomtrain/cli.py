@@ -250,7 +250,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the command is, as Ctrl-C raises KeyboardInterrupt: the same
     cleanup runs (temporary outputs removed, worker pools ended), where the default action
     killed the process and left them. Commands that handle SIGTERM themselves (training's
-    save-and-stop, the launcher, the server's drain) install their own handler over this one."""
+    save-and-stop, the launcher, the server's drain) install their own handler over this one.
+    Training raises it for SIGUSR1 too, before its loop takes that signal (take_signal)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminated(owner: int, signum, frame):
@@ -258,23 +263,23 @@ def _terminated(owner: int, signum, frame):
         # A forked child (a multiprocessing pool's worker: lm-eval's bootstrap pool is ended
         # with SIGTERM when it is done) inherits the handler; it dies as by default, not with a
         # Terminated traceback on the command's stderr.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
         return
-    raise Terminated()
+    raise Terminated(signum)
 
 
-def take_sigterm():
-    """SIGTERM raises Terminated in this process from now on (not in the children it forks);
+def take_signal(signum: int = signal.SIGTERM):
+    """`signum` raises Terminated in this process from now on (not in the children it forks);
     the handler it replaces."""
-    return signal.signal(signal.SIGTERM, functools.partial(_terminated, os.getpid()))
+    return signal.signal(signum, functools.partial(_terminated, os.getpid()))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     here = threading.current_thread() is threading.main_thread()  # handlers: main thread only
-    previous = take_sigterm() if here else None
+    previous = take_signal() if here else None
     formatter = warnings.formatwarning
     warnings.formatwarning = functools.partial(_warning_line, args.command_prog, formatter)
     try:
@@ -284,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         # On a line of its own: a progress bar may have the cursor.
-        terminated = isinstance(e, Terminated)
-        print(f"\n{'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-        return 143 if terminated else 130
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        said = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}.get(
+            signum, f"terminated ({signal.Signals(signum).name})")
+        print(f"\n{said}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # output piped into `head` and friends: not an error
         sys.stdout = open(os.devnull, "w")
         return 0

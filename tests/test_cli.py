@@ -225,7 +225,7 @@ def test_sigterm_to_a_forked_pool_worker_ends_it_quietly(tmp_path):
         import multiprocessing, os, signal, sys, time
         from bloomtrain import cli
 
-        cli.take_sigterm()
+        cli.take_signal()
         for _ in range(6):  # each round leaves workers that pool.terminate() SIGTERMs
             with multiprocessing.get_context("fork").Pool(2) as pool:
                 pool.map(abs, range(2000))

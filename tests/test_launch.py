@@ -493,3 +493,33 @@ def test_a_rank_that_never_joins_is_one_line(monkeypatch):
                                         rf"127.0.0.1:{port} within parallel.timeout_minutes "
                                         rf"\(0.03\): .*every rank must start"):
         init_distributed(cfg, torch.device("cpu"))
+
+
+def test_sigusr1_while_a_run_starts_ends_it_in_a_line(tmp_path):
+    """SIGUSR1 (`scancel --signal=USR1`, save and stop) before the training loop took it: its
+    default action killed the process without a word (exit -10); SIGTERM got one line."""
+    from tests import faults
+
+    dataset = write_synthetic_dataset(tmp_path / "data" / "synth_text_document")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **faults.env(build_sleep=60))
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bloomtrain", "train", "model.preset=tiny",
+             "model.vocab_size=256", f"data.paths=[{dataset}]", "train.micro_batch_size=2",
+             "train.global_batch_size=4", "train.precision=fp32", "train.device=cpu",
+             f"run_dir={tmp_path / 'run'}", *_long_run(tmp_path)],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while faults.BUILD_SLEEP_ENV not in (tmp_path / "out.txt").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, \
+                (tmp_path / "out.txt").read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=30) == 128 + signal.SIGUSR1
+        text = (tmp_path / "out.txt").read_text()
+        assert text.strip().splitlines()[-1] == "terminated (SIGUSR1)", text
+        assert "Traceback" not in text
+    finally:
+        proc.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 
 from bloomtrain.config import Config
@@ -33,11 +34,12 @@ def _sigint_before_training(launcher: int, _signum, _frame) -> None:
 def worker_entry(config_path, overrides, run):
     """A launched worker: `run` is what the launcher's `validate` returned for the job. Returns
     the run's summary (bloomtrain.train.control.summary) to the launcher."""
-    import signal
-
     launcher = os.getppid()
     if STOP_FILE_ENV in os.environ:
         signal.signal(signal.SIGINT, functools.partial(_sigint_before_training, launcher))
+        # `scancel --signal=USR1` reaches the launcher too, which leaves it to the workers'
+        # loop (its signal file): its default action here killed the worker mid-start.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     import torch.distributed as dist
 
     from bloomtrain.train import watchdog
@@ -153,9 +155,16 @@ def cmd_train(args) -> int:
         return exit_after_sigint(stopped) if stopped else 0
     import torch.distributed as dist
 
+    from bloomtrain.cli import take_signal
     from bloomtrain.train.control import exit_after_sigint, stopped_text, summary
     from bloomtrain.train.loop import train
-    result = train(cfg, run=run)
+    # SIGUSR1 (save and stop) before the training loop takes it, where its default action
+    # killed the process with no word: the start ends as SIGTERM's does (nothing to save yet).
+    previous = take_signal(signal.SIGUSR1)
+    try:
+        result = train(cfg, run=run)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     if dist.is_initialized():
         dist.destroy_process_group()
     if os.environ.get("RANK", "0") == "0":  # alone, or rank 0 under torchrun / srun
