@@ -479,9 +479,7 @@ class _SignalTaker:
         return {STOP_FILE_ENV: self.stop_file, SIGNAL_FILE_ENV: self.signal_file}
 
     def __call__(self, signum, _frame) -> None:
-        import multiprocessing
-
-        if not multiprocessing.active_children():
+        if not _workers_running():
             # No worker runs (the rendezvous waits for other nodes, or a restart's does): there
             # is no step to finish and nothing to save, and the stop file would be read by no
             # one until the rendezvous timed out, or by workers that then trained a step.
@@ -558,6 +556,14 @@ class _SignalTaker:
         if self.count and failure:
             _sigint_exit(f"SIGINT: then {failure}; {self.outcome(None)}")
         return self.outcome(results) if self.count else None
+
+
+def _workers_running() -> bool:
+    """Whether this process has workers (torch's agent starts them as multiprocessing
+    children)."""
+    import multiprocessing
+
+    return bool(multiprocessing.active_children())
 
 
 def _kill_children() -> None:

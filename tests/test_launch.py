@@ -147,6 +147,7 @@ def test_a_second_sigterm_ends_the_workers_at_once(tmp_path, monkeypatch, capfd)
     import contextlib as cl
     killed = []
     monkeypatch.setattr(launch, "_kill_children", lambda: killed.append(True))
+    monkeypatch.setattr(launch, "_workers_running", lambda: True)
     stop = launch.SigintStop("stopping", lambda results: "the newest checkpoint is X")
 
     class Config:

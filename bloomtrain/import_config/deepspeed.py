@@ -32,9 +32,15 @@ _TOP = {
                      "dataloader_drop_last", "autotuning", "nebula", "graph_harvesting",
                      "disable_allgather", "seq_parallel_communication_data_type"),
                     ("ignore", _SPEED)),
-    **dict.fromkeys(("optimizer", "scheduler"), (
-        "ignore", "Megatron passes its own optimizer and LR schedule to deepspeed.initialize, "
-                  "which then leaves this section unused")),
+    "optimizer": ("ignore", "Megatron passes its own optimizer to deepspeed.initialize, which "
+                            "then leaves this section unused"),
+    # Megatron passes its LR schedule too, but DeepSpeed of Megatron-DeepSpeed's time
+    # (DeepSpeedEngine._configure_lr_scheduler) built this section's schedule first and used it
+    # over the one passed in: the Megatron schedule the YAML gets may not be the run's.
+    "scheduler": ("unsupported", "a DeepSpeed LR schedule: the DeepSpeed versions of "
+                                 "Megatron-DeepSpeed's time used it over Megatron's --lr-* "
+                                 "schedule, which the YAML has; drop the section if the run's "
+                                 "DeepSpeed used Megatron's"),
     **dict.fromkeys(("elasticity", "curriculum_learning", "data_efficiency",
                      "compression_training", "sparse_attention", "hybrid_engine",
                      "quantize_training", "progressive_layer_drop", "eigenvalue",

@@ -607,3 +607,16 @@ def test_a_ds_config_written_under_an_undecided_condition_is_refused(tmp_path, c
     rc, _, err = _run(capsys, "--megatron-args", script, "--output", tmp_path / "out.yaml")
     assert rc == 0, err
     assert yaml.safe_load((tmp_path / "out.yaml").read_text())["optim"]["clip_grad"] == 0.3
+
+
+def test_a_ds_config_lr_scheduler_is_not_dismissed(tmp_path, capsys):
+    # DeepSpeed of BLOOM's time (DeepSpeedEngine._configure_lr_scheduler: "First check for
+    # scheduler in json configuration") used this section over the schedule Megatron passed:
+    # it was ignored as unused, and the YAML got Megatron's cosine schedule without a word.
+    ds = _ds(tmp_path, scheduler={"type": "WarmupDecayLR",
+                                  "params": {"warmup_num_steps": 10, "total_num_steps": 100}})
+    out_yaml = tmp_path / "x.yaml"
+    rc, _, err = _run(capsys, "--megatron-args", TR11, *ENV, "--deepspeed-config", ds,
+                      "--output", out_yaml)
+    assert rc == 2 and not out_yaml.exists()
+    assert "ds_config scheduler: {" in err and "a DeepSpeed LR schedule: the DeepSpeed versions" in err
