@@ -368,6 +368,7 @@ def _parse_table(text: str) -> dict[str, Option]:
 
 
 OPTIONS = _parse_table(_TABLE)
+_KNOWN_DESTS = frozenset(o.dest for o in OPTIONS.values())
 # One Option per dest; where two spellings share a dest the first listed is the one reported.
 BY_DEST: dict[str, Option] = {}
 for _option in OPTIONS.values():
@@ -407,6 +408,13 @@ def parse_argv(words: list[str]) -> dict[str, Any]:
         values, i = ([inline], i + 1) if eq else _values(words, i + 1)
         if option is None:
             dest = flag.lstrip("-").replace("-", "_")
+            if dest in _KNOWN_DESTS:
+                # argparse (allow_abbrev=False) matches option strings, not dests: the script
+                # would not have run ("unrecognized arguments").
+                spelled = [f for f, o in OPTIONS.items() if o.dest == dest]
+                raise UserError(f"{flag} is not one of Megatron's options (it spells it "
+                                f"{' or '.join(spelled)}); Megatron (argparse) would refuse "
+                                f"the script with 'unrecognized arguments'")
             args[dest] = True if not values else values[0] if len(values) == 1 else values
             continue
         if option.kind in ("flag", "off"):

@@ -124,6 +124,16 @@ def test_a_variable_changed_by_a_command_is_unknown_and_unset_is_read(name):
                        "--global-batch-size $GBS").argv[-1] == "16"
 
 
+def test_arithmetic_reads_a_set_empty_variable_as_zero_and_names_an_unset_one():
+    script = 'EXTRA=""\ntorchrun pretrain_gpt.py --seed $(( 8 + EXTRA )) --num-layers $((N+1))'
+    argv = read_launch(script).argv
+    assert argv[:2] == _bash_argv(script)[:2] == ["--seed", "8"]
+    assert unresolved_in(argv) == "$N"  # not set in the script: the environment's, unknown
+    with pytest.raises(UserError, match=r"not one of Megatron.s options \(it spells it "
+                                        r"--tensor-model-parallel-size\)"):
+        parse_argv(read_launch("torchrun pretrain_gpt.py --tensor_model_parallel_size 2").argv)
+
+
 @pytest.mark.parametrize("starter,world", [
     ("srun --ntasks=16", 16), ("srun -n 16", 16), ("srun -n16 -l", 16),
     ("srun --nodes=2 --ntasks-per-node=8", 16), ("srun -N 2", 16), ("srun --ntasks-per-node=2", 8),

@@ -260,6 +260,8 @@ class _Evaluator:
         def value(m: re.Match) -> str:
             name = next(g for g in m.groups() if g)
             v = self.env.get(name, "")
+            if name in self.env and not v.strip():
+                v = "0"  # set and empty: bash's arithmetic reads it as 0 (an unset one is unknown)
             if not v.strip().lstrip("-").isdigit():
                 missing.append(name)
             return f"({v.strip() or 0})"
