@@ -155,7 +155,7 @@ def cmd_train(args) -> int:
         return exit_after_sigint(stopped) if stopped else 0
     import torch.distributed as dist
 
-    from bloomtrain.cli import take_signal
+    from bloomtrain.signals import take_signal
     from bloomtrain.train.control import exit_after_sigint, stopped_text, summary
     from bloomtrain.train.loop import train
     # SIGUSR1 (save and stop) before the training loop takes it, where its default action
