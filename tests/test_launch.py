@@ -390,20 +390,8 @@ def test_workers_of_a_killed_launcher_save_and_end(tmp_path):
     with open(tmp_path / "out.txt", "w") as out:
         proc = _train(tmp_path, *_long_run(tmp_path), stdout=out, start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert time.monotonic() < deadline and proc.poll() is None, \
-            (tmp_path / "out.txt").read_text()
-        time.sleep(0.2)
-    workers = [pid for pid in group_members(proc.pid) if pid != proc.pid]
-    assert workers
-    proc.kill()
-    proc.wait(timeout=30)
-    deadline = time.monotonic() + 120
-    while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    text = (tmp_path / "out.txt").read_text()
-    assert left == [], text
+    text = _kill_launcher_once(tmp_path, proc, lambda: metrics.exists() and
+                               metrics.read_text().strip(), 120)
     assert ckpt.find_latest_valid(tmp_path / "ck", log=lambda *_: None) is not None, text
 
 
@@ -423,11 +411,11 @@ def test_workers_of_a_launcher_killed_during_their_start_end(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _kill_launcher_in_start(tmp_path, proc) -> None:
-    from tests import faults
-
+def _kill_launcher_once(tmp_path, proc, ready, gone_within: float) -> str:
+    """SIGKILL the launcher once `ready()`; its workers must be gone `gone_within` s later.
+    Returns the job's output."""
     deadline = time.monotonic() + 120
-    while (tmp_path / "out.txt").read_text().count(faults.BUILD_SLEEP_ENV) < 2:
+    while not ready():
         assert time.monotonic() < deadline and proc.poll() is None, \
             (tmp_path / "out.txt").read_text()
         time.sleep(0.2)
@@ -435,11 +423,20 @@ def _kill_launcher_in_start(tmp_path, proc) -> None:
     assert workers
     proc.kill()
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 30  # well inside the 60 s the workers' start sleeps
+    deadline = time.monotonic() + gone_within
     while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     text = (tmp_path / "out.txt").read_text()
     assert left == [], text
+    return text
+
+
+def _kill_launcher_in_start(tmp_path, proc) -> None:
+    from tests import faults
+
+    # Both workers in their start; gone well inside the 60 s it sleeps.
+    text = _kill_launcher_once(tmp_path, proc, lambda: (tmp_path / "out.txt").read_text().count(
+        faults.BUILD_SLEEP_ENV) >= 2, 30)
     assert "this worker stops before training" in text
     assert not (tmp_path / "ck").exists() or not ckpt.list_checkpoints(tmp_path / "ck")
 
