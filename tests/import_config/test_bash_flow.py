@@ -21,6 +21,12 @@ _STUB = ("torchrun() { while [[ $1 == --* ]]; do shift 2; done; shift; "
          "printf '%s\\n' \"$@\"; }\n")
 
 DECIDED = {
+    # Bash arrays, as Megatron-LM's own example scripts build their arguments.
+    "arrays": 'L=2\nGPT_ARGS=(\n    --num-layers $L  # a comment\n    --pp-partition-method '
+              '"type:transformer|embedding"\n    --seed 1\n)\nGPT_ARGS+=(--lr 1e-4)\n'
+              'torchrun pretrain_gpt.py ${GPT_ARGS[@]} --save x "${GPT_ARGS[*]}"',
+    "quoted_array": 'A=(--seed "1" --data-path "0.5 a" "0.5 b")\n'
+                    'torchrun pretrain_gpt.py "${A[@]}"',
     "if_else": 'TESTING=0\nif [[ ${TESTING} == 1 ]]; then\n  L=2\nelse\n  L=24\nfi\n'
                'torchrun pretrain_gpt.py --num-layers $L',
     "elif": 'R=2\nif [ "$R" = 1 ]; then L=1\nelif [ "$R" -eq 2 ]; then L=2\nelse L=3\nfi\n'
@@ -122,6 +128,18 @@ def test_a_variable_changed_by_a_command_is_unknown_and_unset_is_read(name):
     # A comparison assigns nothing.
     assert read_launch("GBS=16\n(( GBS >= 2 && GBS != 3 ))\ntorchrun pretrain_gpt.py "
                        "--global-batch-size $GBS").argv[-1] == "16"
+
+
+def test_launcher_options_in_an_array_give_the_world_and_an_undecided_one_is_unknown():
+    # Megatron-LM's examples: DISTRIBUTED_ARGS=( ... ); torchrun ${DISTRIBUTED_ARGS[@]} ...
+    # The array was an error blaming 'pretrain_gpt.py'.
+    script = ('DISTRIBUTED_ARGS=(\n  --nproc_per_node 8\n  --nnodes 2\n)\n'
+              'ARGS=(--seed 1)\n[ -f /etc/big ] && ARGS=(--seed 2)\n'
+              'torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${ARGS[@]}')
+    launch = read_launch(script)
+    assert launch.world_size == 16 and unresolved_in(launch.argv) == "$ARGS"
+    assert read_launch(script.replace("[ -f /etc/big ] && ", "")).argv == ["--seed", "2"]
+    assert read_launch(script, {"ARGS": "--seed 3"}).argv == ["--seed", "3"]
 
 
 def test_arithmetic_reads_a_set_empty_variable_as_zero_and_names_an_unset_one():

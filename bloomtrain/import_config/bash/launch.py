@@ -142,6 +142,7 @@ class _Evaluator:
         self.flow = Flow()
         self.starter: tuple[str, dict[str, str]] | None = None   # of the enclosing `sh -c`
         self.uncertain: dict[str, int] = {}   # variables set under undecided conditions: line
+        self.arrays: dict[str, list[str] | None] = {}   # NAME=( ... ): elements, None unknown
         self.line = 0
 
     def command(self, cmd: Command, line: int) -> None:
@@ -205,6 +206,9 @@ class _Evaluator:
         return test_status(fields[0], fields[1:])
 
     def _assign(self, name: str, append: bool, parts: list[Part], certain: bool = True) -> None:
+        if len(parts) == 1 and parts[0].kind == "array":
+            return self._assign_array(name, append, parts[0].items, certain)
+        self.arrays.pop(name, None)
         value = self.string(parts)
         if unresolved_in(value) is not None and name in self.overrides:
             value = self.overrides[name]
@@ -233,6 +237,30 @@ class _Evaluator:
             self.uncertain.setdefault(name, self.line)
             self.env[name] = mark("$" + name)
 
+    def _assign_array(self, name: str, append: bool, words: list[list[Part]],
+                      certain: bool) -> None:
+        elements = [f for w in words for f in self.fields(w)]
+        old = self._array(name)
+        if append:
+            elements = None if old is None else old + elements
+        if elements is None or not certain and elements != old:
+            # Set under a condition this reader cannot decide (or appended to an unknown
+            # array): not known afterwards, unless --var gives it (its words the elements).
+            if name not in self.overrides:
+                self.uncertain.setdefault(name, self.line)
+                self.arrays[name], self.env[name] = None, mark("$" + name)
+                return
+            elements = self._split(self.overrides[name])
+        self.arrays[name] = elements
+        self.env[name] = elements[0] if elements else ""   # $NAME is its first element
+
+    def _array(self, name: str) -> list[str] | None:
+        """The elements of array `name` (a plain variable is one), or None when unknown."""
+        if name in self.arrays:
+            return self.arrays[name]
+        value = self.env.get(name)
+        return None if value is None or unresolved_in(value) is not None else [value]
+
     def string(self, parts: list[Part]) -> str:
         return "".join(self._single(p) for p in parts)
 
@@ -246,6 +274,9 @@ class _Evaluator:
         return mark(part.text)
 
     def _lookup(self, part: Part) -> str:
+        if part.op in ("[@]", "[*]"):
+            elements = self._array(part.text)
+            return mark("$" + part.text) if elements is None else " ".join(elements)
         value = self.env.get(part.text)
         if part.default is not None and (value is None or not value and ":" in part.op):
             value = self.string(part.default)
@@ -283,6 +314,16 @@ class _Evaluator:
                 not self._lookup(parts[0]):
             return out  # "$@" without arguments is no word at all
         for part in parts:
+            # ${A[@]}, and an unquoted ${A[*]}: each element its own word ("${A[*]}": one).
+            if part.kind == "var" and (part.op == "[@]" or part.op == "[*]" and
+                                       not part.quoted) and \
+                    (elements := self._array(part.text)) is not None:
+                for k, element in enumerate(elements):
+                    if k:
+                        out.append(cur)
+                        cur = None
+                    cur = (cur or "") + element
+                continue
             if part.kind != "var" or part.quoted:
                 cur = (cur or "") + self._single(part)
                 continue

@@ -3,7 +3,7 @@
 What a launch script holds is found the way bash would find it, for the part of bash such
 scripts use: comments, line continuations, single and double quotes, variables (`$X`, `${X}`,
 `${X:-default}`) assigned earlier in the script or given with --var, `$(( ))` arithmetic,
-`export`, heredocs (`cat <<EOT > ds_config.json` writes the ds_config), and `bash -c "..."`
+`export`, arrays (`A=( ... )`, `${A[@]}`), heredocs (`cat <<EOT > ds_config.json` writes the ds_config), and `bash -c "..."`
 (SLURM scripts hand the launch to `srun ... bash -c`). Nothing is executed: a command
 substitution (`$(hostname)`, `` `pwd` ``) or a variable nobody defines stays an *unresolved*
 marker in the text, and only a value that is actually used (a mapped argument, a launcher size)
@@ -63,7 +63,8 @@ class Part:
     text: str
     quoted: bool
     default: list["Part"] | None = None   # ${NAME:-default}
-    op: str = ""                           # its operator: -, :-, = or :=
+    op: str = ""                           # its operator: -, :-, = or :=; [@] or [*] (arrays)
+    items: list[list["Part"]] | None = None   # kind "array": the words of NAME=( ... )
 
 
 @dataclass
@@ -185,6 +186,16 @@ class Lexer:
         parts: list[Part] = []
         while self.i < len(self.s):
             c = self._peek()
+            if c == "(" and not self.words_only and len(parts) == 1 and \
+                    parts[0].kind == "lit" and not parts[0].quoted and \
+                    ASSIGNMENT.fullmatch(parts[0].text):
+                # NAME=( words ), an array (Megatron-LM's own launch scripts build theirs so):
+                # its words as bash reads them, comments and newlines included.
+                body = self._balanced("(", ")")[1:-1]
+                words = [w for command in Lexer(body, first_line=self.line).commands()
+                         for w in command.words]
+                parts.append(Part("array", "", False, items=words))
+                continue
             if c in " \t\r\n" or (not self.words_only and c in ";&|()<>"):
                 break
             if c == "\\":
@@ -284,6 +295,9 @@ class Lexer:
         m = _NAME.match(body)
         if m and m.end() == len(body):
             parts.append(Part("var", body, quoted))
+            return
+        if m and body[m.end():] in ("[@]", "[*]"):  # every element of an array
+            parts.append(Part("var", m.group(), quoted, op=body[m.end():]))
             return
         op = body[m.end():m.end() + 2] if m else ""
         if m and op[:1] in ("-", "=") or op in (":-", ":="):
