@@ -270,7 +270,7 @@ class _Evaluator:
         if part.kind == "var":
             return self._lookup(part)
         if part.kind == "arith":
-            return self._arith(part.text)
+            return _arith(part.text, self.env)
         return mark(part.text)
 
     def _lookup(self, part: Part) -> str:
@@ -284,26 +284,6 @@ class _Evaluator:
                 self.env[part.text] = value
             return value
         return mark("$" + part.text) if value is None else value
-
-    def _arith(self, text: str) -> str:
-        missing = []
-
-        def value(m: re.Match) -> str:
-            name = next(g for g in m.groups() if g)
-            v = self.env.get(name, "")
-            if name in self.env and not v.strip():
-                v = "0"  # set and empty: bash's arithmetic reads it as 0 (an unset one is unknown)
-            if not v.strip().lstrip("-").isdigit():
-                missing.append(name)
-            return f"({v.strip() or 0})"
-
-        expr = re.sub(r"\$\{(\w+)\}|\$(\w+)|\b([A-Za-z_]\w*)\b", value, text)
-        if missing:
-            return mark("$" + missing[0])
-        try:
-            return str(arith(ast.parse(expr.strip(), mode="eval")))
-        except (SyntaxError, ValueError, ZeroDivisionError):
-            return mark(f"$(({text}))")
 
     def fields(self, parts: list[Part]) -> list[str]:
         """A word after expansion: unquoted variables split into several (and their quotes
@@ -367,7 +347,7 @@ class _Evaluator:
                         all(f.startswith("-") for f in options[:at]):
                     return self._nested(options[at + 1], line, _starter(fields[:k]))
             if base in ("torchrun", "deepspeed"):
-                return self._launcher(base, fields, k + 1, line)
+                return self.launches.append(_launcher(base, fields, k + 1, line))
             if base.startswith("python") and k + 1 < len(fields):
                 return self._python(fields, k, line)
 
@@ -391,27 +371,52 @@ class _Evaluator:
         if j + 1 < len(fields) and fields[j] == "-m":
             module = fields[j + 1]
             if module in _TORCHRUN:
-                self._launcher(module, fields, j + 2, line)
+                self.launches.append(_launcher(module, fields, j + 2, line))
             elif module == "deepspeed.launcher.runner":
-                self._launcher("deepspeed", fields, j + 2, line)
+                self.launches.append(_launcher("deepspeed", fields, j + 2, line))
             return
         name = os.path.basename(show(fields[j])) if j < len(fields) else ""
         if name.endswith(".py") and name.startswith(("pretrain", "finetune")):
             starter = self.starter or _starter(fields[:k])
             self.launches.append(_Found(None, {}, fields[j], fields[j + 1:], line, starter))
 
-    def _launcher(self, launcher: str, fields: list[str], j: int, line: int) -> None:
-        options: dict[str, str] = {}
-        while j < len(fields) and fields[j].startswith("-"):
-            name, eq, value = fields[j].partition("=")
-            name = "--" + name.lstrip("-").replace("-", "_") if name.startswith("--") else name
-            if eq or name in _LAUNCHER_FLAGS:
-                options[name], j = value, j + 1
-            else:
-                options[name], j = (fields[j + 1] if j + 1 < len(fields) else ""), j + 2
-        if j >= len(fields):
-            raise UserError(f"line {line}: {launcher} runs no program")
-        self.launches.append(_Found(launcher, options, fields[j], fields[j + 1:], line, None))
+
+
+def _launcher(launcher: str, fields: list[str], j: int, line: int) -> _Found:
+    """The launch `launcher` (torchrun, deepspeed) makes of `fields`, its options from `j`."""
+    options: dict[str, str] = {}
+    while j < len(fields) and fields[j].startswith("-"):
+        name, eq, value = fields[j].partition("=")
+        name = "--" + name.lstrip("-").replace("-", "_") if name.startswith("--") else name
+        if eq or name in _LAUNCHER_FLAGS:
+            options[name], j = value, j + 1
+        else:
+            options[name], j = (fields[j + 1] if j + 1 < len(fields) else ""), j + 2
+    if j >= len(fields):
+        raise UserError(f"line {line}: {launcher} runs no program")
+    return _Found(launcher, options, fields[j], fields[j + 1:], line, None)
+
+
+def _arith(text: str, env: dict[str, str]) -> str:
+    """`$(( text ))` over `env`, or a marker naming what it cannot compute."""
+    missing = []
+
+    def value(m: re.Match) -> str:
+        name = next(g for g in m.groups() if g)
+        v = env.get(name, "")
+        if name in env and not v.strip():
+            v = "0"  # set and empty: bash's arithmetic reads it as 0 (an unset one is unknown)
+        if not v.strip().lstrip("-").isdigit():
+            missing.append(name)
+        return f"({v.strip() or 0})"
+
+    expr = re.sub(r"\$\{(\w+)\}|\$(\w+)|\b([A-Za-z_]\w*)\b", value, text)
+    if missing:
+        return mark("$" + missing[0])
+    try:
+        return str(arith(ast.parse(expr.strip(), mode="eval")))
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return mark(f"$(({text}))")
 
 
 def _starter(fields: list[str]) -> tuple[str, dict[str, str]] | None:
