@@ -191,6 +191,7 @@ def _header(source, launch, ds_source, world, world_note, report) -> list[str]:
         lines.append(f"launch: {show(launch.program)} on line {launch.line}")
     lines.append(f"ds_config: {ds_source or 'none'}")
     lines.append(f"world size: {world if world is not None else 'unknown'} ({world_note})")
+    lines += [f"note: {line}" for line in launch.unused_vars]
     return lines
 
 

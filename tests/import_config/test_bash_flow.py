@@ -142,6 +142,15 @@ def test_launcher_options_in_an_array_give_the_world_and_an_undecided_one_is_unk
     assert read_launch(script, {"ARGS": "--seed 3"}).argv == ["--seed", "3"]
 
 
+def test_a_var_that_changes_nothing_is_said():
+    script = 'TP_SIZE=4\nL=${LAYERS:-2}\ntorchrun pretrain_gpt.py --num-layers $L --seed $TP_SIZE'
+    launch = read_launch(script, {"TP_SIZE": "2", "TYPO_VAR": "1", "LAYERS": "3"})
+    assert launch.argv == ["--num-layers", "3", "--seed", "4"]
+    assert launch.unused_vars == [
+        "--var TP_SIZE: the script sets TP_SIZE itself (line 1), and uses its own value",
+        "--var TYPO_VAR: the script never reads TYPO_VAR"]
+
+
 def test_arithmetic_reads_a_set_empty_variable_as_zero_and_names_an_unset_one():
     script = 'EXTRA=""\ntorchrun pretrain_gpt.py --seed $(( 8 + EXTRA )) --num-layers $((N+1))'
     argv = read_launch(script).argv

@@ -41,6 +41,8 @@ class Launch:
     # path (normalised: written_file looks one up) -> text the script writes, or None where it
     # writes it under a condition this reader cannot decide
     files: dict[str, str | None] = field(default_factory=dict)
+    # --var values that changed nothing: one line each (bloomtrain.import_config.cli prints them)
+    unused_vars: list[str] = field(default_factory=list)
 
     def written_file(self, name: str) -> tuple[bool, str | None]:
         """(whether the script writes `name`, its text or None when undecided)."""
@@ -102,7 +104,12 @@ def read_launch(text: str, variables: Mapping[str, str] | None = None) -> Launch
         raise UserError(f"found {len(found)} launches (lines "
                         f"{', '.join(str(f.line) for f in found)}); keep the one to convert")
     world, note = _world(found[0], slurm)
-    return Launch(found[0].argv, found[0].program, found[0].line, world, note, evaluator.files)
+    unused = [f"--var {name}: the script sets {name} itself (line {line}), and uses its own "
+              f"value" for name, line in evaluator.superseded.items()]
+    unused += [f"--var {name}: the script never reads {name}" for name in variables
+               if not re.search(rf"(?<![\w-]){re.escape(name)}(?!\w)", text)]
+    return Launch(found[0].argv, found[0].program, found[0].line, world, note, evaluator.files,
+                  unused)
 
 
 def _is_args_file(commands: list[Command]) -> bool:
@@ -143,6 +150,7 @@ class _Evaluator:
         self.starter: tuple[str, dict[str, str]] | None = None   # of the enclosing `sh -c`
         self.uncertain: dict[str, int] = {}   # variables set under undecided conditions: line
         self.arrays: dict[str, list[str] | None] = {}   # NAME=( ... ): elements, None unknown
+        self.superseded: dict[str, int] = {}   # --var names the script sets itself: line
         self.line = 0
 
     def command(self, cmd: Command, line: int) -> None:
@@ -212,6 +220,8 @@ class _Evaluator:
         value = self.string(parts)
         if unresolved_in(value) is not None and name in self.overrides:
             value = self.overrides[name]
+        elif name in self.overrides and certain and not append:
+            self.superseded.setdefault(name, self.line)
         value = self.env.get(name, "") + value if append else value
         if not certain and value != self.env.get(name):
             # Set only under a condition this reader cannot decide: not known afterwards.
