@@ -91,8 +91,9 @@ class MetricsLog:
         history = []
         # A resume drops the records after its checkpoint; a rollback's among them is written
         # again when the resumed run jumps its samples (replay), or the spike would vanish
-        # from the file, status and the plots (skipped_samples.json alone kept it).
-        self.rollbacks: dict[int, dict] = {}
+        # from the file, status and the plots (skipped_samples.json alone kept it), and so are
+        # the records of the steps it undid, which the resumed run jumps too.
+        self.rollbacks: dict[int, list[dict]] = {}
         if not enabled:
             pass
         elif append_only:
@@ -110,7 +111,7 @@ class MetricsLog:
     def _keep_until(self, resume_step: int, log) -> list[dict]:
         """Drop the records after `resume_step` (those steps are about to run again) so the
         file reads as one uninterrupted run; the records kept."""
-        keep, history = [], []
+        keep, history, undone = [], [], []
         lines = list(filter(str.strip, self.path.read_text().splitlines()))
         for i, line in enumerate(lines):
             try:
@@ -131,7 +132,14 @@ class MetricsLog:
                 keep.append(line)
                 history.append(rec)
             elif (rec.get("loss_spike") or {}).get("action") == "rollback":
-                self.rollbacks[rec["step"]] = rec  # the resume jumps its samples again
+                # The resume jumps its samples again: it, and the records of the steps after
+                # its checkpoint that it undid, are written again then.
+                since = rec["loss_spike"].get("checkpoint_step")
+                self.rollbacks[rec["step"]] = [r for r in undone if since is not None and
+                                               since < r.get("step", 0) < rec["step"]] + [rec]
+                undone = []
+            elif "stopped" not in rec:
+                undone.append(rec)
         with atomic_output(self.path, "w") as f:
             f.write("".join(line + "\n" for line in keep))
         return history
@@ -164,9 +172,9 @@ class MetricsLog:
             sink.write(rec)
 
     def replay(self, step: int) -> None:
-        """The resumed run jumped the samples of the rollback at `step`: its record again."""
-        rec = self.rollbacks.pop(step, None)
-        if rec is not None:
+        """The resumed run jumped the samples of the rollback at `step`: its record again, after
+        those of the steps it undid."""
+        for rec in self.rollbacks.pop(step, []):
             self.record(rec)
 
     def eval(self, step: int, consumed: int, loss: float) -> None:

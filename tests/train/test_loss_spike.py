@@ -274,6 +274,10 @@ def test_rollback_skips_the_samples_and_a_resume_does_too(dataset, tmp_path):
              (json.loads(x) for x in (run2 / "metrics.jsonl").read_text().splitlines())
              if "loss_spike" in r]
     assert [s["step"] for s in spikes] == [13, 14] and again == spikes
+    # So does the record of step 12, a step the rollback undid, which the resumed run jumps
+    # (it was lost: the file no longer read as the uninterrupted run's).
+    assert sorted(steps_of(run2)) == [4, 8, 12, 13, 14, 16]
+    assert steps_of(run2)[12]["loss"] == recs[12]["loss"]
 
 
 # ---- every rank decides alike -------------------------------------------------------------------
