@@ -62,7 +62,7 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
             docs += 1
             yield text
 
-    tok.train_from_iterator(texts(), trainer=trainer)
+    _train_interruptible(tok, texts(), trainer)
     if docs == 0:
         raise UserError(f"no usable documents in {len(paths)} input file(s) to train a tokenizer "
                         f"on; nothing written{skipped.first_problem()}")
@@ -82,6 +82,28 @@ def train_tokenizer(files, vocab_size: int, output_dir: str | os.PathLike,
                       "free disk space or choose another --output"):
         _write_tokenizer_dir(tok, output_dir)
     return output_dir / "tokenizer.json"
+
+
+def _train_interruptible(tok, texts, trainer) -> None:
+    """`tok.train_from_iterator` on a thread of its own, the main thread waiting: Ctrl-C and
+    SIGTERM are handled on the main thread only, and the trainer holds it in Rust (reading the
+    corpus on its own threads, then merging) until it is done, so a stop came only after the
+    whole corpus was read and every merge made. The trainer leaves the GIL while it works."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def train():
+        try:
+            tok.train_from_iterator(texts, trainer=trainer)
+        except BaseException as e:  # the corpus's errors (a truncated .gz) are the caller's
+            failed.append(e)
+    worker = threading.Thread(target=train, name="bloomtrain-tokenizer-train", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)  # a signal's exception is raised here, between waits
+    if failed:
+        raise failed[0]
 
 
 def _check_train_args(vocab_size: int, min_frequency: int, minimum: int) -> None:

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -119,6 +120,35 @@ def test_a_failed_run_is_retried_and_a_bad_output_refused_before_training(tmp_pa
     assert read == []
     with pytest.raises(UserError, match="below 2\\*\\*64"):
         train_tokenizer([corpus], 300, tmp_path / "t2", min_frequency=2 ** 64)
+
+
+def test_ctrl_c_stops_a_tokenizer_training_at_once(tmp_path, monkeypatch):
+    # The trainer held the main thread in Rust until the corpus was read and every merge made:
+    # a Ctrl-C came through only then (seconds to hours later).
+    import signal
+    import threading
+    import time
+
+    import bloomtrain.data.tokenizer as tokenizer
+    release = threading.Event()
+
+    def slow_corpus(*args):
+        yield from MULTILINGUAL_TEXT.splitlines()
+        release.wait(60)  # a corpus still being read
+    monkeypatch.setattr(tokenizer, "iter_texts", slow_corpus)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("x")
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_tokenizer([corpus], 300, tmp_path / "tok", min_frequency=1)
+        assert time.monotonic() - start < 20
+    finally:
+        timer.cancel()
+        release.set()
+    assert not (tmp_path / "tok").exists()
 
 
 def test_train_from_jsonl_and_cli(tmp_path):
