@@ -79,8 +79,8 @@ def _model_in(overrides) -> bool:
 def check_request(top: int | None, layout: str | None, only: str | None,
                   tokens: float | None = None) -> None:
     """What `bloomtrain plan` and `plan()` refuse alike."""
-    if tokens is not None and not tokens > 0:  # -1 printed "-0.0 days"
-        raise UserError(f"tokens (--tokens) must be positive, got {tokens:g}")
+    if tokens is not None and not 0 < tokens < float("inf"):  # -1 printed "-0.0 days"
+        raise UserError(f"tokens (--tokens) must be a positive finite number, got {tokens:g}")
     if top is not None and top < 1:  # 0 had no best layout to show, -2 dropped the last two
         raise UserError(f"top (--top) must be >= 1, got {top}")
     if layout and only:

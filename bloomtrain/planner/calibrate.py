@@ -4,6 +4,7 @@ step time (run_dir/metrics.jsonl). The other terms (communication, bubble, host,
 their rates, so what is left is the GEMM rate of the device the run used."""
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass, replace
@@ -39,7 +40,14 @@ def run_records(run_dir: Path) -> tuple[Config, list[dict]]:
             rec = jsonl.loads(line)
         except ValueError:
             raise UserError(f"{metrics_path}:{n} is not JSON") from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{metrics_path}:{n} is not a record (a JSON object)")
         if "step_time_s" in rec and not rec.get("skipped"):
+            t = rec["step_time_s"]
+            # A NaN compares false everywhere: the fit ran down to an efficiency of 1e-6.
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+                raise UserError(f"{metrics_path}:{n}: step_time_s {t!r} is not a positive "
+                                f"number of seconds")
             records.append(rec)
     if not records:
         raise UserError(f"{metrics_path} has no step records to calibrate from")
@@ -48,7 +56,8 @@ def run_records(run_dir: Path) -> tuple[Config, list[dict]]:
 
 def world_size_of(records: list[dict], cfg: Config) -> int:
     """tp·pp·dp from the layout every record carries ("tp=2 pp=1 dp=2 ...")."""
-    m = re.search(r"tp=(\d+) pp=(\d+) dp=(\d+)", records[-1].get("layout", ""))
+    layout = records[-1].get("layout")
+    m = re.search(r"tp=(\d+) pp=(\d+) dp=(\d+)", layout if isinstance(layout, str) else "")
     if not m:
         raise UserError("the run's metrics carry no layout; it was written by an older "
                         "bloomtrain, calibrate from a newer run")

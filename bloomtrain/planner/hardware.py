@@ -127,9 +127,9 @@ class Cluster:
         for what, v in (("--intra-node-gbps", self.intra_node_gbps),
                         ("--inter-node-gbps", self.inter_node_gbps),
                         ("--host-memory-gib", self.host_memory_bytes)):
-            if v is not None and v <= 0:
+            if v is not None and not 0 < v < float("inf"):  # NaN too: it compares false
                 shown = v / GIB if what == "--host-memory-gib" else v  # as the user wrote it
-                raise UserError(f"{what} must be positive, got {shown:g}")
+                raise UserError(f"{what} must be a positive finite number, got {shown:g}")
         # a GPU's GEMMs reach at most its peak; the cpu device's peak is one core's, which a
         # rank with several threads exceeds
         top = 1.0 if self.gpu.kind == "cuda" else 64.0

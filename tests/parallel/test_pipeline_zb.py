@@ -521,3 +521,13 @@ def test_zb_h1_accumulates_the_lm_heads_gradient_in_fp32_as_1f1b(precision):
     for ranks in run_ranks(2, _accumulators_rank, precision, 8):
         for kept, name in ((0, "accumulated gradients"), (1, "masters after the step")):
             assert torch.equal(ranks["zb-h1"][kept], ranks["1f1b"][kept]), name
+
+
+@pytest.mark.parametrize("pp,num_micro", [(4, 2), (8, 2), (8, 4), (4, 1)])
+def test_zb_h1_bubble_with_fewer_micro_batches_than_stages_is_the_replays(pp, num_micro):
+    """With m < p the closed form under-counts the bubble (0.50 against 0.83 at p=4, m=2), and
+    the planner, which uses theoretical_bubble, ranked such zb-h1 layouts above better ones."""
+    zb = op_costs("zb-h1")
+    measured = grid_bubble(schedule_grid("zb-h1", pp, num_micro, costs=zb), zb)
+    assert theoretical_bubble("zb-h1", pp, num_micro) == pytest.approx(measured)
+    assert measured > (pp - 1) / (3 * num_micro)

@@ -462,6 +462,19 @@ def test_calibrate_recovers_the_efficiency_of_a_run(tmp_path):
         calibrate_efficiency(str(tmp_path), cluster)
     with pytest.raises(UserError, match="config.yaml is missing"):
         calibrate_efficiency(str(tmp_path / "nowhere"), cluster)
+    # A corrupt metrics.jsonl: one line each, where a traceback came (or, for NaN, a fit down
+    # to an efficiency of 1e-6 and "0 tokens/s").
+    metrics = tmp_path / "metrics.jsonl"
+    for line, said in (('"step_time_s"', "metrics.jsonl:1 is not a record"),
+                       ('{"step": 1, "step_time_s": "fast", "layout": "tp=2 pp=1 dp=2"}',
+                        "step_time_s 'fast' is not a positive number"),
+                       ('{"step": 1, "step_time_s": NaN, "layout": "tp=2 pp=1 dp=2"}',
+                        "step_time_s nan is not a positive number"),
+                       ('{"step": 1, "step_time_s": 1.0, "layout": null}',
+                        "carry no layout")):
+        metrics.write_text(line + "\n")
+        with pytest.raises(UserError, match=said):
+            calibrate_efficiency(str(tmp_path), cluster)
     small = helpers.config(SHAPE8, parallel={"tp": 2}, precision="bf16", global_batch_size=16,
                            micro_batch_size=2)
     (tmp_path / "config.yaml").write_text(small.to_yaml())
@@ -655,9 +668,17 @@ def test_plan_refuses_a_top_below_one_and_only_with_a_layout(capsys):
     # negative token count printed "-0.0 days", a negative host memory its bytes.
     for extra, said in ((["--global-batch", "0"], "must be positive"),
                         (["--seq", "0"], "must be positive"),
-                        (["--tokens", "-1"], "tokens (--tokens) must be positive, got -1"),
-                        (["--host-memory-gib", "-5"], "--host-memory-gib must be positive, got "
-                                                      "-5\n")):
+                        (["--tokens", "-1"], "tokens (--tokens) must be a positive finite "
+                                             "number, got -1"),
+                        (["--tokens", "inf"], "got inf"),
+                        (["--host-memory-gib", "-5"], "--host-memory-gib must be a positive "
+                                                      "finite number, got -5\n"),
+                        # NaN compares false: planned as "fits: yes" of nan GiB, and NaN
+                        # step times ranked.
+                        (["--host-memory-gib", "nan"], "--host-memory-gib must be a positive "
+                                                       "finite number, got nan\n"),
+                        (["--inter-node-gbps", "nan"], "--inter-node-gbps must be a positive "
+                                                       "finite number, got nan\n")):
         assert main(base[:-4] + ["--global-batch", "8", "--seq", "32"] + extra) == 2
         assert said in capsys.readouterr().err
 
