@@ -83,8 +83,9 @@ def _main(args) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be >= 1, got {args.threads}")
-    if args.drain_timeout < 0:
-        raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not 0 <= args.drain_timeout < float("inf"):  # NaN too; inf broke the drain's join
+        raise UserError(f"--drain-timeout must be a finite number of seconds >= 0, got "
+                        f"{args.drain_timeout}")
     if not Path(args.checkpoint).exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
     opts = {k: v for k, v in vars(args).items() if k not in ("func", "overrides")}

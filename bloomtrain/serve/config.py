@@ -43,7 +43,10 @@ class EngineConfig:
                 f"--prefill-chunk + --max-num-seqs ({self.prefill_chunk} + {self.max_num_seqs})"
                 f", so that a prompt chunk always fits beside a full batch of decodes")
         if self.num_blocks < blocks_for(self.max_model_len, self.block_size):
+            need = blocks_for(self.max_model_len, self.block_size)
             raise UserError(
                 f"--kv-cache-tokens ({self.kv_cache_tokens}) must hold one sequence of "
-                f"--max-model-len ({self.max_model_len}) tokens; raise it or lower "
-                f"--max-model-len")
+                f"--max-model-len ({self.max_model_len}) tokens in whole blocks of "
+                f"--block-size {self.block_size}: {need} blocks ({need * self.block_size} "
+                f"tokens), but it makes {self.num_blocks}; raise it, or lower "
+                f"--max-model-len or --block-size")

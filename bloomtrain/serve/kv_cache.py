@@ -12,7 +12,11 @@ heads at the same slots, so one block table serves every rank).
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from bloomtrain.errors import UserError
 
 
 class OutOfBlocks(RuntimeError):
@@ -82,7 +86,16 @@ class PagedKVCache:
         shape = (2, num_heads, self._plane_blocks, block_size, head_dim)
         # By global layer index: `layers` (a pipeline stage's own) or all of them.
         layers = range(num_layers) if layers is None else layers
-        self.kv = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        try:
+            self.kv = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if "memory" not in str(e).lower():
+                raise
+            need = len(layers) * math.prod(shape) * dtype.itemsize
+            raise UserError(f"the KV cache ({need / 2 ** 30:,.1f} GiB: {num_blocks} blocks of "
+                            f"{block_size} tokens, {len(layers)} layers) does not fit in the "
+                            f"memory of {device}; lower --kv-cache-tokens (or the lengths "
+                            f"that size it)") from None
         # Each layer as rows of one block of one plane ([2 * heads * (num_blocks + 1),
         # block_size * head_dim] views, made once): a gather is then one index_select of whole
         # rows.

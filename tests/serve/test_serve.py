@@ -1211,6 +1211,15 @@ def test_cli_rejects_bad_settings(model_dir, tmp_path, capsys):
             (["parallel.tp=2"], "add --nproc 2"),
             (["--max-batched-tokens", "20"], "at least --prefill-chunk + --max-num-seqs"),
             (["--max-model-len", "100000"], "must hold one sequence of --max-model-len"),
+            # 2048 tokens make 42 blocks of 48: the message blamed 2048 tokens for 2048.
+            (["--max-model-len", "2048", "--kv-cache-tokens", "2048", "--block-size", "48"],
+             "in whole blocks of --block-size 48: 43 blocks (2064 tokens), but it makes 42"),
+            # A cache no memory holds: a traceback from torch's allocator (exit 1).
+            (["--kv-cache-tokens", str(10 ** 15), "--max-model-len", "64"],
+             "does not fit in the memory of cpu; lower --kv-cache-tokens"),
+            # inf passed, then every SIGTERM drain ended in a traceback (exit 1).
+            (["--drain-timeout", "inf"], "--drain-timeout must be a finite number"),
+            (["--drain-timeout", "nan"], "--drain-timeout must be a finite number"),
             (["--port", "70000"], "--port must be in [0, 65535]")):
         assert main(["serve", "--checkpoint", path, *argv]) == 2
         assert words in capsys.readouterr().err, argv
