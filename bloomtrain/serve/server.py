@@ -528,6 +528,11 @@ async def drain(app: web.Application, timeout: float) -> bool:
         return False
 
 
+def base_url(host: str, port: int) -> str:
+    """The URL clients use: an IPv6 address in brackets (http://::1:8000 is no URL to curl)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 async def run_server(app: web.Application, host: str, port: int, drain_timeout: float,
                      log=print) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see `drain`; the listener stays open, so a
@@ -542,7 +547,7 @@ async def run_server(app: web.Application, host: str, port: int, drain_timeout: 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log(f"[serve] listening on http://{host}:{bound} (POST /v1/completions, "
+    log(f"[serve] listening on {base_url(host, bound)} (POST /v1/completions, "
         f"/v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /tokenizer_info, "
         f"/health, /metrics)", flush=True)
     try:

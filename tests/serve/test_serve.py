@@ -1227,6 +1227,13 @@ def test_cli_rejects_bad_settings(model_dir, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_the_url_it_prints_is_one_clients_can_use():
+    from bloomtrain.serve.server import base_url
+    assert base_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert base_url("::1", 8000) == "http://[::1]:8000"  # was http://::1:8000
+    assert base_url("localhost", 1) == "http://localhost:1"
+
+
 def test_cli_warns_at_start_when_it_binds_beyond_loopback_without_a_key(model_dir, capsys,
                                                                         monkeypatch):
     from bloomtrain.cli import main
