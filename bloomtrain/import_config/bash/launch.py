@@ -250,7 +250,7 @@ class _Evaluator:
     def _assign_array(self, name: str, append: bool, words: list[list[Part]],
                       certain: bool) -> None:
         elements = [f for w in words for f in self.fields(w)]
-        old = self._array(name)
+        old = _array(self.arrays, self.env, name)
         if append:
             elements = None if old is None else old + elements
         if elements is None or not certain and elements != old:
@@ -263,13 +263,6 @@ class _Evaluator:
             elements = self._split(self.overrides[name])
         self.arrays[name] = elements
         self.env[name] = elements[0] if elements else ""   # $NAME is its first element
-
-    def _array(self, name: str) -> list[str] | None:
-        """The elements of array `name` (a plain variable is one), or None when unknown."""
-        if name in self.arrays:
-            return self.arrays[name]
-        value = self.env.get(name)
-        return None if value is None or unresolved_in(value) is not None else [value]
 
     def string(self, parts: list[Part]) -> str:
         return "".join(self._single(p) for p in parts)
@@ -285,7 +278,7 @@ class _Evaluator:
 
     def _lookup(self, part: Part) -> str:
         if part.op in ("[@]", "[*]"):
-            elements = self._array(part.text)
+            elements = _array(self.arrays, self.env, part.text)
             return mark("$" + part.text) if elements is None else " ".join(elements)
         value = self.env.get(part.text)
         if part.default is not None and (value is None or not value and ":" in part.op):
@@ -307,7 +300,7 @@ class _Evaluator:
             # ${A[@]}, and an unquoted ${A[*]}: each element its own word ("${A[*]}": one).
             if part.kind == "var" and (part.op == "[@]" or part.op == "[*]" and
                                        not part.quoted) and \
-                    (elements := self._array(part.text)) is not None:
+                    (elements := _array(self.arrays, self.env, part.text)) is not None:
                 for k, element in enumerate(elements):
                     if k:
                         out.append(cur)
@@ -427,6 +420,14 @@ def _arith(text: str, env: dict[str, str]) -> str:
         return str(arith(ast.parse(expr.strip(), mode="eval")))
     except (SyntaxError, ValueError, ZeroDivisionError):
         return mark(f"$(({text}))")
+
+
+def _array(arrays: dict, env: dict, name: str) -> list[str] | None:
+    """The elements of array `name` (a plain variable is one), or None when unknown."""
+    if name in arrays:
+        return arrays[name]
+    value = env.get(name)
+    return None if value is None or unresolved_in(value) is not None else [value]
 
 
 def _starter(fields: list[str]) -> tuple[str, dict[str, str]] | None:
