@@ -16,6 +16,8 @@ import numpy as np
 
 # Steps simulated per vectorized block; grown while the proposals hold, shrunk when they fail.
 _MIN_BLOCK, _MAX_BLOCK = 64, 1 << 16
+# Passes of the rule over a block's guess before the block is cut at its first disagreement.
+_REFINE = 4
 
 
 def normalize_weights_and_num_samples(weights, num_samples):
@@ -65,11 +67,20 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     while t < size:
         n = min(block, size - t)
         proposal = _propose(w, counts, n)
-        onehot = proposal[:, None] == kinds[None, :]  # [n, num]
-        before = counts[None, :] + np.cumsum(onehot, axis=0) - onehot  # counts before each step
         steps = np.maximum(np.arange(t, t + n, dtype=np.float64), 1.0)
-        chosen = np.argmax(w[None, :] * steps[:, None] - before, axis=1)
-        wrong = np.flatnonzero(chosen != proposal)
+        for _ in range(_REFINE):
+            onehot = proposal[:, None] == kinds[None, :]  # [n, num]
+            before = counts[None, :] + np.cumsum(onehot, axis=0) - onehot  # counts before each
+            chosen = np.argmax(w[None, :] * steps[:, None] - before, axis=1)
+            wrong = np.flatnonzero(chosen != proposal)
+            if not len(wrong):
+                break
+            # The due-time merge orders near-ties by its own rounding, not the rule's (weights
+            # like 0.7/0.3 tie exactly every 10 steps): at such a step it has the right two
+            # choices in the wrong order. Swapping each with the next step's fixes them all in a
+            # pass; the rule's choices taken wholesale would not (one flipped choice shifts the
+            # counts of every later step). Each pass is checked again, as the first.
+            proposal = _swap_ties(proposal, wrong)
         good = int(wrong[0]) + 1 if len(wrong) else n
         taken = chosen[:good]
         dataset_index[t:t + good] = taken
@@ -78,6 +89,21 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
         t += good
         block = min(block * 2, _MAX_BLOCK) if good == n else max(_MIN_BLOCK, 2 * good)
     return dataset_index, sample_index
+
+
+def _swap_ties(proposal: np.ndarray, wrong: np.ndarray) -> np.ndarray:
+    """`proposal` with each wrong step's choice swapped with the next step's, where they differ
+    and that step is not itself swapped already."""
+    out = proposal.copy()
+    wrong = wrong[wrong + 1 < len(out)]
+    wrong = wrong[out[wrong] != out[wrong + 1]]
+    if len(wrong) > 1:  # from a run of neighbouring wrong steps, swap every other one
+        keep = np.ones(len(wrong), dtype=bool)
+        for j in range(1, len(wrong)):
+            keep[j] = not (keep[j - 1] and wrong[j] == wrong[j - 1] + 1)
+        wrong = wrong[keep]
+    out[wrong], out[wrong + 1] = proposal[wrong + 1], proposal[wrong]
+    return out
 
 
 def _blend_loop(w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
