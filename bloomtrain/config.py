@@ -611,6 +611,9 @@ def parse_data_paths(paths: list[str] | str) -> list[tuple[float, str]]:
             raise UserError(f"data.paths entry {entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
     if len(out) > 1 and any(len(str(e).split()) == 1 for e in paths):
         raise UserError("with several data.paths, give each a weight: 'WEIGHT PREFIX'")
+    if not math.isfinite(sum(w for w, _ in out)):
+        raise UserError(f"data.paths weights {[w for w, _ in out]} sum past the largest float; "
+                        f"give smaller ones (they are normalized to sum 1)")
     return out
 
 

@@ -194,18 +194,29 @@ def split_problems(cfg, datasets) -> list[str]:
     train.eval_interval asks for evaluations. Said here, in the launcher, before any worker
     or directory exists."""
     from bloomtrain.data.gpt_dataset import split_documents
-    out, any_valid = [], False
-    for (_, prefix), ds in zip(parse_data_paths(cfg.data.paths), datasets):
+    out, no_valid = [], []
+    entries = parse_data_paths(cfg.data.paths)
+    for (_, prefix), ds in zip(entries, datasets):
         n = len(ds.sizes)
         bounds = split_documents(cfg.data.split, n)
         if bounds[1] <= bounds[0]:
             out.append(f"data.split {cfg.data.split!r} gives the training split of {prefix} "
                        f"no documents (of its {n} sequences); give training a larger share")
-        any_valid = any_valid or bounds[2] > bounds[1]
-    if cfg.train.eval_interval and not any_valid:
+        if bounds[2] <= bounds[1]:
+            no_valid.append(f"{prefix} (of its {n} sequences)")
+    if not cfg.train.eval_interval or not no_valid:
+        return out
+    if len(no_valid) == len(entries):
         out.append(f"train.eval_interval is {cfg.train.eval_interval}, but data.split "
                    f"{cfg.data.split!r} gives the validation split no documents: give it a "
                    f"share (e.g. data.split=949,50,1) or unset train.eval_interval")
+    else:
+        # Megatron's validation blend asserts a dataset per weight; leaving one out would
+        # evaluate on another mix than the weights say, and on fewer samples than asked for.
+        out.append(f"train.eval_interval is {cfg.train.eval_interval}, but data.split "
+                   f"{cfg.data.split!r} gives the validation split of {', '.join(no_valid)} no "
+                   f"documents, and the validation blend needs every dataset of data.paths: "
+                   f"give validation a larger share or unset train.eval_interval")
     return out
 
 

@@ -194,6 +194,12 @@ class MMapIndexedDataset:
         if doc_idx[0] != 0:
             raise IndexedDatasetError(f"{idx_file}: doc_idx starts at {int(doc_idx[0])}, not 0; "
                                       f"the index is corrupt, rebuild it")
+        if doc_idx[-1] != n:
+            # Sequences after the last document's end belong to no document: a merge would
+            # join them to the next dataset's first document.
+            raise IndexedDatasetError(f"{idx_file}: doc_idx ends at {int(doc_idx[-1])}, not at "
+                                      f"the number of sequences ({n}); the index is corrupt, "
+                                      f"rebuild it")
 
     # Memory maps must not travel through pickle (DataLoader workers, spawn): reopen by prefix.
     def __getstate__(self):

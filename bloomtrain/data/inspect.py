@@ -64,11 +64,24 @@ def inspect_dataset(prefix: str, tokenizer: str | None = None, samples: int = 3,
         for doc in picks:
             first, last = int(ds.doc_idx[doc]), int(ds.doc_idx[doc + 1])
             # Enough tokens for 200 characters without decoding a whole long document.
-            ids = np.concatenate([ds[i] for i in range(first, last)] or [np.zeros(0, ds.dtype)])[:800]
+            ids = _first_tokens(ds, first, last, 800)
             text = tok.decode(ids.tolist())[:_SAMPLE_CHARS]
             log(f"--- document {doc} ({int(lengths[doc]):,} tokens)")
             log(repr(text))
     return ds
+
+
+def _first_tokens(ds, first: int, last: int, count: int) -> np.ndarray:
+    """The first `count` tokens of sequences first..last-1, reading no more of them than that (a
+    plain-text file is one document, which can be gigabytes)."""
+    parts = []
+    for i in range(first, last):
+        if count <= 0:
+            break
+        part = ds.get(i, 0, min(int(ds.sizes[i]), count))
+        parts.append(part)
+        count -= len(part)
+    return np.concatenate(parts) if parts else np.zeros(0, ds.dtype)
 
 
 def merge_datasets(inputs: list[str], output_prefix: str) -> MMapIndexedDataset:

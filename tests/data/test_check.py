@@ -155,3 +155,32 @@ def test_the_tokenizer_gives_the_model_its_vocabulary(tmp_path, tiny_tokenizer_d
                                         rf"model's vocabulary of 512 ids \(0-511; "
                                         rf"data.tokenizer's {size} tokens padded to 512\)"):
         check_data(cfg, validate(cfg, 1))
+
+
+def test_a_blend_whose_dataset_has_no_validation_documents_is_refused_under_eval(tmp_path):
+    """Megatron's validation blend asserts a dataset per weight. Dropping the one without
+    validation documents evaluated on the other alone, on fewer samples than asked for, and
+    the later evaluations were skipped without a word."""
+    from types import SimpleNamespace
+    write_dataset(tmp_path / "A", [[[i % 50 + 1] * 8] for i in range(200)], np.uint16)
+    write_dataset(tmp_path / "B", [[[7] * 8] for _ in range(4)], np.uint16)
+    paths = [f"0.5 {tmp_path}/A", f"0.5 {tmp_path}/B"]
+
+    def problems(split, eval_interval, paths=paths):
+        cfg = SimpleNamespace(data=SimpleNamespace(paths=paths, split=split),
+                              train=SimpleNamespace(eval_interval=eval_interval))
+        return check.split_problems(cfg, open_datasets(paths))
+    # Megatron's split of 4 documents by 90,10,0 gives validation none, of 200 it gives 20.
+    said = problems("90,10,0", 10)
+    assert len(said) == 1 and f"validation split of {tmp_path}/B (of its 4 sequences)" in said[0] \
+        and "every dataset of data.paths" in said[0], said
+    assert problems("90,10,0", 0) == []      # no evaluations: nothing missing
+    assert problems("50,50,0", 10) == []     # both have validation documents
+    assert "gives the validation split no documents" in problems("100,0,0", 10)[0]
+
+
+def test_blend_weights_whose_sum_overflows_are_one_line(tmp_path):
+    from bloomtrain.config import parse_data_paths
+    with pytest.raises(UserError, match="sum past the largest float"):
+        parse_data_paths(["1e308 a", "1e308 b"])
+    assert parse_data_paths(["1e307 a", "1e307 b"]) == [(1e307, "a"), (1e307, "b")]

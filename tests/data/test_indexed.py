@@ -137,6 +137,12 @@ def test_reader_errors(tmp_path):
     idx_file.write_bytes(good_idx[:-8])
     with pytest.raises(UserError, match="truncated"):
         MMapIndexedDataset(tmp_path / "d")
+    # doc_idx [0, 2, 2] over 3 sequences: the last sequence is in no document (Megatron's
+    # writer ends doc_idx at the sequence count), and a merge would join it to the next
+    # dataset's first document.
+    idx_file.write_bytes(good_idx[:-8] + struct.pack("<q", 2))
+    with pytest.raises(UserError, match=r"doc_idx ends at 2, not at the number of sequences \(3\)"):
+        MMapIndexedDataset(tmp_path / "d")
 
 
 def test_empty_dataset(tmp_path):

@@ -526,3 +526,20 @@ def test_append_eod_takes_the_eos_transformers_takes(tiny_tokenizer_dir, tmp_pat
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
     ours = load_tokenizer(d)
     assert ours.eod_id == hf.eos_token_id == raw.token_to_id("<|endoftext|>")
+
+
+def test_inspect_reads_only_the_tokens_it_shows_of_a_long_document(tmp_path, monkeypatch):
+    """A plain-text file is one document; its sample was joined whole (4 GB for 2**30 tokens)
+    before 800 tokens of it were kept."""
+    from bloomtrain.data import inspect as data_inspect
+    from bloomtrain.data.indexed import write_dataset
+    write_dataset(tmp_path / "d", [[list(range(1, 600)), list(range(600, 1200)), [5] * 3000]],
+                  np.uint16)
+    ds = MMapIndexedDataset(tmp_path / "d")
+    asked = []
+    get = ds.get
+    monkeypatch.setattr(ds, "get", lambda i, o=0, n=None: asked.append(n) or get(i, o, n))
+    ids = data_inspect._first_tokens(ds, 0, 3, 800)
+    assert ids.tolist() == list(range(1, 801))
+    assert asked == [599, 201]
+    assert data_inspect._first_tokens(ds, 0, 0, 800).tolist() == []
