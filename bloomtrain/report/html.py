@@ -177,7 +177,7 @@ def _config_html(runs: list[Run]) -> list[str]:
     missing = [r for r in runs if r.config is None]
     flat = [_flat(r.config) for r in runs if r.config is not None]
     keys = sorted({k for f in flat for k in f})
-    differ = [k for k in keys if len({json.dumps(f.get(k, "<absent>"), sort_keys=True)
+    differ = [k for k in keys if len({json.dumps(f.get(k, "<absent>"), sort_keys=True, default=str)
                                       for f in flat}) > 1]
     with_config = [r for r in runs if r.config is not None]
     out = [f"<p>{len(differ)} of {len(keys)} keys differ between the runs' config.yaml "
@@ -187,7 +187,7 @@ def _config_html(runs: list[Run]) -> list[str]:
         out.append("<table><tr><th>key</th>" +
                    "".join(f"<th>{_e(r.label)}</th>" for r in with_config) + "</tr>")
         for k in differ:
-            cells = "".join(f"<td>{_e(json.dumps(f[k]) if k in f else '(absent)')}</td>"
+            cells = "".join(f"<td>{_e(json.dumps(f[k], default=str) if k in f else '(absent)')}</td>"
                             for f in flat)
             out.append(f"<tr><th>{_e(k)}</th>{cells}</tr>")
         out.append("</table>")
@@ -243,6 +243,9 @@ def write_report(run_dirs: list, out_dir=None) -> Path:
         raise UserError(f"nothing to plot: metrics.jsonl has no records yet in {', '.join(empty)}"
                         f" (training writes one every train.log_interval steps)")
     out = Path(out_dir) if out_dir is not None else Path(run_dirs[0]) / "plots"
+    # Rendered once before any image is written: a run it cannot summarize then leaves the
+    # output directory as it was, not new images beside the old report.
+    render_html(runs, [])
     panels = write_plots(runs, out)
     path = out / "report.html"
     with atomic_output(path, "wb") as f:

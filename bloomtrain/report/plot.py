@@ -188,6 +188,17 @@ def legend_text(label: str) -> str:
     return "\u200b" + label if label.startswith("_") else label
 
 
+def run_colour(i: int):
+    """Run i's colour: the default cycle's ten, then tab20b's and tab20c's forty other hues
+    (C10 is C0 again, which made run 11 run 1's double on every panel)."""
+    if i < 10:
+        return f"C{i}"
+    import matplotlib
+
+    extra = [matplotlib.colormaps[name](k) for name in ("tab20b", "tab20c") for k in range(20)]
+    return extra[(i - 10) % len(extra)]
+
+
 def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> list:
     """Draw one sub-plot; returns its legend labels. The legend is left off when the sub-plot
     above shows the same one."""
@@ -196,7 +207,7 @@ def _draw_axis(ax, axis: Axis, data, runs: list[Run], above: list | None) -> lis
         if len(_finite(ys)) == 1:  # a line through one point draws nothing
             style.setdefault("marker", "o")
         # One colour per run across every panel, so runs can be followed from image to image.
-        ax.plot(xs, ys, color=f"C{i}", label=legend_text(runs[i].label + line.suffix), **style)
+        ax.plot(xs, ys, color=run_colour(i), label=legend_text(runs[i].label + line.suffix), **style)
     if axis.spikes:
         first = axis.lines[0]
         # At the spike's own loss: the record's is the interval's mean (with a skipped spike,

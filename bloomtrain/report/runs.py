@@ -39,6 +39,10 @@ class Run:
     # downstream eval records (eval/<task>/<metric>: bloomtrain.eval.training)
     harness: list[dict] = field(default_factory=list)
     stops: list[dict] = field(default_factory=list)  # clean stops before the end ("stopped")
+    # The stop record no step record follows in the file: where the run stands now. A start the
+    # kill switch stops appends its stop (at its checkpoint's step) after the records of steps
+    # a killed start logged past that checkpoint, which a resume drops.
+    stop: dict | None = None
 
 
 def read_metrics(path: Path) -> tuple[list[dict], bool]:
@@ -94,7 +98,11 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     config, config_text = None, None
     cpath = path / "config.yaml"
     if cpath.is_file():
-        config_text = cpath.read_text()
+        try:
+            config_text = cpath.read_text()
+        except UnicodeDecodeError as e:
+            raise UserError(f"{cpath} is not UTF-8 text ({e.reason} at byte {e.start}): fix "
+                            f"that byte or write the file again as UTF-8") from None
         try:
             config = yaml.safe_load(config_text)
         except yaml.YAMLError as e:
@@ -108,9 +116,19 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
                steps=[r for r in records if "loss" in r and "eval_loss" not in r],
                evals=[r for r in records if "eval_loss" in r],
                harness=[r for r in records if any(k.startswith(HARNESS_PREFIX) for k in r)],
-               stops=[r for r in records if "stopped" in r],
+               stops=[r for r in records if "stopped" in r], stop=_final_stop(records),
                config=config, config_text=config_text, partial_tail=partial,
                updated=mpath.stat().st_mtime)
+
+
+def _final_stop(records: list[dict]) -> dict | None:
+    stop = None
+    for r in records:
+        if "stopped" in r:
+            stop = r
+        elif "loss" in r and "eval_loss" not in r:
+            stop = None  # trained on after it: resumed
+    return stop
 
 
 def run_labels(paths: list[str | Path]) -> list[str]:
@@ -248,14 +266,18 @@ def summarize(run: Run) -> Summary:
         consumed = number(last_any, "consumed_samples")  # a hand-edited "abc" is no number
         s.consumed_samples = int(consumed) if consumed is not None and math.isfinite(consumed) \
             else None
-    stops = [r for r in run.stops if s.step is None or r["step"] >= s.step]
-    if stops:  # not resumed past since (a resume drops the records after its checkpoint)
-        s.step = stops[-1]["step"] if s.step is None else s.step
-        s.stopped = str(stops[-1]["stopped"])
+    if run.stop is not None:  # the run stands at its stop, which resuming starts from
+        s.step = run.stop["step"]
+        consumed = number(run.stop, "consumed_samples")
+        if consumed is not None and math.isfinite(consumed):
+            s.consumed_samples = int(consumed)
+        s.stopped = str(run.stop["stopped"])
+        steps = [r for r in steps if r["step"] <= s.step]
     if steps:
         last = steps[-1]
         s.loss = number(last, "loss")
-        s.skipped_steps = int(number(last, "skipped_steps") or 0)
+        skipped = number(last, "skipped_steps")  # a hand-edited NaN or 1e400 is no count
+        s.skipped_steps = int(skipped) if skipped is not None and math.isfinite(skipped) else 0
         s.loss_scale = number(last, "loss_scale")
         s.layout = last.get("layout")
     if run.evals:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bloomtrain.checkpoint import find_latest_valid
 from bloomtrain.config import TrainConfig
-from bloomtrain.train.runlock import ended_holder
+from bloomtrain.train.runlock import LOCK_NAME, ended_holder
 from bloomtrain.report.runs import (Run, Summary, fmt, fmt_duration, fmt_mem, fmt_spike,
                                     fmt_steps, load_run, summarize)
 
@@ -136,6 +136,9 @@ def _harness_rows(s: Summary) -> list[str]:
 
 def status_lines(run_dir, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
+    starting = _starting(Path(run_dir), now)
+    if starting:
+        return starting
     run = load_run(run_dir)
     s = summarize(run)
     rows = [_row("run", _clip_left(str(run.path.resolve()), WIDTH - LABEL)),
@@ -146,7 +149,8 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     running = not s.finished and not s.stopped and s.step is not None and \
         ended_holder(run.path) is None
     if running and s.eta_s is not None:
-        gbs = ((run.config or {}).get("train") or {}).get("global_batch_size")
+        train = (run.config or {}).get("train")
+        gbs = train.get("global_batch_size") if isinstance(train, dict) else None
         ramping = run.steps and run.steps[-1].get("global_batch_size") != gbs
         basis = (" (the run's own estimate)" if s.total_samples is None or not run.steps else
                  f" at the recent time per sample, the batch ramping up to {gbs}" if ramping else
@@ -184,6 +188,25 @@ def status_lines(run_dir, now: float | None = None) -> list[str]:
     shown = s.alerts[-room:] if room > 0 else []
     rows += [_clip(f"  step {step:,}: {text}") for step, text in shown]
     return rows[:HEIGHT]
+
+
+def _starting(path: Path, now: float) -> list[str] | None:
+    """The screen of a run that holds its lock but has no metrics.jsonl yet: training writes it
+    once the model, the data's indices and the checkpoint to resume are ready, which at scale
+    takes minutes after the run directory appears."""
+    lock = path / LOCK_NAME
+    if not path.is_dir() or (path / "metrics.jsonl").exists() or not lock.is_file():
+        return None
+    try:
+        age = max(now - lock.stat().st_mtime, 0.0)
+    except OSError:
+        return None
+    gone = ended_holder(path)
+    state = (f"ended while starting (pid {gone} gone): failed or killed, see its log" if gone
+             else f"starting for {fmt_duration(age)} (building model, data, checkpoint), no "
+                  f"step yet")
+    return [_row("run", _clip_left(str(path.resolve()), WIDTH - LABEL)),
+            _row("state", _clip(state, WIDTH - LABEL))]
 
 
 def status_text(run_dir, now: float | None = None) -> str:

@@ -381,3 +381,21 @@ def test_an_output_path_through_a_file_is_one_line_not_a_traceback(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("bloomtrain plot: error: ") \
         and str(tmp_path / "f") in err[0], err
+
+
+def test_eleven_runs_get_eleven_colours_and_dates_in_configs_are_compared(tmp_path):
+    """Colour C10 is C0 again: run 11 was run 1's double on every panel. An unquoted date in
+    config.yaml (YAML reads it as a date) made the config diff raise TypeError, after the
+    images were written."""
+    from matplotlib.colors import to_hex
+    from bloomtrain.report.plot import run_colour
+    colours = [to_hex(run_colour(i)) for i in range(50)]
+    assert len(set(colours)) == 50, colours
+    runs = [write_run(tmp_path / f"r{i:02d}", [step_record(1), step_record(2)], CONFIG)
+            for i in range(11)]
+    for i, r in enumerate(runs):  # as a user writes it: unquoted, a YAML date
+        with open(r / "config.yaml", "a") as f:
+            f.write(f"note: 2024-01-{i + 1:02d}\n")
+    assert type(load_run(runs[0]).config["note"]).__name__ == "date"
+    page = write_report(runs, tmp_path / "out").read_text()
+    assert "<tr><th>note</th><td>&quot;2024-01-01&quot;</td>" in page

@@ -343,3 +343,80 @@ def test_hand_edited_records_and_paths_are_one_line(tmp_path, capsys):
     assert main(["status", str(bare)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "config.yaml is not valid YAML at line 2" in err
+
+
+def test_a_start_the_kill_switch_stops_after_a_kill_reads_as_stopped_at_its_checkpoint(
+        dataset, tmp_path):
+    """A job killed in step 5 after its checkpoint at step 3, requeued with the kill switch set:
+    that start appends its stop (step 3, where a resume starts) after the killed job's records
+    of steps 4 and 5. Status compared step numbers, dropped the stop and said "killed or crashed
+    at step 5 ... rerun to resume"."""
+    from bloomtrain import checkpoint as ckpt
+    ck = {"dir": str(tmp_path / "ck"), "save_interval": 3}
+    train(make_cfg(dataset, tmp_path, train__train_iters=5, train__log_interval=1,
+                   checkpoint=ck), log=lambda *a: None)
+    shutil.rmtree(tmp_path / "ck" / ckpt.step_dir_name(5))  # the kill came before its save
+    switch = tmp_path / "KILL"
+    switch.touch()
+    res = train(make_cfg(dataset, tmp_path, train__train_iters=6, train__log_interval=1,
+                         train__kill_switch_path=str(switch), checkpoint=ck),
+                log=lambda *a: None)
+    assert res.exit_reason == "kill switch"
+    run = tmp_path / "run"
+    assert records(run)[-1] == {"step": 3, "consumed_samples": 24, "stopped": "kill switch"}
+    assert max(r["step"] for r in records(run)) == 5
+    got = rows(status_text(run))
+    assert got["state"].startswith("stopped at step 3 (kill switch), "), got
+    # config.yaml is still the killed job's (the stopped start rewrites nothing): 5 steps.
+    assert got["step"].startswith("3 / 5 ") and "samples 24" in got["step"], got
+    # Resumed past the stop (the resume drops the records after step 3), it is not stopped.
+    write_run(run, [r for r in records(run) if r["step"] <= 3] + [step_record(4)],
+              yaml.safe_load((run / "config.yaml").read_text()))
+    assert rows(status_text(run))["state"].startswith("in progress")
+
+
+def test_a_run_that_holds_its_lock_before_its_first_record_reads_as_starting(tmp_path):
+    """Training writes metrics.jsonl once the model, the data's indices and the checkpoint are
+    ready (minutes at scale) after the run directory and its lock appear: status said "has no
+    metrics.jsonl; give the run_dir of a training run" of the right directory."""
+    import socket
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = run / ".bloomtrain.lock"
+    lock.write_text(f"pid {os.getpid()} on {socket.gethostname()}, since 2026-12-07 08:00:00\n")
+    got = rows(status_text(run, now=lock.stat().st_mtime + 90))
+    assert got["state"] == (f"starting for {fmt_duration(90)} (building model, data, "
+                            f"checkpoint), no step yet"), got
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"pid {dead.pid} on {socket.gethostname()}, since 2026-12-07 08:00:00\n")
+    assert rows(status_text(run))["state"].startswith(f"ended while starting (pid {dead.pid} gone)")
+    lock.unlink()  # no lock: not a run directory, as before
+    with pytest.raises(UserError, match="has no metrics.jsonl"):
+        status_text(run)
+
+
+def test_a_config_or_record_that_cannot_be_read_as_numbers_is_read_around_or_one_line(
+        tmp_path, capsys):
+    """`train: abc` in config.yaml raised AttributeError in the ETA row; a config.yaml that is
+    not UTF-8 raised UnicodeDecodeError in status and plot; a skipped_steps of NaN or 1e400
+    raised ValueError and OverflowError."""
+    run = write_run(tmp_path / "r", [step_record(1), step_record(2, eta_s=60.0)],
+                    {"train": "abc"})
+    assert rows(status_text(run))["state"].startswith("in progress")
+    (run / "metrics.jsonl").write_text(
+        json.dumps(step_record(1)) + "\n" + json.dumps(step_record(2)).replace(
+            '"skipped_steps": 0', '"skipped_steps": NaN') + "\n")
+    assert rows(status_text(run))["state"].startswith("in progress")
+    (run / "metrics.jsonl").write_text(json.dumps(step_record(1)).replace(
+        '"skipped_steps": 0', '"skipped_steps": 1e400') + "\n")
+    assert rows(status_text(run))["state"].startswith("in progress")
+    (run / "config.yaml").write_bytes(b"# caf\xe9\ntrain: {global_batch_size: 8}\n")
+    for cmd in (["status", str(run)], ["plot", str(run), "--output", str(tmp_path / "out")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "config.yaml is not UTF-8 text" in err, err
+    assert not (tmp_path / "out").exists()
