@@ -281,12 +281,25 @@ class BloomForCausalLM(nn.Module):
         self.transformer.set_activation_checkpointing(mode)
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's default: a label that is not scored (HF's convention)
+
+
 def lm_loss(logits, labels, loss_mask=None):
     """Megatron's LM loss: per-token cross-entropy in fp32, averaged over the loss mask."""
     losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return mean_over_mask(losses, labels.flatten(),
+                          None if loss_mask is None else loss_mask.flatten())
+
+
+def mean_over_mask(losses, labels, loss_mask=None):
+    """The mean of per-token `losses` over the positions scored: those of `loss_mask` (all
+    when None) whose label is not IGNORE_INDEX. Counting the ignored ones too, as the plain
+    mean did, scaled an HF-style labelled batch's loss and gradient down by their share."""
+    scored = labels != IGNORE_INDEX
     if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.flatten().float()
+        # sum / count is the mean's own arithmetic, so a batch without ignored labels keeps it.
+        return losses.sum() / scored.sum().clamp(min=1)
+    mask = loss_mask.float() * scored
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 

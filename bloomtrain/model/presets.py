@@ -104,8 +104,10 @@ def resolve_model_config(model_cfg, vocab_size: int | None = None) -> BloomShape
     if model_cfg.make_vocab_size_divisible_by <= 0:
         raise UserError("model.make_vocab_size_divisible_by must be positive")
     return BloomShape(
-        vocab_size=max(pad_vocab(vocab, model_cfg.make_vocab_size_divisible_by),
-                       base.get("vocab_size", 0)),
+        # A preset's vocabulary (BLOOM's 250,880) is a floor, padded too: at tp=3 a multiple
+        # of 384 kept 250,880 (no multiple of 3), and the error asked for what was set.
+        vocab_size=pad_vocab(max(vocab, base.get("vocab_size", 0)),
+                             model_cfg.make_vocab_size_divisible_by),
         hidden_size=h,
         num_layers=base["num_layers"],
         num_heads=nh,

@@ -36,6 +36,11 @@ def test_preset_parameter_counts(preset):
 def test_preset_with_bloom_tokenizer_keeps_published_vocab():
     shape = resolve_model_config(ModelConfig(preset="bloom-560m"), vocab_size=250680)
     assert shape.vocab_size == 250880
+    # The published size is a floor that is padded too: at tp=3 a multiple of 384 kept
+    # 250,880 (no multiple of 3 or 384), and the layout error asked for the 384 that was set.
+    shape = resolve_model_config(ModelConfig(preset="bloom-1b1", make_vocab_size_divisible_by=384),
+                                 vocab_size=250680)
+    assert shape.vocab_size == 251136 and shape.vocab_size % 384 == 0
 
 
 def test_vocab_padding_and_shape_errors():
@@ -187,3 +192,36 @@ def test_tflops_formula_reproduces_bloom_logs():
     tf = megatron_tflops(2048, 2048, 70, 14336, 250880, 105.22, 384, True)
     assert tf == pytest.approx(149.02, abs=0.01)
     assert megatron_tflops(16, 2048, 70, 14336, 250880, 15.23, 384, True) == pytest.approx(8.04, abs=0.01)
+
+
+def test_ignored_labels_are_left_out_of_the_mean_as_torch_and_hf_do():
+    """HF-style labels (-100 where nothing is scored) through the Python API: the loss was
+    divided by every position, the ignored ones too, so a batch with 12 of 16 ignored had a
+    loss (and gradients) 4x too small. F.cross_entropy's own ignore_index is the reference."""
+    import torch.nn.functional as F
+    shape = RECOMPUTE_SHAPE
+    model = build_model(shape, seed=1).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, shape.vocab_size, (2, 8), generator=g)
+    labels = torch.randint(0, shape.vocab_size, (2, 8), generator=g)
+    labels[0, :6] = -100
+    labels[1, 2:] = -100
+    logits = model(ids).detach()
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert model(ids, labels=labels).item() == pytest.approx(expected.item(), rel=1e-6)
+    # With a loss mask too: the positions both score, as a plain loop counts them.
+    mask = torch.ones(2, 8)
+    mask[0, 7] = 0
+    total, count = 0.0, 0
+    for b in range(2):
+        for s in range(8):
+            if labels[b, s] != -100 and mask[b, s]:
+                total += F.cross_entropy(logits[b, s][None], labels[b, s][None]).item()
+                count += 1
+    assert count == 3
+    assert model(ids, labels=labels, loss_mask=mask).item() == pytest.approx(total / count,
+                                                                              rel=1e-6)
+    # Without ignored labels the loss is the plain mean, to the bit.
+    plain = torch.randint(0, shape.vocab_size, (2, 8), generator=g)
+    assert torch.equal(model(ids, labels=plain).detach(),
+                       F.cross_entropy(logits.flatten(0, 1), plain.flatten()))

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from bloomtrain.model.bloom import IGNORE_INDEX, mean_over_mask
 from bloomtrain.parallel import comm
 from bloomtrain.parallel.comm import ReduceOp, group_rank
 from bloomtrain.parallel.tensor.regions import COMM_NAME
 
-IGNORE_INDEX = -100  # F.cross_entropy's default, which bloomtrain.model.lm_loss inherits
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -66,10 +66,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tenso
 def vocab_parallel_lm_loss(logits_shard, labels, loss_mask, group) -> torch.Tensor:
     """`bloomtrain.model.lm_loss` over vocab-split logits: the mean over the loss mask."""
     losses = vocab_parallel_cross_entropy(logits_shard, labels, group)
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    return mean_over_mask(losses, labels, loss_mask)
 
 
 class VocabParallelLMLoss:
