@@ -196,6 +196,8 @@ def _generate_options(args) -> tuple[bool, float, float]:
         raise UserError(f"--top-k must be >= 0, got {args.top_k}")
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.seed is not None and not -2 ** 63 <= args.seed < 2 ** 64:  # torch's seed range
+        raise UserError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     if not Path(args.checkpoint).exists():
         raise UserError(f"--checkpoint {args.checkpoint} does not exist")
     return do_sample, temperature, top_p

@@ -187,6 +187,11 @@ def test_cli_generate_errors(trained_checkpoint, capsys, tmp_path, models):
         assert main(["generate", "--checkpoint", str(root), "--prompt", "x",
                      "--temperature", bad]) == 2
         assert f"--temperature must be a positive number, got {bad}" in capsys.readouterr().err
+    # A seed past torch's range was a traceback, after the model had loaded.
+    for bad in (str(2 ** 64), str(-2 ** 63 - 1)):
+        assert main(["generate", "--checkpoint", str(root), "--prompt", "x",
+                     "--temperature", "1", "--seed", bad]) == 2
+        assert f"--seed must be in [-2**63, 2**64), got {bad}" in capsys.readouterr().err
     # The KV cache is allocated for the longest run asked for: refused when it cannot fit,
     # in one line, not an allocator's traceback (500 GB asked for here).
     assert main(["generate", "--checkpoint", str(root), "--prompt", "x",

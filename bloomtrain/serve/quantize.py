@@ -35,6 +35,10 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     """x [..., in] times the int8 weight q [out, in] with row scales [out] -> [..., out]."""
     # torch's int8 weight kernel (aten._weight_int8pack_mm) computes the same, but on AVX2 CPUs
     # it was 10-100x slower than this cast when measured, so it is not used.
+    if x.dtype == torch.float16:
+        # x·qᵀ is 127 / absmax(row) times the output, and fp16 ends at 65,504: an output of
+        # 300 over a row of absmax 0.05 is inf before the scale. The scaled weight cannot be.
+        return F.linear(x, q.to(x.dtype) * scale[:, None].to(x.dtype))
     return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
 
 

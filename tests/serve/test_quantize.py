@@ -37,6 +37,26 @@ def test_quantize_rows():
     assert (err <= scale[:, None] / 2 + 1e-7).all()
 
 
+def test_fp16_products_that_fit_fp16_stay_finite():
+    """In fp16, x·qᵀ before the row scale is 127 / absmax(row) times the output: outputs of a
+    few hundred over rows of small weights were inf (an fp16 model's generate then printed
+    junk), though the output fits fp16. The reference is the dequantized weight in fp32."""
+    from bloomtrain.serve.quantize import int8_matmul
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * 0.01
+    x = torch.randn(4, 256, generator=g) * 100  # outputs of tens, rows of absmax ~0.04
+    q, scale = quantize_rows(w)
+    ref = x @ (q.float() * scale[:, None]).t()
+    assert ref.abs().max() < 65504 < (x @ q.float().t()).abs().max()  # before the scale: past
+    got = int8_matmul(x.half(), q, scale)
+    assert torch.isfinite(got).all()
+    assert (got.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    # bf16 and fp32 keep the scale after the product (their range has room).
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        got = int8_matmul(x.to(dtype), q, scale).float()
+        assert (got - ref).abs().max() <= tol * ref.abs().max(), dtype
+
+
 def markov_batches(num, seq, seed):
     """Sequences from a sparse random Markov chain (4 successors per token): structure a small
     model learns in a few dozen steps, so its weights are trained, not random."""
