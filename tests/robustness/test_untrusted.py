@@ -361,3 +361,19 @@ def test_package_never_unpickles_or_trusts_remote_code():
             if ident.startswith(("AutoTokenizer", "AutoModel", "AutoConfig")):
                 problems.append(f"{where}:{getattr(node, 'lineno', '?')}: transformers' {ident}")
     assert not problems, "\n".join(problems)
+
+
+def test_a_lone_weight_file_symlinked_elsewhere_loads_as_transformers_loads_it(tmp_path):
+    """model.safetensors is a fixed name, not one an untrusted index gives: a link there is the
+    directory's own layout (git-annex, DVC, weights on another disk), which transformers loads.
+    It was refused, with no way out named."""
+    state = _hf_dir(tmp_path / "src")
+    (tmp_path / "hf").mkdir()
+    shutil.copyfile(tmp_path / "src" / "config.json", tmp_path / "hf" / "config.json")
+    (tmp_path / "store").mkdir()
+    shutil.move(tmp_path / "src" / "model.safetensors", tmp_path / "store" / "w.safetensors")
+    (tmp_path / "hf" / "model.safetensors").symlink_to(tmp_path / "store" / "w.safetensors")
+    _, loaded, _ = hf.collect_hf_state(tmp_path / "hf")
+    assert all(torch.equal(loaded[n], t) for n, t in state.items())
+    from transformers import BloomForCausalLM
+    BloomForCausalLM.from_pretrained(tmp_path / "hf")  # the reference loads it too

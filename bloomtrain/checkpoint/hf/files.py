@@ -52,7 +52,8 @@ def _weight_file(hf_dir: Path, name, source: str) -> Path:
     if reason == "unresolvable":
         raise UserError(f"{source}: weight file {name!r} cannot be resolved: {detail}")
     raise UserError(f"{source}: weight file {name!r} is a symlink leading out of {hf_dir} "
-                    f"(to {detail}); refusing to read it")
+                    f"(to {detail}); refusing to read a file an index names outside the "
+                    f"directory: copy the files in (e.g. `cp -rL`) and give the copy")
 
 
 def weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
@@ -60,7 +61,9 @@ def weight_files(hf_dir: Path) -> tuple[str, list[Path]]:
     for single, index, kind in ((SAFETENSORS_FILE, SAFETENSORS_INDEX, "safetensors"),
                                 (BIN_FILE, BIN_INDEX, "bin")):
         if (hf_dir / single).is_file():
-            return kind, [_weight_file(hf_dir, single, str(hf_dir))]
+            # A fixed name, not one read from a file: a symlink there is how the directory was
+            # laid out (git-annex, DVC, weights on another disk), and transformers loads it.
+            return kind, [hf_dir / single]
         if (hf_dir / index).is_file():
             try:
                 weight_map = json.loads((hf_dir / index).read_text())["weight_map"]
