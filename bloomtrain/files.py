@@ -81,6 +81,24 @@ def disk_space(path: str | os.PathLike) -> str:
             f"filesystem of {p}")
 
 
+def pid_alive(pid) -> bool:
+    """Whether process `pid` (an int or its digits) runs on this host; True when unsure (not a
+    pid, or one that runs as another user)."""
+    try:
+        pid = int(pid)
+    except (TypeError, ValueError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def is_disk_full(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS
 

@@ -22,6 +22,7 @@ import weakref
 from pathlib import Path
 
 from bloomtrain.errors import UserError
+from bloomtrain.files import pid_alive
 
 LOCK_NAME = ".bloomtrain.lock"
 # This process's locks: real path of the directory -> [open fd, holders].
@@ -83,13 +84,7 @@ def ended_holder(d) -> int | None:
             parts[3].rstrip(",") != socket.gethostname():
         return None
     pid = int(parts[1])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return pid
-    except OSError:  # it runs, as another user
-        return None
-    return None
+    return None if pid_alive(pid) else pid
 
 
 def _take(d: str, warn) -> str | None:

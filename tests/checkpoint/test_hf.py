@@ -545,3 +545,47 @@ def test_a_vocabulary_that_does_not_split_over_tp_names_a_tp_that_does(tmp_path)
     with pytest.raises(UserError, match=r"vocabulary \(255 rows\) does not split over tp=2; "
                                         r"load it with a tp that divides it \(tp=1 here\)"):
         load_sharded(tmp_path / "hf", topo)
+
+
+def test_import_replaces_a_step_0_of_its_own_directory_only(tmp_path):
+    """import-hf exempted step 0 from its "already holds a training run" refusal, so importing
+    another model into the same --output replaced the first one's checkpoint without a word."""
+    make_hf_model(CONFIGS["h48_6heads"][0]).save_pretrained(tmp_path / "a")
+    make_hf_model(CONFIGS["h48_6heads"][0], seed=1).save_pretrained(tmp_path / "b")
+    step = hf.import_hf(tmp_path / "a", tmp_path / "out", log=lambda *_: None)
+    hf.import_hf(tmp_path / "a", tmp_path / "out", log=lambda *_: None)  # a retry: replaced
+    before = {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()}
+    with pytest.raises(UserError, match=rf"already holds a step-0 checkpoint \(imported from "
+                                        rf"{tmp_path / 'a'}\); import into a new directory"):
+        hf.import_hf(tmp_path / "b", tmp_path / "out", log=lambda *_: None)
+    assert {p.name: p.read_bytes() for p in step.iterdir() if p.is_file()} == before
+
+
+def test_export_failures_are_one_line_and_a_killed_exports_staging_is_cleared(tmp_path,
+                                                                             monkeypatch):
+    """Only a full disk was one line: EFBIG (ulimit -f, FAT32's 4 GiB), EPERM or EROFS were a
+    traceback. A killed export to a new directory left its staging folder beside it forever."""
+    import subprocess
+    import sys
+    make_hf_model(CONFIGS["h48_6heads"][0]).save_pretrained(tmp_path / "hf")
+    hf.import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda *_: None)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)
+    before = (tmp_path / "export" / "model.safetensors").read_bytes()
+    from bloomtrain.checkpoint.hf import convert
+
+    def too_large(*a, **k):
+        raise OSError(errno.EFBIG, "File too large")
+    with monkeypatch.context() as m:
+        m.setattr(convert, "_write_export", too_large)
+        with pytest.raises(UserError, match=r"failed: File too large; nothing was written under "
+                                            r"that name, and an export already there is "
+                                            r"unchanged"):
+            hf.export_hf(tmp_path / "ckpt", tmp_path / "export", log=lambda *_: None)
+    assert (tmp_path / "export" / "model.safetensors").read_bytes() == before
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".new.tmp.{dead.pid}").mkdir()  # a killed export's
+    (tmp_path / f".new.tmp.{os.getppid()}").mkdir()  # a running one's (its process lives)
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "new", log=lambda *_: None)
+    assert not (tmp_path / f".new.tmp.{dead.pid}").exists()
+    assert (tmp_path / f".new.tmp.{os.getppid()}").is_dir()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from bloomtrain.checkpoint.hf.files import SAFETENSORS_FILE, WEIGHT_FILES
 from bloomtrain.errors import UserError
 from bloomtrain.model.presets import EMBEDDING, LM_HEAD
-from bloomtrain.files import disk_full_error, fsync_dir, is_disk_full
+from bloomtrain.files import disk_full_error, fsync_dir, is_disk_full, pid_alive
 
 if TYPE_CHECKING:  # importing bloomtrain.model loads torch; the CLI parser must not wait for it
     from bloomtrain.model import BloomShape
@@ -223,10 +223,13 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
         raise UserError(f"--output {output_dir} exists and is not a directory; give a new "
                         f"directory for the checkpoint")
     shape, state, cfg = collect_hf_state(input_dir)
-    later = [s for s, _ in checkpoint.list_checkpoints(output_dir) if s != 0]
+    existing = dict(checkpoint.list_checkpoints(output_dir))
+    later = [s for s in existing if s != 0]
     if later:
         raise UserError(f"{output_dir} already holds a training run (step {max(later)}); "
                         f"import into a new directory")
+    if 0 in existing:
+        _check_reimport(existing[0], input_dir)
     tokenizer = _load_tokenizer_or_note(input_dir, log)
     meta = {"source": "hf", "hf_dir": str(input_dir.resolve()), "hf_config": cfg}
     created = not output_dir.exists()
@@ -243,6 +246,23 @@ def import_hf(input_dir: str | os.PathLike, output_dir: str | os.PathLike,
     log(f"imported {input_dir} ({shape.num_layers} layers, hidden {shape.hidden_size}, "
         f"vocab {shape.vocab_size}, {state[EMBEDDING].dtype}) -> {path}")
     return path
+
+
+def _check_reimport(step0: Path, input_dir: Path) -> None:
+    """A step 0 already there is replaced only by a new import of the same HF directory (a
+    retry, a refresh): another model's, or an import-deepspeed --weights-only one, was
+    replaced without a word."""
+    from bloomtrain.checkpoint import CheckpointError, read_manifest
+    try:
+        manifest = read_manifest(step0)
+        same = manifest.get("source") == "hf" and \
+            manifest.get("hf_dir") == str(input_dir.resolve())
+        was = f"imported from {manifest.get('hf_dir') or manifest.get('source') or 'elsewhere'}"
+    except CheckpointError as e:
+        same, was = False, f"unreadable: {e}"
+    if not same:
+        raise UserError(f"{step0.parent} already holds a step-0 checkpoint ({was}); import "
+                        f"into a new directory, or delete {step0} first")
 
 
 # ---- writing HF directories ----------------------------------------------------------------------
@@ -393,6 +413,9 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     shutil.rmtree(tmp, ignore_errors=True)
     for stale in output_dir.glob(".bloomtrain_export.tmp.*") if output_dir.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)  # a killed export's
+    for stale in output_dir.parent.glob(f".{output_dir.name}.tmp.*"):
+        if not pid_alive(stale.name.rsplit(".", 1)[-1]):  # a killed export's, not a running one
+            shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir()
         copied = _write_export(tmp, reader, info, config, tokenizer_dir)
@@ -407,6 +430,11 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
                 f"exporting {ckpt} to {output_dir}", e, output_dir.parent,
                 "nothing was written under that name, and an export already there is "
                 "unchanged. Free disk space or choose another --output") from e
+        if isinstance(e, OSError):  # EFBIG (a FAT32 drive, ulimit -f), EPERM, EROFS, EIO
+            raise UserError(f"exporting {ckpt} to {output_dir} failed: {e.strerror or e}; "
+                            f"nothing was written under that name, and an export already "
+                            f"there is unchanged. Choose an --output on a filesystem that "
+                            f"can take the files") from e
         raise
     log(f"exported {ckpt} -> {output_dir} ({len(names)} tensors, {dtype}"
         f"{', tokenizer' if copied else ', no tokenizer'})")
