@@ -311,6 +311,19 @@ class BatchSchedule:
         """The samples those steps consume: train_samples less a partial last batch."""
         return self._walk(train_samples, 0)[1]
 
+    def last_step_start(self, train_samples: int) -> int | None:
+        """The samples consumed before the last step of a run of `train_samples` (None: it has
+        no step): where that step's learning rate is read, the highest a warmup reaches."""
+        consumed, last = 0, None
+        while True:
+            b = self.global_batch_size_at(consumed)
+            if b == self.global_batch_size:
+                more = max(train_samples - consumed, 0) // b
+                return consumed + (more - 1) * b if more else last
+            if b <= 0 or consumed + b > train_samples:
+                return last
+            last, consumed = consumed, consumed + b
+
     def _walk(self, train_samples: int, consumed: int) -> tuple[int, int]:
         steps = 0
         while True:

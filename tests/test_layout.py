@@ -276,3 +276,16 @@ def test_one_broken_rule_is_its_message_alone():
     with pytest.raises(UserError) as e:
         validate(cfg, 4)
     assert str(e.value) == ONE_CHUNK
+
+
+@pytest.mark.parametrize("rampup", [None, (2, 2, 40), (4, 4, 1000)])
+def test_the_last_steps_start_is_the_walks(rampup):
+    # A plain walk of the steps, each taking the batch size at the samples before it.
+    from bloomtrain.layout import BatchSchedule
+    lay = ParallelLayout(tp=1, pp=1, dp=2)
+    sched = BatchSchedule(global_batch_size=8, micro_batch_size=1, layout=lay, rampup=rampup)
+    for train_samples in (0, 1, 7, 8, 9, 16, 41, 100, 333):
+        consumed, last = 0, None
+        while sched.fits(consumed, train_samples):
+            last, consumed = consumed, consumed + sched.global_batch_size_at(consumed)
+        assert sched.last_step_start(train_samples) == last, (rampup, train_samples)

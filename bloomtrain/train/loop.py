@@ -237,7 +237,8 @@ class Trainer:
         self.parts = parallelize(model, self.topo, cfg, attention=self.attention,
                                  device=self.device)
         self.data = TrainData(cfg, run, self.topo, self.tokenizer, self.device)
-        self.lr_schedule = lr_schedule(cfg.optim, self.data.train_samples, self.print)
+        self.lr_schedule = lr_schedule(cfg.optim, self.data.train_samples, self.print,
+                                       self.batches.last_step_start(self.data.train_samples))
         self.checkpoints = TrainCheckpoints(cfg, self.parts, self.tokenizer, log=self.print,
                                             order_digest=self.data.order_digest)
         self.state = (resumed := self.checkpoints.resume()) or TrainState()
@@ -476,17 +477,20 @@ def peak_tflops(device, t) -> float | None:
     return device_peak_tflops(device) if t.precision in ("bf16", "fp16") else None
 
 
-def lr_schedule(o, train_samples: int, log) -> LRSchedule:
+def lr_schedule(o, train_samples: int, log, last_start: int | None = None) -> LRSchedule:
     """The run's LR schedule; the decay over the whole run where optim.decay_samples is unset.
-    A run that ends inside its warmup (a shortened demo, a smoke test) is said, not refused:
-    its learning rate never reaches optim.lr."""
-    if o.decay_samples is None and o.warmup_samples >= train_samples:
+    A run whose last step (starting at `last_start` samples) is still inside the warmup (a
+    shortened demo, a smoke test) is said, not refused: its learning rate never reaches
+    optim.lr. A step reads the rate at the samples consumed before it (Megatron's order), so
+    the last step's is the highest."""
+    sched = LRSchedule(o.lr, o.min_lr, o.warmup_samples, o.decay_samples or train_samples,
+                       o.decay_style)
+    if last_start is not None and last_start < o.warmup_samples:
         log(f"[train] WARNING the run's {train_samples} samples end inside the warmup "
             f"(optim.warmup_samples {o.warmup_samples}): the learning rate reaches only "
-            f"{o.lr * train_samples / o.warmup_samples:.3g} (optim.lr {o.lr:g}); lower the "
+            f"{sched(last_start):.3g}, at its last step (optim.lr {o.lr:g}); lower the "
             f"warmup or train longer")
-    return LRSchedule(o.lr, o.min_lr, o.warmup_samples, o.decay_samples or train_samples,
-                      o.decay_style)
+    return sched
 
 
 def mean_over_dp(value: float, topo: Topology, device) -> float:

@@ -293,9 +293,20 @@ def test_a_run_that_ends_inside_its_warmup_says_so(dataset, tmp_path):
                          optim__decay_samples=None),
                 log=lambda *a: lines.append(" ".join(map(str, a))))
     assert res.state.step == 2
+    # Its steps read the rate at 0 and 8 samples (Megatron's order): 8/64 of optim.lr at most.
+    # The figure was 16/64, a rate no step used.
     assert any("[train] WARNING the run's 16 samples end inside the warmup "
-               "(optim.warmup_samples 64): the learning rate reaches only 0.00025" in line
-               for line in lines), lines
+               "(optim.warmup_samples 64): the learning rate reaches only 0.000125, at its "
+               "last step (optim.lr 0.001)" in line for line in lines), lines
+    # Said as well with optim.decay_samples set, and for a warmup ending between the last
+    # step's start and the run's end; not for one the last step starts at or after.
+    from bloomtrain.config import OptimConfig
+    from bloomtrain.train.loop import lr_schedule
+    for warmup, decay, said in ((12, 100, "0.000667"), (16, None, "0.0005"), (8, None, None)):
+        lines = []
+        lr_schedule(OptimConfig(lr=1e-3, min_lr=0.0, warmup_samples=warmup, decay_samples=decay),
+                    16, lines.append, last_start=8)
+        assert (f"reaches only {said}, at its last step" in lines[0]) if said else not lines, lines
 
 
 def test_an_eval_interval_without_a_validation_split_is_refused(dataset, tmp_path):
