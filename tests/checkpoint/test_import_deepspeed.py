@@ -1095,3 +1095,28 @@ def test_a_megatron_run_with_skipped_steps_imports_its_schedules_position():
     assert train_position(args, meta) == {"step": 4, "consumed_samples": 32,
                                           "skipped_steps": 1, "lr_samples": 24}
     assert "lr_samples" not in train_position(args, {"skipped_steps": 0})
+
+
+def test_an_hf_run_under_deepspeed_with_skipped_steps_imports_its_schedules_position(tmp_path):
+    """DeepSpeed steps the LR scheduler only for an update it applied (engine._take_model_step
+    skips lr_scheduler.step on an fp16 overflow). The import set no lr_samples for an HF model
+    trained under DeepSpeed, so its schedule resumed at every sample consumed: 3 steps of 8 with
+    2 skipped came over at 24 samples where DeepSpeed's scheduler stood at 8."""
+    import json
+    from bloomtrain.train.checkpointing import TrainState
+    src = _copy(tmp_path, "hf_zero2_fp32")
+    f = src / "global_step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(f, weights_only=False)
+    assert (state["global_steps"], state["global_samples"]) == (3, 24)
+    state["skipped_steps"] = 2
+    torch.save(state, f)
+    import_deepspeed(src, tmp_path / "out", log=lambda *a: None)
+    manifest = json.loads(next((tmp_path / "out").glob("step_*/manifest.json")).read_text())
+    st = TrainState.from_manifest(manifest)
+    assert (st.step, st.consumed_samples, st.skipped_steps, st.lr_samples) == (3, 24, 2, 8)
+    # Without skipped steps the schedule is where the samples are, as before.
+    state["skipped_steps"] = 0
+    torch.save(state, f)
+    import_deepspeed(src, tmp_path / "out0", log=lambda *a: None)
+    manifest = json.loads(next((tmp_path / "out0").glob("step_*/manifest.json")).read_text())
+    assert TrainState.from_manifest(manifest).lr_samples == 24

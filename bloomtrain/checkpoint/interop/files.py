@@ -139,7 +139,14 @@ def find_config_json(files: CheckpointFiles) -> Path | None:
 
 def deepspeed_position(meta: dict) -> dict:
     """The run's step, consumed samples and skipped steps by DeepSpeed's own counters (a
-    model-states file's global_steps, global_samples, skipped_steps)."""
-    return {"step": int(meta.get("global_steps") or 0),
-            "consumed_samples": int(meta.get("global_samples") or 0),
-            "skipped_steps": int(meta.get("skipped_steps") or 0)}
+    model-states file's global_steps, global_samples, skipped_steps), and where its learning
+    rate schedule stands: DeepSpeed steps the scheduler only for an update it applied
+    (`_take_model_step`, not on an fp16 overflow), so the schedule is behind the samples by the
+    skipped steps' batches."""
+    steps = int(meta.get("global_steps") or 0)
+    samples = int(meta.get("global_samples") or 0)
+    skipped = int(meta.get("skipped_steps") or 0)
+    out = {"step": steps, "consumed_samples": samples, "skipped_steps": skipped}
+    if skipped and steps:
+        out["lr_samples"] = max(samples - skipped * (samples // steps), 0)
+    return out
