@@ -22,6 +22,8 @@ from bloomtrain.files import PathOutside, path_inside
 
 FORMAT = "bloomtrain-checkpoint"
 FORMAT_VERSION = 2
+# Beside manifest.json: its sha256 (check_manifest_digest).
+MANIFEST_DIGEST = "manifest.sha256"
 MODEL_KINDS = ("model",)
 OPTIM_KINDS = ("exp_avg", "exp_avg_sq")
 # parallel.grad_error_feedback's residuals, one kind per dp rank of the run that saved them, in the
@@ -264,6 +266,30 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def manifest_digest(manifest_file: Path) -> str:
+    """The line of MANIFEST_DIGEST for `manifest_file`, as `sha256sum` writes it (so that
+    `sha256sum -c manifest.sha256` checks it too)."""
+    return f"{sha256_file(manifest_file)}  manifest.json\n"
+
+
+def check_manifest_digest(path: Path) -> None:
+    """manifest.json against its MANIFEST_DIGEST: the data files have their sha256 in the
+    manifest, and this covers the manifest itself, whose scalars (the train state, the loss
+    scale, the RNG) resume reads. A checkpoint saved before the digest was has none."""
+    side = path / MANIFEST_DIGEST
+    if not side.exists():
+        return
+    try:
+        want = side.read_text(encoding="ascii").split()[0]
+        got = sha256_file(path / "manifest.json")
+    except (OSError, UnicodeDecodeError, IndexError) as e:
+        raise CheckpointError(f"{side} cannot be read ({e}); the checkpoint is damaged") \
+            from None
+    if want != got:
+        raise CheckpointError(f"{path}: manifest.json fails its checksum ({MANIFEST_DIGEST}); "
+                              f"it was altered or damaged")
+
+
 def verify(path: str | os.PathLike, manifest: dict | None = None, check_sums: bool = True,
            files: list[str] | None = None) -> dict[str, Any]:
     """Check the manifest (check_manifest: its structure, that the fragment index tiles every
@@ -274,6 +300,8 @@ def verify(path: str | os.PathLike, manifest: dict | None = None, check_sums: bo
         manifest = read_manifest(path)
     else:
         check_manifest(path, manifest)
+    if check_sums and files is None:  # a whole check (verify_shared checks it once a job)
+        check_manifest_digest(path)
     for name in files if files is not None else manifest["files"]:
         info = manifest["files"].get(name)
         f = member_path(path, name)
@@ -324,14 +352,16 @@ class SharedCheck:
 
 
 def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = True,
-                      shared: SharedCheck | None = None) -> Path | None:
+                      shared: SharedCheck | None = None,
+                      skipped: list[str] | None = None) -> Path | None:
     """The newest checkpoint under `root` that verifies. Incomplete or corrupt ones are reported
     and skipped, so a crash during a save falls back to the previous checkpoint. Without
     `check_sums` only the manifest, the fragment index and the file sizes are checked, no data
     file is read: a quick look at a large checkpoint (`bloomtrain status`). With `shared`, the
     checksums are split over the job's ranks (every rank still checks every file's size) and
     every rank takes the same checkpoint: the candidates are the first rank's (a rank that
-    cannot see one fails it for all), each is judged by all."""
+    cannot see one fails it for all), each is judged by all. The names of those skipped are
+    appended to `skipped`."""
     paths = [path for _, path in reversed(list_checkpoints(root))]
     if shared is not None:
         paths = [Path(root) / name for name in shared.common([p.name for p in paths])]
@@ -341,6 +371,8 @@ def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = Tru
             return path
         except CheckpointError as e:
             log(f"[checkpoint] skipping {path.name}: {e}")
+            if skipped is not None:
+                skipped.append(path.name)
     return None
 
 
@@ -355,6 +387,8 @@ def verify_shared(path: str | os.PathLike, shared: SharedCheck | None,
     try:
         manifest = verify(path, manifest, check_sums=False, files=files)
         if check_sums:
+            if files is None and (shared is None or shared.rank == 0):
+                check_manifest_digest(Path(path))
             names = sorted(manifest["files"] if files is None else files)
             verify(path, manifest,
                    files=names if shared is None else names[shared.rank::shared.world])
@@ -390,11 +424,15 @@ def resolve(path: str | os.PathLike) -> Path:
     return found
 
 
-def prune(root: Path, keep_last: int, newest: int | None = None) -> None:
+def prune(root: Path, keep_last: int, newest: int | None = None,
+          unusable: set[str] = frozenset()) -> None:
     """Remove all but the `keep_last` highest steps at or below `newest` (the step just
     committed; None: every step). Steps above it are left alone: they are not this run's
     (a save that resume=auto skipped as corrupt, or the history a run resumed from an older
-    step left), and counting them would delete the save just made."""
-    ours = [(s, p) for s, p in list_checkpoints(root) if newest is None or s <= newest]
+    step left), and counting them would delete the save just made. Neither are those named in
+    `unusable` (skipped as corrupt below it) counted or removed: counted, they kept a bad
+    checkpoint in place of a good one."""
+    ours = [(s, p) for s, p in list_checkpoints(root)
+            if (newest is None or s <= newest) and p.name not in unusable]
     for _, path in ours[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)

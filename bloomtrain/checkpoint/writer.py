@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -22,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MODEL_KINDS, OPTIM_KINDS,
-                                          CheckpointError, prune, sha256_file, step_dir_name,
-                                          verify)
+from bloomtrain.checkpoint.format import (FORMAT, FORMAT_VERSION, MANIFEST_DIGEST, MODEL_KINDS,
+                                          OPTIM_KINDS, CheckpointError, manifest_digest, prune,
+                                          sha256_file, step_dir_name, verify)
 from bloomtrain.checkpoint.fragments import Deferred, Fragment, full_fragments
 from bloomtrain.model.presets import BloomShape
 from bloomtrain.parallel import comm
@@ -151,6 +152,9 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._pinned: dict = {}  # reused pinned host buffers of async saves from CUDA
         self._error: BaseException | None = None
+        # Step directories resume=auto skipped as corrupt: not counted by keep_last, which
+        # would otherwise keep them and delete a good one.
+        self.unusable: set[str] = set()
 
     # Collectives of the commit, on the checkpoint group, through comm like every other.
     def _gather(self, obj) -> list | None:
@@ -281,7 +285,8 @@ class CheckpointWriter:
                 report = {"ok": True, "files": files, "index": index, "rank_meta": rank_meta,
                           "bytes": num_bytes}
             except Exception as e:  # reported, so that the others do not wait for this rank
-                report = {"ok": False, "error": f"rank {self.rank}: {e}", "bytes": num_bytes}
+                report = {"ok": False, "error": f"rank {self.rank}: {e}", "bytes": num_bytes,
+                          "errno": getattr(e, "errno", None)}
             reports = self._gather(report)
             if self.rank == 0:
                 needed = sum(r["bytes"] for r in reports)
@@ -291,10 +296,12 @@ class CheckpointWriter:
         if status is not None:
             raise CheckpointSaveError(status)
 
-    def _failure(self, final: Path, tmp: Path, error: str, needed: int | None = None) -> str:
+    def _failure(self, final: Path, tmp: Path, error: str, needed: int | None = None,
+                 codes: set | None = None) -> str:
         """Rank 0, after a failed save: remove its partial files, then say what failed, where,
         how much space is left (after the removal: what a retry has) and which checkpoint is
-        still the latest."""
+        still the latest. The advice follows the errors' `codes` (errno values): free space
+        for a full disk, else what those errors ask for."""
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             latest = (f"the latest checkpoint is still "
@@ -302,10 +309,18 @@ class CheckpointWriter:
         except OSError:
             latest = "there is no earlier checkpoint"
         size = "" if needed is None else f"; its tensors take {_fmt_mib(needed)}"
+        where = "(training: checkpoint.dir; an import: its --output)"
+        codes = codes or {None}
+        if errno.EFBIG in codes:
+            fix = (f"A file was over the file-size limit of this process or filesystem "
+                   f"(`ulimit -f`; FAT32 ends at 4 GiB): raise the limit, or write to "
+                   f"another filesystem {where}")
+        elif codes <= {None, errno.ENOSPC, errno.EDQUOT}:
+            fix = f"Free disk space, or write to a writable filesystem with room for it {where}"
+        else:
+            fix = f"Fix what the error says, or write to another place {where}"
         return (f"saving checkpoint {final} failed ({error}); {disk_space(final.parent)}{size}. "
-                f"Its partial files were removed and {latest}. Free disk space, or write "
-                f"to a writable filesystem with room for it (training: checkpoint.dir; an "
-                f"import: its --output)")
+                f"Its partial files were removed and {latest}. {fix}")
 
     def _commit(self, step, tmp, final, reports, shape, meta, tokenizer, keep_last,
                 needed) -> str | None:
@@ -314,13 +329,15 @@ class CheckpointWriter:
         ranks wait for it)."""
         errors = [r["error"] for r in reports if not r["ok"]]
         if errors:
-            return self._failure(final, tmp, "; ".join(errors), needed)
+            codes = {r.get("errno") for r in reports if not r["ok"]}
+            return self._failure(final, tmp, "; ".join(errors), needed, codes)
         try:
             self._commit_files(step, tmp, final, reports, shape, meta, tokenizer)
         except Exception as e:
-            return self._failure(final, tmp, f"rank 0: {e}", needed)
+            return self._failure(final, tmp, f"rank 0: {e}", needed, {getattr(e, "errno", None)})
+        self.unusable.discard(final.name)  # saved again: good now
         if keep_last:
-            prune(final.parent, keep_last, step)
+            prune(final.parent, keep_last, step, unusable=self.unusable)
         self.log(f"[checkpoint] saved {final}")
         return None
 
@@ -353,6 +370,8 @@ class CheckpointWriter:
         }
         with atomic_output(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
+        with atomic_output(tmp / MANIFEST_DIGEST, "w") as f:
+            f.write(manifest_digest(tmp / "manifest.json"))
         fsync_dir(tmp)
         verify(tmp, manifest, check_sums=False)  # every fragment present, every file complete
         old = final.with_name(f".{final.name}.old")

@@ -366,7 +366,10 @@ class TrainCheckpoints:
         if c.resume == "auto":
             if not c.dir:
                 return None
-            found = ckpt.find_latest_valid(c.dir, log=self.log, shared=shared)
+            skipped = []
+            found = ckpt.find_latest_valid(c.dir, log=self.log, shared=shared, skipped=skipped)
+            if self.writer is not None:
+                self.writer.unusable = set(skipped)
             if found is None:
                 names = [p.name for _, p in ckpt.list_checkpoints(c.dir)]
                 names = shared.common(names) if shared is not None else names

@@ -326,7 +326,8 @@ def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
     log = results[0][2]
     assert f"skipping {step6.name}" in log and names[1] in log and "checksum" in log
     hashed4 = [f for r in results for d, f in r[1] if d == step4.name]
-    assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])  # each file once
+    # Each file once, and the manifest's own digest once (by rank 0).
+    assert sorted(hashed4) == sorted([*ckpt.read_manifest(step4)["files"], "manifest.json"])
     assert {f for d, f in results[0][1] if d == step6.name}.isdisjoint(
         {f for d, f in results[1][1] if d == step6.name})
     # A checkpoint named by path is shared out the same way.
@@ -334,7 +335,7 @@ def test_the_ranks_of_a_job_share_the_checksums_and_agree(dataset, tmp_path):
                         str(step4))
     assert [r[0] for r in results] == [4, 4]
     hashed4 = [f for r in results for d, f in r[1] if d == step4.name]
-    assert sorted(hashed4) == sorted(ckpt.read_manifest(step4)["files"])
+    assert sorted(hashed4) == sorted([*ckpt.read_manifest(step4)["files"], "manifest.json"])
     # ZeRO-1 at dp2: each rank reads its half of each Adam moment, not the whole (the masters
     # whole: its compute copy needs every weight).
     total = sum(t.numel() for t in full_state(step4, ("model",)).values())
@@ -751,3 +752,75 @@ def test_a_run_extended_from_its_final_save_continues_bitwise(dataset, tmp_path)
     assert len(whole) == 6 and len(first) == 3 and len(rest) == 3
     assert first + rest == whole
     assert evals == whole
+
+
+def test_a_manifest_altered_after_its_save_is_skipped_and_keep_last_counts_good_ones(
+        dataset, tmp_path):
+    """The data files' sha256 are in the manifest, but nothing covered the manifest: one bit
+    (step_count 4 -> 5) resumed silently with another optimizer state and other losses. And
+    keep_last counted a checkpoint resume=auto had skipped as corrupt, so the save after the
+    resume deleted a good one and kept the bad one."""
+    import hashlib
+    root = tmp_path / "ck"
+    train(make_cfg(dataset, tmp_path, train__train_iters=6,
+                   checkpoint={"dir": str(root), "save_interval": 2, "keep_last": 5}), **QUIET)
+    step6 = root / ckpt.step_dir_name(6)
+    # The digest is sha256sum's line for manifest.json, so `sha256sum -c` checks it too.
+    want = hashlib.sha256((step6 / "manifest.json").read_bytes()).hexdigest()
+    assert (step6 / "manifest.sha256").read_text() == f"{want}  manifest.json\n"
+    text = (step6 / "manifest.json").read_text()
+    assert '"step_count": 6' in text
+    (step6 / "manifest.json").write_text(text.replace('"step_count": 6', '"step_count": 7'))
+    lines = []
+    resumed = train(make_cfg(dataset, tmp_path / "r", train__train_iters=8,
+                             checkpoint={"dir": str(root), "save_interval": 3, "keep_last": 2}),
+                    log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert "skipping step_00000006" in "\n".join(lines) and "fails its checksum" in \
+        "\n".join(lines)
+    assert resumed.state.step == 8
+    # Resumed from step 4, saved 6 (over the bad one) and 8: keep_last 2 keeps those two.
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [6, 8]
+    for _, p in ckpt.list_checkpoints(root):
+        ckpt.verify(p)
+    # Named by path, the altered manifest is refused.
+    (root / ckpt.step_dir_name(8) / "manifest.json").write_text(
+        (root / ckpt.step_dir_name(8) / "manifest.json").read_text().replace(
+            '"step_count": 8', '"step_count": 9'))
+    with pytest.raises(ckpt.CheckpointError, match="manifest.json fails its checksum"):
+        ckpt.verify(root / ckpt.step_dir_name(8))
+
+
+def test_keep_last_leaves_a_checkpoint_resume_skipped_out_of_its_count(dataset, tmp_path):
+    # Saves at 2, 4, 6; 6 corrupt; the resumed run saves at 8 only (another interval), with
+    # keep_last 2: it kept 6 (bad) and 8, deleting 4, the one it had resumed from.
+    root = tmp_path / "ck"
+    train(make_cfg(dataset, tmp_path, train__train_iters=6,
+                   checkpoint={"dir": str(root), "save_interval": 2, "keep_last": 5}), **QUIET)
+    model6 = root / ckpt.step_dir_name(6) / "model-00000.safetensors"
+    data = bytearray(model6.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    model6.write_bytes(bytes(data))
+    train(make_cfg(dataset, tmp_path / "r", train__train_iters=8,
+                   checkpoint={"dir": str(root), "save_interval": 8, "keep_last": 2}), **QUIET)
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [4, 6, 8]
+    ckpt.verify(root / ckpt.step_dir_name(4))
+    ckpt.verify(root / ckpt.step_dir_name(8))
+
+
+def test_a_save_over_the_file_size_limit_says_so_not_free_disk_space(tmp_path, monkeypatch):
+    import errno
+    from bloomtrain.checkpoint import writer
+    from bloomtrain.model import BloomShape, build_model
+    shape = BloomShape(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, ffn_hidden_size=32)
+    state = build_model(shape, seed=0).state_dict()
+    ckpt.save_checkpoint(tmp_path / "ck", 1, state, shape)
+
+    def too_large(*a, **k):
+        raise OSError(errno.EFBIG, "File too large")
+    monkeypatch.setattr(writer, "_write_shard", too_large)
+    with pytest.raises(writer.CheckpointSaveError) as e:
+        ckpt.save_checkpoint(tmp_path / "ck", 2, state, shape)
+    said = str(e.value)
+    assert "File too large" in said and "file-size limit" in said and "ulimit -f" in said
+    assert "Free disk space" not in said
+    assert "the latest checkpoint is still" in said and "step_00000001" in said
