@@ -88,6 +88,29 @@ class ParallelLayout:
         return [[self.rank_of(p, d, t) for d in range(self.dp)]
                 for p in range(self.pp) for t in range(self.tp)]
 
+    def dp_groups_by_node(self, per_node: int) -> list[list[list[int]]]:
+        """Each dp group's ranks split by node (nodes of `per_node` ranks, numbered as the
+        launcher numbers them: global rank // per_node)."""
+        out = []
+        for ranks in self.dp_groups():
+            by_node: dict[int, list[int]] = {}
+            for r in ranks:
+                by_node.setdefault(r // per_node, []).append(r)
+            out.append(list(by_node.values()))
+        return out
+
+    def secondary_shard_problem(self, per_node: int) -> str | None:
+        """hpZ (parallel.zero_secondary_shard) keeps a copy of the weights within each node's
+        part of a dp group: every dp group needs the same number of ranks, two or more, on
+        each node."""
+        sizes = {len(n) for groups in self.dp_groups_by_node(per_node) for n in groups}
+        if len(sizes) == 1 and min(sizes) >= 2:
+            return None
+        return (f"parallel.zero_secondary_shard needs at least 2 ranks of every dp group on "
+                f"each node, as many on every node: with {per_node} processes per node and "
+                f"tp={self.tp}, pp={self.pp}, dp={self.dp}, the dp groups have {sorted(sizes)} "
+                f"ranks per node; raise dp within a node or turn it off")
+
     def pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(p, d, t) for p in range(self.pp)]
                 for d in range(self.dp) for t in range(self.tp)]

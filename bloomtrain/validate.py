@@ -5,6 +5,7 @@ attention kernel's, bloomtrain.model.kernel_choice), and one UserError lists eve
 Torch-free: the launcher runs it before any worker or torch import."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from bloomtrain.config import Config, parse_tasks
@@ -57,6 +58,10 @@ def run_problems(cfg: Config, max_restarts: int = 0, nnodes: int = 1) -> list[st
         # its end and keep nothing.
         out.append(f"checkpoint.dir {c.dir} cannot be written: {why}; point checkpoint.dir at "
                    f"a writable filesystem")
+    if c.resume not in ("none", "auto") and not os.path.exists(c.resume):
+        # Said here, before run_dir and checkpoint.dir are created and locked for nothing.
+        out.append(f"checkpoint.resume {c.resume} does not exist; give a checkpoint (a step "
+                   f"directory, or a directory of them), auto or none")
     if parse_tasks(t.eval_harness_tasks) and not cfg.data.tokenizer:
         out.append("train.eval_harness_tasks needs data.tokenizer: the harness sends text")
     if max_restarts and (c.resume != "auto" or not c.dir):
@@ -114,5 +119,11 @@ def validate(cfg: Config, world_size: int, *, max_restarts: int = 0,
         except UserError as e:
             problems += each_problem(e)
     problems += layout.problems(shape, cfg)
+    if p.zero_secondary_shard and p.zero_stage == 3 and layout.world_size == world_size:
+        # Judged before any process group or file: the processes per node are the launcher's
+        # (LOCAL_WORLD_SIZE in a worker; --nproc here, the world over the nodes).
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or max(world_size // nnodes, 1))
+        if problem := layout.secondary_shard_problem(per_node):
+            problems.append(problem)
     raise_all(problems)
     return RunLayout(shape, layout, batches)

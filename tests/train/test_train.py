@@ -342,6 +342,36 @@ def test_a_split_without_what_the_run_needs_is_refused_before_the_launch(dataset
         assert not (tmp_path / "run").exists()
 
 
+def test_hpz_without_a_dp_peer_on_the_node_and_a_missing_resume_are_refused_before_anything(
+        dataset, tmp_path, capsys, monkeypatch):
+    """Both were found only after the run directory and checkpoint.dir were created and
+    locked (hpZ after the process groups too, on every worker)."""
+    from bloomtrain.cli import main
+    from tests.helpers import write_config
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = write_config(tmp_path, dataset, "run")
+    for extra, said in (
+            (["parallel.zero_stage=3", "parallel.zero_secondary_shard=true"],
+             "parallel.zero_secondary_shard needs at least 2 ranks of every dp group on each "
+             "node, as many on every node: with 1 processes per node and tp=1, pp=1, dp=1, the "
+             "dp groups have [1] ranks per node"),
+            (["--nproc", "2", "parallel.tp=2", "parallel.zero_stage=3",
+              "parallel.zero_secondary_shard=true"],
+             "with 2 processes per node and tp=2, pp=1, dp=1, the dp groups have [1] ranks"),
+            ([f"checkpoint.resume={tmp_path / 'nowhere'}"],
+             f"checkpoint.resume {tmp_path / 'nowhere'} does not exist")):
+        assert main(["train", "--config", str(cfg), f"checkpoint.dir={tmp_path / 'ck'}",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+        assert not (tmp_path / "run").exists() and not (tmp_path / "ck").exists()
+    # Two dp ranks on the node: accepted (the same rule, judged as the gatherer judges it).
+    from bloomtrain.layout import ParallelLayout
+    assert ParallelLayout(tp=1, pp=1, dp=2).secondary_shard_problem(2) is None
+    assert "[1] ranks per node" in ParallelLayout(tp=1, pp=1, dp=2).secondary_shard_problem(1)
+
+
 def test_a_finished_run_says_there_is_nothing_to_train(dataset, tmp_path):
     # Run again at its end (train_iters, then the same end as train_samples), it trains nothing,
     # says so, and leaves metrics.jsonl as the finished run wrote it (no second eval record).

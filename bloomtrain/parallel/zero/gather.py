@@ -39,21 +39,14 @@ def secondary_group(topo, per_node: int):
     import torch.distributed as dist
 
     from bloomtrain.errors import UserError
-    mine, sizes = None, set()
-    for ranks in topo.layout.dp_groups():
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(r // per_node, []).append(r)
-        for node_ranks in by_node.values():
-            sizes.add(len(node_ranks))
+    mine = None
+    for groups in topo.layout.dp_groups_by_node(per_node):
+        for node_ranks in groups:
             g = dist.new_group(node_ranks) if len(node_ranks) > 1 else None
             if topo.rank in node_ranks:
                 mine = g
-    if len(sizes) != 1 or max(sizes) < 2:
-        raise UserError(f"parallel.zero_secondary_shard needs at least 2 ranks of every dp group "
-                        f"on each node, as many on every node: with {per_node} processes per node "
-                        f"and tp={topo.layout.tp}, pp={topo.layout.pp}, dp={topo.layout.dp}, "
-                        f"the dp groups have {sorted(sizes)} ranks per node")
+    if problem := topo.layout.secondary_shard_problem(per_node):  # validate said it first
+        raise UserError(problem)
     return mine
 
 
