@@ -589,27 +589,41 @@ def parse_split(s: str) -> list[float]:
     return [v / total for v in values]
 
 
+def data_path_entry(entry) -> tuple[float | None, str]:
+    """One data.paths entry as (weight or None, prefix): `WEIGHT PREFIX` when its first word is
+    a number, else the whole entry is the prefix, spaces and all (a directory named `my data`,
+    which preprocess writes without complaint)."""
+    text = str(entry).strip()
+    parts = text.split(None, 1)
+    if len(parts) == 2:
+        try:
+            return float(parts[0]), parts[1].strip()
+        except ValueError:
+            pass
+    return None, text
+
+
+def data_paths_weighted(paths: list[str] | str) -> bool:
+    """Whether data.paths gives weights: Megatron blends a weighted --data-path even alone."""
+    paths = [paths] if isinstance(paths, str) else paths
+    return any(data_path_entry(e)[0] is not None for e in paths)
+
+
 def parse_data_paths(paths: list[str] | str) -> list[tuple[float, str]]:
     """`["0.3 a_text_document", "0.7 b_text_document"]` or `["a_text_document"]` ->
     [(weight, prefix)]. Weights are returned as given (normalized by the blender)."""
     if isinstance(paths, str):
         paths = [paths]
-    out = []
+    out, bare = [], 0
     for entry in paths:
-        parts = str(entry).split()
-        if len(parts) == 1:
-            out.append((1.0, parts[0]))
-        elif len(parts) == 2:
-            try:
-                w = float(parts[0])
-            except ValueError:
-                raise UserError(f"data.paths entry {entry!r}: expected 'WEIGHT PREFIX'") from None
-            if not (w > 0 and math.isfinite(w)):
-                raise UserError(f"data.paths entry {entry!r}: weight must be positive")
-            out.append((w, parts[1]))
-        else:
+        w, prefix = data_path_entry(entry)
+        if not prefix:
             raise UserError(f"data.paths entry {entry!r}: expected 'PREFIX' or 'WEIGHT PREFIX'")
-    if len(out) > 1 and any(len(str(e).split()) == 1 for e in paths):
+        if w is not None and not (w > 0 and math.isfinite(w)):
+            raise UserError(f"data.paths entry {entry!r}: weight must be positive")
+        bare += w is None
+        out.append((1.0 if w is None else w, prefix))
+    if len(out) > 1 and bare:
         raise UserError("with several data.paths, give each a weight: 'WEIGHT PREFIX'")
     if not math.isfinite(sum(w for w, _ in out)):
         raise UserError(f"data.paths weights {[w for w, _ in out]} sum past the largest float; "
@@ -738,6 +752,24 @@ def _section_from_dict(cls, d: dict[str, Any], section: str):
     return cls(**kwargs)
 
 
+# Megatron's, DeepSpeed's and HF Trainer's names for our keys, which users type first; the
+# closest spelling misled (train.fp16 -> train.compile, train.iters -> train.eval_iters).
+KEY_ALIASES = {
+    "fp16": "train.precision=fp16", "bf16": "train.precision=bf16",
+    "learning_rate": "optim.lr", "max_steps": "train.train_iters",
+    "iters": "train.train_iters", "train_steps": "train.train_iters",
+    "batch_size": "train.global_batch_size", "train_batch_size": "train.global_batch_size",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+    "seq_len": "data.seq_length", "max_seq_length": "data.seq_length",
+    "warmup_steps": "optim.warmup_samples (in samples)",
+    "lr_warmup_samples": "optim.warmup_samples", "lr_decay_samples": "optim.decay_samples",
+    "lr_decay_style": "optim.decay_style", "gradient_clipping": "optim.clip_grad",
+    "max_grad_norm": "optim.clip_grad", "zero_stage": "parallel.zero_stage",
+}
+
+
 def did_you_mean(names: list[str], section: str) -> str:
     """` (did you mean optim.lr?)` for mistyped dotted keys (or sections, with section ""), as
     git suggests a command: the same key name in another section first (`train.lr`), else the
@@ -754,7 +786,8 @@ def did_you_mean(names: list[str], section: str) -> str:
     for name in names:
         leaf = name.rpartition(".")[2]
         moved = [k for k in DOMAINS if k.rpartition(".")[2] == leaf and k != name]
-        close = (moved or difflib.get_close_matches(name, pool, n=1)
+        alias = [KEY_ALIASES[leaf]] if leaf in KEY_ALIASES else []
+        close = (alias or moved or difflib.get_close_matches(name, pool, n=1)
                  or difflib.get_close_matches(name, every, n=1))
         if close:
             guesses.append(close[0] if len(names) == 1 else f"{close[0]} for {name}")
@@ -763,7 +796,11 @@ def did_you_mean(names: list[str], section: str) -> str:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     if isinstance(value, _Typed):
-        value = value.text if _takes_text(tp) else value.value
+        # A list of strings takes the text too (data.paths=0100 became ['64']).
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list and \
+            typing.get_args(tp) else None
+        value = value.text if _takes_text(tp) or (item is not None and _takes_text(item)) \
+            else value.value
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):

@@ -62,19 +62,21 @@ def inside(key: str, value) -> bool:
         return len(nums) <= 3 and all(math.isfinite(x) and x >= 0 for x in nums) and \
             nums[0] > 0
     if key == "data.paths":
-        entries = [str(e).split() for e in value]
-        if len(entries) == 1 and len(entries[0]) == 1:
-            return True
-        for e in entries:
-            if len(e) != 2:
+        # An entry whose first word is a number is "WEIGHT PREFIX" (the prefix may hold
+        # spaces); any other entry is a prefix alone, which only a lone entry may be.
+        weights = []
+        for e in value:
+            words = str(e).strip().split(None, 1)
+            if not words:
                 return False
             try:
-                w = float(e[0])
+                weights.append(float(words[0]) if len(words) == 2 else None)
             except ValueError:
-                return False
-            if not (math.isfinite(w) and w > 0):
-                return False
-        return True
+                weights.append(None)
+        if len(weights) == 1 and weights[0] is None:
+            return True
+        return all(w is not None and math.isfinite(w) and w > 0 for w in weights) and \
+            math.isfinite(sum(weights))
     raise AssertionError(f"no oracle for {key}")
 
 
@@ -156,5 +158,6 @@ def edges(key: str) -> list[tuple[object, bool]]:
                 ("0,1,0", False)]
     elif key == "data.paths":
         out += [(["a"], True), (["0.3 a", "0.7 b"], True), (["a", "0.5 b"], False),
-                (["0 a"], False), (["1 a b"], False)]
+                (["0 a"], False), (["1 a b"], True), (["a b"], True), (["a b", "1 c"], False),
+                (["1e308 a", "1e308 b"], False)]
     return out

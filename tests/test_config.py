@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from bloomtrain.config import Config, apply_override, parse_data_paths
@@ -242,7 +244,7 @@ PROBES: dict[str, tuple[list, list]] = {  # key -> (values accepted, values refu
     "parallel.grad_reduce_dtype": (["fp32", "bf16", "int8"], ["fp16", "int4"]),
     "parallel.weight_gather_dtype": (["auto", "bf16", "int8"], ["fp32", "int4"]),
     "data.split": (["969,30,1", "98/2", "1"], ["1,2,3,4", "0,0", "-1,2"]),
-    "data.paths": ([["a"], ["0.3 a", "0.7 b"]], [["0 a"], ["a", "0.5 b"], ["1 a b"]]),
+    "data.paths": ([["a"], ["0.3 a", "0.7 b"], ["1 a b"]], [["0 a"], ["a", "0.5 b"]]),
     "optim.decay_style": (["cosine", "linear", "constant"], ["step", "exponential"]),
     "train.precision": (["bf16", "fp16", "fp32"], ["fp8", "int8"]),
     "train.activation_checkpointing": (["none", "selective", "full"], ["some", "true"]),
@@ -315,6 +317,34 @@ def test_a_string_key_takes_an_override_as_typed():
     assert Config.load(None, ["run_dir=2026-12-07"]).run_dir == "2026-12-07"
     with pytest.raises(UserError, match="parallel.tp must be an integer, got True"):
         Config.load(None, ["parallel.tp=true"])
+
+
+def test_data_paths_keep_their_text_and_their_spaces():
+    """data.paths=0100 became ['64'] (YAML's octal), as run_dir did before. A prefix with a
+    space (preprocess writes `my data/c` without complaint) was refused with a message whose
+    every suggestion failed too."""
+    from bloomtrain.config import data_paths_weighted, parse_data_paths
+    assert Config.load(None, ["data.paths=0100"]).data.paths == ["0100"]
+    assert Config.load(None, ["data.paths=1_000"]).data.paths == ["1_000"]
+    assert parse_data_paths(["my data/c_text_document"]) == [(1.0, "my data/c_text_document")]
+    assert parse_data_paths(["0.3 my data/a", "0.7 b c/d"]) == [(0.3, "my data/a"),
+                                                                (0.7, "b c/d")]
+    assert not data_paths_weighted(["my data/c"]) and data_paths_weighted(["1 my data/c"])
+    with pytest.raises(UserError, match="give each a weight"):
+        parse_data_paths(["0.3 a", "my data/b"])
+    with pytest.raises(UserError, match="weight must be positive"):
+        parse_data_paths(["-1 a"])
+
+
+@pytest.mark.parametrize("typed,said", [
+    ("train.fp16=true", "train.precision=fp16"), ("train.bf16=true", "train.precision=bf16"),
+    ("optim.learning_rate=1e-4", "optim.lr"), ("train.iters=3", "train.train_iters"),
+    ("train.max_steps=3", "train.train_iters"), ("optim.zero_stage=1", "parallel.zero_stage"),
+    ("train.micro_batch_sise=2", "train.micro_batch_size")])
+def test_megatron_and_hf_names_get_ours(typed, said):
+    # difflib alone sent train.fp16 to train.compile and train.iters to train.eval_iters.
+    with pytest.raises(UserError, match=rf"\(did you mean {re.escape(said)}\?\)"):
+        Config.load(None, [typed])
 
 
 def test_run_tensorboard_auto_and_a_dp_key_say_what_they_mean(tmp_path):

@@ -19,7 +19,7 @@ import concurrent.futures
 import numpy as np
 import torch
 
-from bloomtrain.config import parse_data_paths
+from bloomtrain.config import data_paths_weighted, parse_data_paths
 from bloomtrain.data.blend import BlendableDataset, normalize_weights_and_num_samples
 from bloomtrain.data.gpt_dataset import GPTDataset, split_documents
 from bloomtrain.data.indexed import MMapIndexedDataset
@@ -43,8 +43,7 @@ def build_train_valid_test_datasets(data_cfg, tokenizer, train_valid_test_num_sa
     num_samples = [int(n) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
         raise ValueError("train_valid_test_num_samples must hold three counts")
-    paths = [data_cfg.paths] if isinstance(data_cfg.paths, str) else data_cfg.paths
-    if len(entries) == 1 and len(str(paths[0]).split()) == 1:
+    if len(entries) == 1 and not data_paths_weighted(data_cfg.paths):
         # Megatron takes this branch only for a bare prefix (len(data_prefix) == 1): `--data-path
         # 1.0 X` is blended, over ceil(n * 1.005) samples, which shuffles differently.
         return _build_splits(entries[0][1], data_cfg, tokenizer, num_samples, seq_length)

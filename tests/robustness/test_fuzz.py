@@ -701,11 +701,13 @@ def _data_paths(want_inside: bool):
     weighted = st.tuples(weight, PREFIX).map(" ".join)
     if want_inside:
         return st.one_of(PREFIX.map(lambda p: [p]), st.lists(weighted, min_size=1, max_size=3))
-    bad_weight = st.tuples(st.sampled_from(["0", "-1", "nan", "inf", "x"]), PREFIX).map(" ".join)
+    bad_weight = st.tuples(st.sampled_from(["0", "-1", "nan", "inf"]), PREFIX).map(" ".join)
+    # A first word that is no number makes the whole entry a prefix (spaces and all): fine
+    # alone, an entry without a weight beside weighted ones.
     return st.one_of(
         st.tuples(st.lists(weighted, min_size=1, max_size=2), PREFIX).map(
             lambda t: t[0] + [t[1]]),                                        # one without weight
-        st.lists(weighted, max_size=2).map(lambda ws: ws + ["1 a b"]),      # three words
+        st.lists(weighted, min_size=1, max_size=2).map(lambda ws: ws + ["x a"]),  # likewise
         st.tuples(st.lists(weighted, max_size=2), bad_weight).map(lambda t: t[0] + [t[1]]))
 
 
