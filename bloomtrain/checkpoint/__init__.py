@@ -7,6 +7,7 @@
         manifest.json                format, step, model shape, topology, train state, optimizer
                                      scalars, loss scaler, per-rank RNG, config, tokenizer
                                      reference, sha256 + size of every file, fragment index
+        manifest.sha256              manifest.json's own sha256 (sha256sum's format)
         model-00000.safetensors      fp32 master weights (or imported weights, in their dtype)
         optim-00000.safetensors      AdamW moments: exp_avg, exp_avg_sq
         ...                          one model-/optim- pair per rank that holds unique data
