@@ -1,5 +1,3 @@
-import re
-
 import pytest
 
 from bloomtrain.config import Config, apply_override, parse_data_paths

@@ -353,7 +353,7 @@ class SharedCheck:
 
 def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = True,
                       shared: SharedCheck | None = None,
-                      skipped: list[str] | None = None) -> Path | None:
+                      skipped: set[str] | None = None) -> Path | None:
     """The newest checkpoint under `root` that verifies. Incomplete or corrupt ones are reported
     and skipped, so a crash during a save falls back to the previous checkpoint. Without
     `check_sums` only the manifest, the fragment index and the file sizes are checked, no data
@@ -361,7 +361,7 @@ def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = Tru
     checksums are split over the job's ranks (every rank still checks every file's size) and
     every rank takes the same checkpoint: the candidates are the first rank's (a rank that
     cannot see one fails it for all), each is judged by all. The names of those skipped are
-    appended to `skipped`."""
+    added to `skipped`."""
     paths = [path for _, path in reversed(list_checkpoints(root))]
     if shared is not None:
         paths = [Path(root) / name for name in shared.common([p.name for p in paths])]
@@ -372,7 +372,7 @@ def find_latest_valid(root: str | os.PathLike, log=print, check_sums: bool = Tru
         except CheckpointError as e:
             log(f"[checkpoint] skipping {path.name}: {e}")
             if skipped is not None:
-                skipped.append(path.name)
+                skipped.add(path.name)
     return None
 
 

@@ -270,7 +270,7 @@ class CheckpointWriter:
             except OSError as e:
                 # Not a full disk (a file in the way, a read-only or missing place): no advice
                 # to free space.
-                status = (self._failure(final, tmp, f"rank 0: creating {tmp}: {e}")
+                status = (save_failure(final, tmp, f"rank 0: creating {tmp}: {e}")
                           if is_disk_full(e) else
                           f"saving checkpoint {final} failed: cannot create {tmp} "
                           f"({e.strerror or e}); write to a directory that can be created "
@@ -296,32 +296,6 @@ class CheckpointWriter:
         if status is not None:
             raise CheckpointSaveError(status)
 
-    def _failure(self, final: Path, tmp: Path, error: str, needed: int | None = None,
-                 codes: set | None = None) -> str:
-        """Rank 0, after a failed save: remove its partial files, then say what failed, where,
-        how much space is left (after the removal: what a retry has) and which checkpoint is
-        still the latest. The advice follows the errors' `codes` (errno values): free space
-        for a full disk, else what those errors ask for."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            latest = (f"the latest checkpoint is still "
-                      f"{final.parent / (final.parent / 'latest').read_text().strip()}")
-        except OSError:
-            latest = "there is no earlier checkpoint"
-        size = "" if needed is None else f"; its tensors take {_fmt_mib(needed)}"
-        where = "(training: checkpoint.dir; an import: its --output)"
-        codes = codes or {None}
-        if errno.EFBIG in codes:
-            fix = (f"A file was over the file-size limit of this process or filesystem "
-                   f"(`ulimit -f`; FAT32 ends at 4 GiB): raise the limit, or write to "
-                   f"another filesystem {where}")
-        elif codes <= {None, errno.ENOSPC, errno.EDQUOT}:
-            fix = f"Free disk space, or write to a writable filesystem with room for it {where}"
-        else:
-            fix = f"Fix what the error says, or write to another place {where}"
-        return (f"saving checkpoint {final} failed ({error}); {disk_space(final.parent)}{size}. "
-                f"Its partial files were removed and {latest}. {fix}")
-
     def _commit(self, step, tmp, final, reports, shape, meta, tokenizer, keep_last,
                 needed) -> str | None:
         """Rank 0: make the step visible, or, if any rank failed or the commit itself fails,
@@ -330,11 +304,11 @@ class CheckpointWriter:
         errors = [r["error"] for r in reports if not r["ok"]]
         if errors:
             codes = {r.get("errno") for r in reports if not r["ok"]}
-            return self._failure(final, tmp, "; ".join(errors), needed, codes)
+            return save_failure(final, tmp, "; ".join(errors), needed, codes)
         try:
             self._commit_files(step, tmp, final, reports, shape, meta, tokenizer)
         except Exception as e:
-            return self._failure(final, tmp, f"rank 0: {e}", needed, {getattr(e, "errno", None)})
+            return save_failure(final, tmp, f"rank 0: {e}", needed, {getattr(e, "errno", None)})
         self.unusable.discard(final.name)  # saved again: good now
         if keep_last:
             prune(final.parent, keep_last, step, unusable=self.unusable)
@@ -395,6 +369,33 @@ class CheckpointWriter:
                 os.replace(old, final)
             raise
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_failure(final: Path, tmp: Path, error: str, needed: int | None = None,
+                 codes: set | None = None) -> str:
+    """Rank 0, after a failed save: remove its partial files, then say what failed, where,
+    how much space is left (after the removal: what a retry has) and which checkpoint is
+    still the latest. The advice follows the errors' `codes` (errno values): free space
+    for a full disk, else what those errors ask for."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        latest = (f"the latest checkpoint is still "
+                  f"{final.parent / (final.parent / 'latest').read_text().strip()}")
+    except OSError:
+        latest = "there is no earlier checkpoint"
+    size = "" if needed is None else f"; its tensors take {_fmt_mib(needed)}"
+    where = "(training: checkpoint.dir; an import: its --output)"
+    codes = codes or {None}
+    if errno.EFBIG in codes:
+        fix = (f"A file was over the file-size limit of this process or filesystem "
+               f"(`ulimit -f`; FAT32 ends at 4 GiB): raise the limit, or write to "
+               f"another filesystem {where}")
+    elif codes <= {None, errno.ENOSPC, errno.EDQUOT}:
+        fix = f"Free disk space, or write to a writable filesystem with room for it {where}"
+    else:
+        fix = f"Fix what the error says, or write to another place {where}"
+    return (f"saving checkpoint {final} failed ({error}); {disk_space(final.parent)}{size}. "
+            f"Its partial files were removed and {latest}. {fix}")
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],

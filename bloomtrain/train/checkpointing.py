@@ -366,10 +366,8 @@ class TrainCheckpoints:
         if c.resume == "auto":
             if not c.dir:
                 return None
-            skipped = []
-            found = ckpt.find_latest_valid(c.dir, log=self.log, shared=shared, skipped=skipped)
-            if self.writer is not None:
-                self.writer.unusable = set(skipped)
+            found = ckpt.find_latest_valid(c.dir, log=self.log, shared=shared,
+                                           skipped=getattr(self.writer, "unusable", None))
             if found is None:
                 names = [p.name for _, p in ckpt.list_checkpoints(c.dir)]
                 names = shared.common(names) if shared is not None else names
