@@ -476,7 +476,7 @@ def parse_messages(messages) -> list[dict]:
                        and isinstance(p.get("text"), str) for p in content):
                 raise BadRequest(f"{where}.content: only text parts ({{\"type\": \"text\", "
                                  f"\"text\": ...}}) are supported", "messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # vLLM's join of text parts
         if content is not None and not isinstance(content, str):
             raise BadRequest(f"{where}.content must be a string, a list of text parts or "
                              f"null", "messages")
@@ -510,6 +510,7 @@ def parse_chat(body: dict, max_queue: int, strict: bool) -> ChatRequest:
         raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
+    get_int(body, "max_tokens", None, 0)  # checked even where the other one wins
     # No limit given: the room the prompt leaves, as vLLM's chat API.
     params = sampling_params(body, key, None, logprobs=(top or 0) if want else None)
     s = parse_sampling(body, params, max_queue, has_best_of=False)
@@ -520,8 +521,10 @@ def parse_chat(body: dict, max_queue: int, strict: bool) -> ChatRequest:
 class ChatChoice:
     """One sample of a chat completion as it accumulates, in the chat API's shape."""
 
-    def __init__(self, tokenizer, top_logprobs: int | None):
-        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
+    def __init__(self, tokenizer, top_logprobs: int | None, role: str = "assistant"):
+        """`role`: the answer's; without a generation prompt the last message's (vLLM's
+        rule: the model continues that message)."""
+        self.tokenizer, self.top_logprobs, self.role = tokenizer, top_logprobs, role
         self.text = ""
         self.num_tokens = 0
         self.cumulative_logprob = 0.0
@@ -553,13 +556,13 @@ class ChatChoice:
         delta = {"content": out.text} if out.text else {}
         if not self.started:  # the first chunk names the role, as OpenAI's
             self.started = True
-            delta = {"role": "assistant", "content": out.text}
+            delta = {"role": self.role, "content": out.text}
         return {"delta": delta,
                 "logprobs": {"content": content} if self.top_logprobs is not None else None,
                 "finish_reason": public_reason(out.finish_reason)}
 
     def final(self, index: int) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": self.text},
+        return {"index": index, "message": {"role": self.role, "content": self.text},
                 "logprobs": ({"content": self.content} if self.top_logprobs is not None
                              else None),
                 "finish_reason": public_reason(self.finish_reason)}

@@ -326,6 +326,9 @@ def _chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> l
         text = state.chat.render(messages, add_generation_prompt)
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from None
+    # A field the template writes besides the content (a role, a name) holding a lone
+    # surrogate: a 400 naming the messages, not the tokenizer's error as a 500.
+    proto.check_text(text, "the chat the template renders from `messages`", "messages")
     ids = state.tokenizer.encode_with_specials(text)
     if not ids:
         raise BadRequest("the chat template renders these messages as no tokens", "messages")
@@ -353,7 +356,9 @@ async def chat_completions(request: web.Request, state: ServerState) -> web.Stre
     except RequestError as e:
         return error_response(400, str(e), e.param or "messages", e.code)
     seqs = [(ids, s.sample_params(j)) for j in range(s.best_of)]
-    choices = [proto.ChatChoice(state.tokenizer, req.top_logprobs) for _ in range(s.best_of)]
+    role = "assistant" if req.add_generation_prompt else req.messages[-1]["role"]
+    choices = [proto.ChatChoice(state.tokenizer, req.top_logprobs, role)
+               for _ in range(s.best_of)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": state.served[0]}
     return await _respond(request, Generation(state, seqs), choices, head,

@@ -778,9 +778,10 @@ def test_chat_completions(model_dir, tokenizer):
     _, path = model_dir
     engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
     messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"},
                                              {"type": "text", "text": "there"}]}]
-    rendered = "<|system|>Be brief.</s><|user|>Hello there</s><|assistant|>"
+    # Text parts joined by a newline, as vLLM joins them.
+    rendered = "<|system|>Be brief.</s><|user|>Hello\nthere</s><|assistant|>"
     req = {"messages": messages, "max_tokens": 10, "temperature": 0, "model": "tiny"}
 
     async def main():
@@ -830,6 +831,44 @@ def test_chat_completions(model_dir, tokenizer):
     assert stopped["choices"][0]["message"]["content"] == text[:text.index(stop)]
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert none[0] == 400 and "--chat-template FILE" in none[1]["error"]["message"]
+
+
+def test_chat_requests_vllm_answers_otherwise(model_dir, tokenizer):
+    """A lone surrogate in a role was the tokenizer's error as a 500 (in the content it was a
+    400); without a generation prompt the answer's role was "assistant" where vLLM gives the
+    last message's (the model continues it); a malformed max_tokens passed beside
+    max_completion_tokens."""
+    _, path = model_dir
+    engine = make_engine(path, tokenizer=tokenizer, metrics=(metrics := ServeMetrics()))
+    base = {"max_tokens": 4, "temperature": 0}
+
+    async def main():
+        out = []
+        async with serving(engine, tokenizer, metrics) as (_, session):
+            for body in (
+                    {**base, "messages": [{"role": "us\ud800er", "content": "hi"}]},
+                    {**base, "messages": [{"role": "user", "content": "hi"}],
+                     "add_generation_prompt": False},
+                    {**base, "messages": [{"role": "user", "content": "hi"}],
+                     "add_generation_prompt": False, "stream": True},
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "abc",
+                     "max_completion_tokens": 3}):
+                async with session.post("/v1/chat/completions", json=body) as r:
+                    out.append((r.status, await (sse_events(r) if body.get("stream")
+                                                 else r.json())))
+            async with session.post("/tokenize", json={
+                    "messages": [{"role": "us\ud800er", "content": "hi"}]}) as r:
+                out.append((r.status, await r.json()))
+        return out
+
+    bad_role, continued, streamed, both, tokenize = asyncio.run(main())
+    for status, body in (bad_role, tokenize):
+        assert status == 400 and "lone surrogate" in body["error"]["message"], body
+        assert body["error"]["param"] == "messages"
+    assert continued[0] == 200 and continued[1]["choices"][0]["message"]["role"] == "user"
+    events, _ = streamed[1]
+    assert events[0]["choices"][0]["delta"]["role"] == "user"
+    assert both[0] == 400 and "`max_tokens` must be an integer" in both[1]["error"]["message"]
 
 
 def test_tokenizer_endpoints(model_dir, tokenizer):
