@@ -119,16 +119,25 @@ def _vocab(c: Conversion) -> None:
           f"a multiple that {pad_to} already is")
 
 
+def _weighted_pairs(words: list[str]) -> bool:
+    return len(words) >= 2 and len(words) % 2 == 0 and all(_is_number(w) for w in words[::2])
+
+
 def data(c: Conversion) -> None:
     paths = c.list("data_path")
     if paths:
+        # Megatron's words as bash gives them: one is a prefix, spaces and all; more are
+        # WEIGHT PREFIX pairs. A quoted "$DATA_PATH" of pairs (one word, which Megatron would
+        # take for one prefix) is read as its pairs.
         words = " ".join(paths).split()
-        if len(words) == 1:
-            blend = words
-        elif len(words) % 2 == 0 and all(_is_number(w) for w in words[::2]):
+        if _weighted_pairs(paths):
+            blend = [f"{w} {p}" for w, p in zip(paths[::2], paths[1::2])]
+        elif _weighted_pairs(words):
             blend = [f"{w} {p}" for w, p in zip(words[::2], words[1::2])]
+        elif len(paths) == 1:
+            blend = paths
         else:
-            raise UserError(f"--data-path {' '.join(words)}: give one prefix or WEIGHT PREFIX "
+            raise UserError(f"--data-path {' '.join(paths)}: give one prefix or WEIGHT PREFIX "
                             f"pairs, as Megatron reads it")
         c.set("data.paths", blend, "data_path")
         c.set("data.split", c.str("split") or "969, 30, 1", "split")

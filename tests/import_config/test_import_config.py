@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from bloomtrain.cli import main
-from bloomtrain.config import Config, ModelConfig
+from bloomtrain.config import Config, ModelConfig, parse_data_paths
 from bloomtrain.import_config import megatron_to_config
 from bloomtrain.import_config.bash import read_launch
 from bloomtrain.import_config.megatron_args import OPTIONS, REASONS, parse_argv
@@ -620,3 +620,22 @@ def test_a_ds_config_lr_scheduler_is_not_dismissed(tmp_path, capsys):
                       "--output", out_yaml)
     assert rc == 2 and not out_yaml.exists()
     assert "ds_config scheduler: {" in err and "a DeepSpeed LR schedule: the DeepSpeed versions" in err
+
+
+def test_a_data_path_with_a_space_is_one_prefix_as_megatron_reads_it(tmp_path, capsys):
+    """Megatron's --data-path is nargs='*': one word (quoted, spaces and all) is the prefix,
+    more are WEIGHT PREFIX pairs. The words were joined and split again, so a quoted prefix
+    with a space was refused as malformed; data.paths takes such prefixes now."""
+    script = tmp_path / "run.sh"
+    for quoted, want in (
+            ('"/data/my corpus/c_text_document"', ["/data/my corpus/c_text_document"]),
+            ('0.3 "/data/my corpus/a" 0.7 /data/b', ["0.3 /data/my corpus/a", "0.7 /data/b"]),
+            ('"0.3 /data/a 0.7 /data/b"', ["0.3 /data/a", "0.7 /data/b"])):
+        script.write_text("torchrun pretrain_gpt.py " + SMALL + f"--data-path {quoted}\n")
+        out_yaml = tmp_path / "c.yaml"
+        rc, _, err = _run(capsys, "--megatron-args", script, "--output", out_yaml)
+        assert rc == 0, err
+        cfg = yaml.safe_load(out_yaml.read_text())
+        assert cfg["data"]["paths"] == want, quoted
+        assert [p for _, p in parse_data_paths(cfg["data"]["paths"])] == \
+            [w.split(" ", 1)[1] if w[0].isdigit() else w for w in want]
