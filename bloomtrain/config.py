@@ -663,7 +663,22 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         # A number, boolean or date as YAML reads it; a string-typed key takes the text as typed
         # instead (run_dir=0100 made a directory named 64, run_dir=2026-12-07 a date).
         value = _Typed(raw.strip(), value)
+    elif isinstance(value, list):
+        value = _typed_items(raw, value)
     node[parts[-1]] = value
+
+
+def _typed_items(raw: str, value: list) -> list:
+    """A list override's scalar items with their text as typed, as a scalar override's
+    (data.paths=[0100] read ['64'])."""
+    try:
+        texts = yaml.load(raw, Loader=yaml.BaseLoader)  # every scalar as its text
+    except yaml.YAMLError:
+        return value
+    if not isinstance(texts, list) or len(texts) != len(value):
+        return value
+    return [_Typed(t, v) if isinstance(t, str) and v is not None
+            and not isinstance(v, (str, list, dict)) else v for t, v in zip(texts, value)]
 
 
 class _Typed:

@@ -324,6 +324,9 @@ def test_data_paths_keep_their_text_and_their_spaces():
     from bloomtrain.config import data_paths_weighted, parse_data_paths
     assert Config.load(None, ["data.paths=0100"]).data.paths == ["0100"]
     assert Config.load(None, ["data.paths=1_000"]).data.paths == ["1_000"]
+    assert Config.load(None, ["data.paths=[0100, 1e3]"]).data.paths == ["0100", "1e3"]
+    assert Config.load(None, ["train.rampup_batch_size=[2, 2, 0x10]"]).train.rampup_batch_size \
+        == [2, 2, 16]  # other lists still read YAML's values
     assert parse_data_paths(["my data/c_text_document"]) == [(1.0, "my data/c_text_document")]
     assert parse_data_paths(["0.3 my data/a", "0.7 b c/d"]) == [(0.3, "my data/a"),
                                                                 (0.7, "b c/d")]

@@ -258,8 +258,8 @@ class Summary:
 
 def summarize(run: Run) -> Summary:
     s = Summary()
-    steps = run.steps
-    records = steps + run.evals + run.harness
+    steps, evals = run.steps, run.evals
+    records = steps + evals + run.harness
     if records:
         last_any = max(records, key=lambda r: r["step"])
         s.step = last_any["step"]
@@ -272,7 +272,9 @@ def summarize(run: Run) -> Summary:
         if consumed is not None and math.isfinite(consumed):
             s.consumed_samples = int(consumed)
         s.stopped = str(run.stop["stopped"])
+        # The records past it (a killed start's) are undone: a resume drops them.
         steps = [r for r in steps if r["step"] <= s.step]
+        evals = [r for r in evals if r["step"] <= s.step]
     if steps:
         last = steps[-1]
         s.loss = number(last, "loss")
@@ -280,8 +282,8 @@ def summarize(run: Run) -> Summary:
         s.skipped_steps = int(skipped) if skipped is not None and math.isfinite(skipped) else 0
         s.loss_scale = number(last, "loss_scale")
         s.layout = last.get("layout")
-    if run.evals:
-        ev = run.evals[-1]
+    if evals:
+        ev = evals[-1]
         s.eval_loss, s.eval_ppl, s.eval_step = number(ev, "eval_loss"), number(ev, "eval_ppl"), \
             ev["step"]
     s.tokens_per_s = recent_median(steps, "tokens_per_s")
@@ -344,11 +346,13 @@ def harness_metrics(rec: dict) -> dict[str, dict[str, float]]:
 
 
 def _summarize_harness(run: Run, s: Summary) -> None:
-    """The last downstream evaluation's results, and its failed tasks among the alerts."""
-    if run.harness:
-        last = run.harness[-1]
+    """The last downstream evaluation's results, and its failed tasks among the alerts (none
+    past the stop the run stands at)."""
+    harness = [r for r in run.harness if run.stop is None or r["step"] <= run.stop["step"]]
+    if harness:
+        last = harness[-1]
         s.harness_step, s.harness = last["step"], harness_metrics(last)
-    for r in run.harness:
+    for r in harness:
         alerts = r.get("alerts")
         if isinstance(alerts, list):
             s.alerts.extend((r["step"], str(a)) for a in alerts)

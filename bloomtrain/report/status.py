@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bloomtrain.checkpoint import find_latest_valid
 from bloomtrain.config import TrainConfig
-from bloomtrain.train.runlock import LOCK_NAME, ended_holder
+from bloomtrain.train.runlock import LOCK_NAME, ended_holder, lock_free
 from bloomtrain.report.runs import (Run, Summary, fmt, fmt_duration, fmt_mem, fmt_spike,
                                     fmt_steps, load_run, summarize)
 
@@ -202,9 +202,13 @@ def _starting(path: Path, now: float) -> list[str] | None:
     except OSError:
         return None
     gone = ended_holder(path)
-    state = (f"ended while starting (pid {gone} gone): failed or killed, see its log" if gone
-             else f"starting for {fmt_duration(age)} (building model, data, checkpoint), no "
-                  f"step yet")
+    if gone:
+        state = f"ended while starting (pid {gone} gone): failed or killed, see its log"
+    elif lock_free(path):  # its holder ran on another host (a job's node) and has ended
+        state = "ended while starting (its lock is free): failed or killed, see its log"
+    else:
+        state = (f"starting for {fmt_duration(age)} (building model, data, checkpoint), no "
+                 f"step yet")
     return [_row("run", _clip_left(str(path.resolve()), WIDTH - LABEL)),
             _row("state", _clip(state, WIDTH - LABEL))]
 

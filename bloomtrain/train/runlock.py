@@ -71,6 +71,23 @@ def lock_run(run_dir: str, checkpoint_dir: str | None, topo, warn, owner=None) -
     return locks
 
 
+def lock_free(d) -> bool:
+    """Whether nothing holds `d`'s lock now (a shared flock taken and dropped at once): its
+    holder ended, on whichever host, where the filesystem's locks span hosts. False when it is
+    held, or when this cannot tell (no lock file, a filesystem without flock)."""
+    try:
+        fd = os.open(Path(d) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the shared lock with it
+
+
 def ended_holder(d) -> int | None:
     """The pid of the process that last held `d`'s lock, when it ran on this host and runs no
     more (a run killed or crashed, whose lock the kernel dropped); None when it still runs,

@@ -589,3 +589,9 @@ def test_export_failures_are_one_line_and_a_killed_exports_staging_is_cleared(tm
     hf.export_hf(tmp_path / "ckpt", tmp_path / "new", log=lambda *_: None)
     assert not (tmp_path / f".new.tmp.{dead.pid}").exists()
     assert (tmp_path / f".new.tmp.{os.getppid()}").is_dir()
+    # A name glob would read as a pattern: its own staging goes, another output's stays.
+    (tmp_path / f".m[v2].tmp.{dead.pid}").mkdir()
+    (tmp_path / f".mv.tmp.{dead.pid}").mkdir()
+    hf.export_hf(tmp_path / "ckpt", tmp_path / "m[v2]", log=lambda *_: None)
+    assert not (tmp_path / f".m[v2].tmp.{dead.pid}").exists()
+    assert (tmp_path / f".mv.tmp.{dead.pid}").is_dir()

@@ -369,6 +369,8 @@ def test_a_start_the_kill_switch_stops_after_a_kill_reads_as_stopped_at_its_chec
     assert got["state"].startswith("stopped at step 3 (kill switch), "), got
     # config.yaml is still the killed job's (the stopped start rewrites nothing): 5 steps.
     assert got["step"].startswith("3 / 5 ") and "samples 24" in got["step"], got
+    # Nor the evaluation of the undone step 5 (the run evaluates at its end).
+    assert got["loss"].endswith("eval loss -"), got
     # Resumed past the stop (the resume drops the records after step 3), it is not stopped.
     write_run(run, [r for r in records(run) if r["step"] <= 3] + [step_record(4)],
               yaml.safe_load((run / "config.yaml").read_text()))
@@ -383,13 +385,24 @@ def test_a_run_that_holds_its_lock_before_its_first_record_reads_as_starting(tmp
     import subprocess
     import sys
 
+    import fcntl
+
     run = tmp_path / "run"
     run.mkdir()
     lock = run / ".bloomtrain.lock"
     lock.write_text(f"pid {os.getpid()} on {socket.gethostname()}, since 2026-12-07 08:00:00\n")
+    # Held, as a starting run holds it (flock, exclusive).
+    held = os.open(lock, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
     got = rows(status_text(run, now=lock.stat().st_mtime + 90))
     assert got["state"] == (f"starting for {fmt_duration(90)} (building model, data, "
                             f"checkpoint), no step yet"), got
+    # Its holder on another host (status on a login node, the job on a compute node): the
+    # lock file alone read "starting" for days after the start had died.
+    lock.write_text("pid 4242 on gpu-017, since 2026-12-07 08:00:00\n")
+    assert rows(status_text(run))["state"].startswith("starting for ")  # still held
+    os.close(held)
+    assert rows(status_text(run))["state"].startswith("ended while starting (its lock is free)")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(f"pid {dead.pid} on {socket.gethostname()}, since 2026-12-07 08:00:00\n")

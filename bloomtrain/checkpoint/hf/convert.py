@@ -6,6 +6,7 @@ bloomtrain.checkpoint.hf.files.
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -413,7 +414,7 @@ def export_hf(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike,
     shutil.rmtree(tmp, ignore_errors=True)
     for stale in output_dir.glob(".bloomtrain_export.tmp.*") if output_dir.is_dir() else ():
         shutil.rmtree(stale, ignore_errors=True)  # a killed export's
-    for stale in output_dir.parent.glob(f".{output_dir.name}.tmp.*"):
+    for stale in output_dir.parent.glob(f".{glob.escape(output_dir.name)}.tmp.*"):
         if not pid_alive(stale.name.rsplit(".", 1)[-1]):  # a killed export's, not a running one
             shutil.rmtree(stale, ignore_errors=True)
     try:
