@@ -242,7 +242,12 @@ class IntervalMeter:
             "skipped_steps": state.skipped_steps,
         }
         if self.peak_tflops:
-            rec["mfu"] = rec["tflops_per_device"] / self.peak_tflops
+            # Model FLOPs only: recompute's extra forward is hardware work, not the model's
+            # (bloom_facts.md: MFU vs HFU), so full recompute read 4/3 of the planner's MFU.
+            rec["mfu"] = (rec["tflops_per_device"] if not self.recompute else
+                          megatron_tflops(global_batch, self.seq_length, s.num_layers,
+                                          s.hidden_size, s.vocab_size, step_time,
+                                          self.num_devices, False)) / self.peak_tflops
         self.loss, self.applied, self.steps, self.time, self.tokens = 0.0, 0, 0, 0.0, 0
         return rec
 

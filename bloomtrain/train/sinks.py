@@ -56,30 +56,32 @@ class TensorBoardSink:
                  history: list[dict]):
         self.log_dir = log_dir
         old = sorted(log_dir.glob("events.out.tfevents.*"))
-        if resume_step is None:
-            # A fresh start in this run_dir: its earlier curves belong to no run any more, as
-            # metrics.jsonl, truncated, says.
-            for path in old:
-                path.unlink()
-        # purge_step makes TensorBoard hide the earlier event files' steps from here on, which
-        # are about to run again, so a resumed run reads as one.
         first_step = (resume_step or 0) + 1
-        resumed = resume_step is not None
-        self.writer = summary_writer(str(log_dir), purge_step=first_step if resumed and old
-                                     else None)
-        if resumed and not old:
-            # Resumed with TensorBoard newly enabled (or its files gone): bring the earlier steps
-            # over from metrics.jsonl, so that the event files mirror all of it.
+        self.writer = summary_writer(str(log_dir))
+        if resume_step is not None:
+            # A resumed run's event files are written again from metrics.jsonl, which mirrors
+            # it exactly: TensorBoard's loaders do not honour purge_step (its Rust data server
+            # never purges; the Python one ignores a run's first START), so the steps the
+            # resume runs again showed twice, and a tag logged less often (eval_loss) kept
+            # points metrics.jsonl had dropped. Steps trained with TensorBoard off come over
+            # too. The configs logged before the checkpoint's step are kept from the old files.
+            for step, text in _configs_before(old, first_step):
+                self.writer.add_text("config", text, global_step=step)
             for rec in history:
-                self.write(rec)
+                self._add(rec)
+        for path in old:  # a fresh start's earlier curves belong to no run any more
+            path.unlink()
         # The config in force from first_step on (markdown: indented to keep the YAML layout).
         self.writer.add_text("config", "".join(f"    {line}\n" for line in
                                                config_yaml.splitlines()), global_step=first_step)
         self.writer.flush()
 
-    def write(self, rec: dict) -> None:
+    def _add(self, rec: dict) -> None:
         for name, value in scalars(rec).items():
             self.writer.add_scalar(name, value, global_step=rec["step"])
+
+    def write(self, rec: dict) -> None:
+        self._add(rec)
         # Flushed per record, as metrics.jsonl is written: a crash loses no record.
         self.writer.flush()
 
@@ -88,6 +90,23 @@ class TensorBoardSink:
 
     def where(self) -> str:
         return f"TensorBoard: tensorboard --logdir {self.log_dir}"
+
+
+def _configs_before(files: list[Path], step: int) -> list[tuple[int, str]]:
+    """(step, text) of the configs logged in event `files` before `step`. Best effort: an
+    unreadable file (cut by a kill) keeps what was read of it."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    out = []
+    for path in files:
+        try:
+            for event in EventFileLoader(str(path)).Load():
+                for v in event.summary.value:
+                    if v.tag == "config/text_summary" and event.step < step and \
+                            v.tensor.string_val:
+                        out.append((event.step, v.tensor.string_val[0].decode("utf-8")))
+        except Exception:  # noqa: BLE001 - a damaged viewer file must not stop the run
+            continue
+    return sorted(set(out))
 
 
 class WandbSink:

@@ -60,6 +60,27 @@ def assert_mirrors(ea, records: list[dict]) -> None:
             assert at[rec["step"]] == pytest.approx(value, rel=1e-6, nan_ok=True), (tag, rec)
 
 
+def raw_points(log_dir: Path) -> dict[tuple[str, int], list[float]]:
+    """Each (tag, step) scalar's values in the event files, read without any loader's purging:
+    what TensorBoard's Rust data server (its default) shows."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+    out: dict[tuple[str, int], list[float]] = {}
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for v in event.summary.value:
+                if v.metadata.plugin_data.plugin_name == "scalars":
+                    out.setdefault((v.tag, event.step), []).append(
+                        float(tensor_util.make_ndarray(v.tensor)))
+    return out
+
+
+def one_point_each(raw) -> bool:
+    # An eval record repeats its step's consumed_samples, with the same value.
+    return all(len(v) == 1 or (tag == "consumed_samples" and len(set(v)) == 1)
+               for (tag, _), v in raw.items())
+
+
 def config_texts(ea) -> list[tuple[int, str]]:
     return [(e.step, e.tensor_proto.string_val[0].decode())
             for e in ea.Tensors("config/text_summary")]
@@ -134,6 +155,10 @@ def test_tensorboard_and_wandb_mirror_every_record_and_resume_replaces(dataset, 
     assert_mirrors(ea, second)
     assert [e.step for e in ea.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in ea.Scalars("eval_loss")] == [3, 6]
+    # In the files themselves too: purge_step, which only the old Python loader honoured,
+    # left steps 4-6 of run A beside run B's for TensorBoard's default (Rust) loader.
+    raw = raw_points(tb)
+    assert len(raw[("loss", 4)]) == 1 and len(raw[("eval_loss", 6)]) == 1 and one_point_each(raw)
     assert [(s, "    lr: 0.0005\n" in t) for s, t in config_texts(ea)] == [(1, False), (4, True)]
     # A resumed start is a second W&B run, from the step after its checkpoint.
     assert fake.inits[1]["name"] == "run@3"
@@ -179,6 +204,19 @@ def test_terminal_progress_in_place_then_tensorboard_backfilled_on_resume(datase
     ea = tensorboard_run(tmp_path / "run" / "tensorboard")
     assert_mirrors(ea, recs)
     assert [e.step for e in ea.Scalars("loss")] == [1, 2, 3, 4]
+    # Off again for a stretch, then on: the stretch's steps came over only when no event file
+    # was there at all, so 5-6 were never in TensorBoard.
+    train(make_cfg(dataset, tmp_path, train__train_iters=6, run__tensorboard=False,
+                   checkpoint={**ck, "resume": str(tmp_path / "ck" / "step_00000004")}),
+          log=quiet)
+    train(make_cfg(dataset, tmp_path, train__train_iters=8, run__tensorboard=True,
+                   checkpoint={**ck, "resume": str(tmp_path / "ck" / "step_00000006")}),
+          log=quiet)
+    recs = metrics(tmp_path / "run")
+    assert_mirrors(tensorboard_run(tmp_path / "run" / "tensorboard"), recs)
+    raw = raw_points(tmp_path / "run" / "tensorboard")
+    assert sorted(step for tag, step in raw if tag == "loss") == list(range(1, 9))
+    assert one_point_each(raw)
 
 
 def test_required_sink_without_its_package_is_a_user_error(dataset, tmp_path, monkeypatch):

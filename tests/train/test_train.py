@@ -506,6 +506,14 @@ def test_records_carry_mfu_against_the_devices_peak(dataset, tmp_path, monkeypat
     Trainer(cfg, log=lambda *a: None).run()
     recs = [r for r in metrics(tmp_path / "run") if "loss" in r]
     assert recs and all(r["mfu"] == r["tflops_per_device"] / 1e-3 for r in recs)
+    # With full recompute the TFLOP/s is Megatron's hardware figure (f = 4: the forward twice),
+    # and MFU counts the model's FLOPs only (f = 3), as the planner's does: it read 4/3 of it.
+    cfg = make_cfg(dataset, tmp_path / "rc", train__precision="bf16", train__train_iters=2,
+                   train__activation_checkpointing="full")
+    Trainer(cfg, log=lambda *a: None).run()
+    recs = [r for r in metrics(tmp_path / "rc" / "run") if "loss" in r]
+    assert recs and all(r["mfu"] == pytest.approx(r["tflops_per_device"] * 3 / 4 / 1e-3,
+                                                  rel=1e-12) for r in recs)
 
 
 def _megatron_train_iters(train_samples: int, gbs: int, rampup=None) -> int:
