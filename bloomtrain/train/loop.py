@@ -383,9 +383,7 @@ class Trainer:
                 self._step(meter, result, stats)
                 stop = stop_or_save(self, result)
                 if stop:
-                    self.steplog.flush(meter, state)  # the steps since the last record
-                    result.exit_reason, result.stop_signal = stop, self.control.signal
-                    return result
+                    return end_on_stop(self, meter, result, stop)
             self.steplog.flush(meter, state)
             self._finish(result)
         return result
@@ -467,9 +465,16 @@ def stop_or_save(trainer: Trainer, result: TrainResult) -> str | None:
         # (its final evaluations), not as a stop, which no resume would make up for
         # ("nothing to train").
         return None
-    if stop:
-        trainer.metrics.stopped(trainer.state.step, trainer.state.consumed_samples, stop)
     return stop
+
+
+def end_on_stop(trainer: Trainer, meter, result: TrainResult, stop: str) -> TrainResult:
+    """The records of a run that stops before its end: the steps since the last record, then
+    the stop, last (status reads a record after a stop as the run trained on: resumed)."""
+    trainer.steplog.flush(meter, trainer.state)
+    trainer.metrics.stopped(trainer.state.step, trainer.state.consumed_samples, stop)
+    result.exit_reason, result.stop_signal = stop, trainer.control.signal
+    return result
 
 
 def peak_tflops(device, t) -> float | None:

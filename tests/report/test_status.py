@@ -266,6 +266,21 @@ def test_a_run_that_stopped_cleanly_reads_as_stopped(dataset, tmp_path, monkeypa
     assert rows(status_text(run))["state"].startswith("in progress")
 
 
+def test_a_stop_between_log_steps_is_the_last_record(dataset, tmp_path, monkeypatch):
+    """A stop at a step that is no log step wrote its record before the interval's loss
+    record, which status read as the run trained on after it: "killed or crashed"."""
+    import time
+
+    from bloomtrain.launch import JOB_START_ENV
+    monkeypatch.setenv(JOB_START_ENV, repr(time.time() - 120))
+    run = tmp_path / "run"
+    train(make_cfg(dataset, tmp_path, train__train_iters=50, train__log_interval=1000,
+                   train__exit_duration_minutes=1.0), log=lambda *a: None)
+    recs = records(run)
+    assert [("stopped" in r, "loss" in r) for r in recs[-2:]] == [(False, True), (True, False)]
+    assert rows(status_text(run))["state"].startswith("stopped at step 1 (exit_duration_minutes)")
+
+
 def test_a_run_resumed_into_a_new_run_dir_reads_as_started(dataset, tmp_path):
     # Resumed from another run's checkpoint (or an import) into a fresh run_dir: metrics.jsonl
     # is there from the start, as for a fresh run; status said "has no metrics.jsonl".
