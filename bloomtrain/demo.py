@@ -130,7 +130,6 @@ def _demo_config(root: Path, overrides):
     processes to run, validate's run, why the precision is fp32 if it is)."""
     from bloomtrain.config import Config, apply_override
     from bloomtrain.validate import validate
-    from bloomtrain.launch import world_size_from_env
 
     dataset, tok_dir = demo_data_paths(root)
     data = yaml.safe_load(DEMO_CONFIG)
@@ -144,9 +143,19 @@ def _demo_config(root: Path, overrides):
     for ov in overrides or []:
         apply_override(data, ov)
     cfg = Config.from_dict(data)
-    # Under torchrun the job joins its world; else the demo launches the layout's processes.
+    if int(os.environ.get("WORLD_SIZE") or 1) > 1:
+        # Every rank would build the same data and export into the same files at once.
+        raise UserError("bloomtrain demo launches its own processes; run it without torchrun "
+                        "or srun (`bloomtrain train` is the one to run under them)")
+    # Under a launcher of one process the demo trains in it; else it launches the layout's.
     nproc = nproc if "WORLD_SIZE" not in os.environ else 1
-    run = validate(cfg, world_size_from_env() if "WORLD_SIZE" in os.environ else nproc)
+    try:
+        run = validate(cfg, nproc)
+    except UserError as e:  # the demo has no --nproc to change
+        raise UserError(str(e).replace(
+            "change --nproc or the tp/pp sizes",
+            f"the demo runs {nproc} processes: give tp and pp whose product divides {nproc}")
+        ) from None
     return cfg, nproc, run, why
 
 
@@ -177,6 +186,13 @@ def _train(root: Path, cfg, nproc: int, run, why: str | None, log):
     if stopped:  # Ctrl-C stops the demo too, once the run has saved
         raise SystemExit(exit_after_sigint(stopped))
     records = [jsonl.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
+    if records and records[-1].get("stopped") in ("signal", "kill switch"):
+        # SIGTERM or SIGUSR1 (a `kill`, `timeout`, a pod's stop) or the kill switch: the run
+        # saved and stopped, as `bloomtrain train` does (exit 0); exporting and generating
+        # from a cut run is not what was asked for.
+        log(f"[demo] training stopped at step {records[-1]['step']} "
+            f"({records[-1]['stopped']}) and saved; the same command resumes it")
+        raise SystemExit(0)
     return cfg, records
 
 

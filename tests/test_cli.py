@@ -240,3 +240,41 @@ def test_sigterm_to_a_forked_pool_worker_ends_it_quietly(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "owner: Terminated"
     assert "Terminated" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_demo_whose_training_a_signal_or_the_kill_switch_stops_ends_there(dataset, tmp_path):
+    """SIGTERM (a `kill`, `timeout`, a pod's stop) stopped the demo's training, which saved;
+    the demo then exported the cut run, generated from it, said "done" and exited 0. It now
+    ends after the save, as `bloomtrain train` does. The kill switch stands in for the signal:
+    both end the run with a `stopped` record."""
+    from bloomtrain import demo
+    from bloomtrain.validate import validate
+    from tests.helpers import make_cfg
+
+    switch = tmp_path / "KILL"
+    switch.touch()
+    cfg = make_cfg(dataset, tmp_path, train__train_iters=4, train__kill_switch_path=str(switch))
+    lines = []
+    with pytest.raises(SystemExit) as e:
+        demo._train(tmp_path, cfg, 1, validate(cfg, 1), None, lines.append)
+    assert e.value.code == 0
+    assert lines[-1] == ("[demo] training stopped at step 0 (kill switch) and saved; the same "
+                         "command resumes it")
+
+
+def test_the_demo_names_its_own_knobs_and_refuses_a_launchers_world(tmp_path, capsys,
+                                                                     monkeypatch):
+    """Its layout error said "change --nproc", an option the demo does not have; under
+    torchrun every rank built the same data and exported into the same files at once."""
+    from bloomtrain.demo import demo_layout
+    nproc, _ = demo_layout()
+    assert cli.main(["demo", "--run-dir", str(tmp_path / "a"), "parallel.tp=3",
+                     "parallel.pp=2", "model.num_heads=6", "model.hidden_size=192",
+                     "model.ffn_hidden_size=768", "model.make_vocab_size_divisible_by=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"the demo runs {nproc} processes: give tp and pp whose product divides {nproc}" \
+        in err and "--nproc" not in err, err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["demo", "--run-dir", str(tmp_path / "b")]) == 2
+    assert "run it without torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "data").exists()
