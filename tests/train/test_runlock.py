@@ -126,7 +126,11 @@ def test_a_trainer_that_fails_to_build_holds_nothing(dataset, tmp_path, monkeypa
         taken.append(runlock.lock_run(*args, **kwargs))
         return taken[-1]
     monkeypatch.setattr(loop, "lock_run", lock_run)
-    cfg = helpers.make_cfg(dataset, tmp_path, checkpoint={"resume": str(tmp_path / "nowhere")})
+
+    def data_that_fails(*args, **kwargs):  # a build that fails after the lock
+        raise RuntimeError("the data is nowhere")
+    monkeypatch.setattr(loop, "TrainData", data_that_fails)
+    cfg = helpers.make_cfg(dataset, tmp_path)
     with pytest.raises(Exception, match="nowhere") as kept:
         Trainer(cfg, log=lambda *a: None)
     assert taken, "the build failed before the lock: this test tests nothing"
